@@ -1,0 +1,171 @@
+"""Continuous batching on the real tiny Mllama: rows join mid-flight and still equal their single runs."""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from vlm_demo.engine import Engine, SamplingParams
+from vlm_demo.engine.continuous import ContinuousEngine
+from vlm_demo.errors import RequestCancelledError
+from vlm_demo.tiny import COLOURS, solid_image
+
+GREEDY = SamplingParams(max_new_tokens=200, temperature=0.0)
+LONG = SamplingParams(max_new_tokens=120, temperature=0.0, ignore_eos=True)
+
+
+def conclusion(text: str) -> str:
+    match = re.search(r"<CONCLUSION>(.*?)</CONCLUSION>", text, re.S)
+    assert match, f"no CONCLUSION in {text!r}"
+    return match.group(1)
+
+
+class Sizes:
+    """Listener recording the number of rows of every forward step."""
+
+    def __init__(self) -> None:
+        self.sizes: list[int] = []
+
+    def on_batch(self, size: int) -> None:
+        self.sizes.append(size)
+
+    def on_request_done(self, request) -> None:
+        pass
+
+
+@pytest.fixture
+def make_engine(worker) -> Iterator:
+    engines: list[Engine] = []
+
+    def make(**kwargs) -> ContinuousEngine:
+        engine = ContinuousEngine(worker, **{"max_batch_size": 4, "batch_window_ms": 0.0, **kwargs})
+        engines.append(engine)
+        return engine
+
+    yield make
+    for engine in engines:
+        engine.shutdown()
+
+
+def single(worker, image, question, params) -> str:
+    engine = Engine(worker, max_batch_size=1, batch_window_ms=0)
+    try:
+        return engine.generate(image, question, params).text
+    finally:
+        engine.shutdown()
+
+
+def wait_tokens(request, n: int, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while len(request.token_ids) < n and not request.done:
+        assert time.monotonic() < deadline, "request made no progress"
+        time.sleep(0.005)
+
+
+def test_rows_joining_mid_flight_equal_their_single_runs(make_engine, worker) -> None:
+    jobs = {
+        "first": (solid_image("red", 300, 80), "What colour is this image?", LONG),
+        "second": (solid_image("green", 16, 16), "Colour?", GREEDY),
+        "sampled": (solid_image("blue", 500, 500), "Describe it", SamplingParams(150, 0.9, 0.9, seed=5)),
+        "third": (solid_image("yellow", 1024, 16), "Tell me about the colour of this picture in detail please", GREEDY),
+        "late": (solid_image("white", 90, 700), "what color", GREEDY),
+    }
+    expected = {name: single(worker, *job) for name, job in jobs.items()}
+    sizes = Sizes()
+    engine = make_engine(max_batch_size=4)
+    engine.add_listener(sizes)
+    handles = {"first": engine.submit(*jobs["first"])}
+    wait_tokens(handles["first"], 5)
+    handles["second"] = engine.submit(*jobs["second"])
+    victim = engine.submit(solid_image("black", 64, 64), "q", SamplingParams(4000, 0.0, ignore_eos=True))
+    wait_tokens(handles["second"], 3)
+    handles["sampled"] = engine.submit(*jobs["sampled"])
+    wait_tokens(victim, 10)
+    victim.cancel()  # leaves mid-flight; its neighbours must not notice
+    handles["third"] = engine.submit(*jobs["third"])
+    wait_tokens(handles["third"], 20)
+    handles["late"] = engine.submit(*jobs["late"])
+    results = {name: h.result(timeout=120) for name, h in handles.items()}
+    for name, result in results.items():
+        assert result.text == expected[name], name
+    assert max(sizes.sizes) > 1 and max(sizes.sizes) <= 4
+    assert all(r.batch_size > 1 for r in results.values())
+    with pytest.raises(RequestCancelledError):
+        victim.result()
+    assert len(victim.token_ids) < 4000
+    for name in ("second", "third", "late"):
+        assert jobs[name][0].getpixel((0, 0)) == COLOURS[conclusion_colour(results[name].text)]
+
+
+def conclusion_colour(text: str) -> str:
+    said = conclusion(text)
+    found = [c for c in COLOURS if c in said]
+    assert len(found) == 1, said
+    return found[0]
+
+
+def test_colours_never_cross_under_staggered_load(make_engine) -> None:
+    engine = make_engine(max_batch_size=3)
+    handles = []
+    for i, colour in enumerate(COLOURS):
+        handles.append((colour, engine.submit(solid_image(colour, 40 + 90 * i, 200, noise=6, seed=i), "Which colour?", GREEDY)))
+        time.sleep(0.03 * i)
+    for colour, handle in handles:
+        assert conclusion_colour(handle.result(timeout=120).text) == colour
+
+
+def test_limits_hold_and_memory_returns_to_baseline(make_engine) -> None:
+    budget = 600
+    engine = make_engine(max_batch_size=3, kv_token_budget=budget)
+    sizes = Sizes()
+    engine.add_listener(sizes)
+    peaks = []
+    handles = [engine.submit(solid_image(c, 64, 64), "Colour?", SamplingParams(60, 0.0, ignore_eos=True)) for c in COLOURS * 2]
+    while not all(h.done for h in handles):
+        stats = engine.stats()
+        peaks.append((stats["running"], stats["cached_token_slots"]))
+        time.sleep(0.002)
+    assert all(h.result().completion_tokens == 60 for h in handles)
+    assert max(sizes.sizes) <= 3 and max(r for r, _ in peaks) <= 3
+    # Admission keeps padded slots within the budget; running rows then grow by their decoded tokens.
+    assert max(slots for _, slots in peaks) <= budget + 3 * 60
+    assert engine.stats()["cached_token_slots"] == 0
+    assert engine.batch.cache is None
+
+
+class FakeOOMWorker:
+    """A fake: injects CUDA out-of-memory (impossible on this CPU box) into decode steps with many rows."""
+
+    def __init__(self, worker, max_rows: int) -> None:
+        self.inner = worker
+        self.max_rows = max_rows
+        self.failures = 0
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def decode(self, inputs):
+        if inputs["input_ids"].shape[0] > self.max_rows:
+            self.failures += 1
+            raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+        return self.inner.decode(inputs)
+
+
+def test_out_of_memory_step_requeues_rows_and_everyone_finishes(worker) -> None:
+    fake = FakeOOMWorker(worker, max_rows=2)
+    engine = ContinuousEngine(fake, max_batch_size=4, batch_window_ms=0)
+    try:
+        jobs = [(solid_image(c, 70, 70), "Colour?", GREEDY) for c in ("red", "green", "blue", "yellow")]
+        expected = [single(worker, *job) for job in jobs]
+        handles = [engine.submit(*job) for job in jobs]
+        streamed = [list(h.stream(timeout=120)) for h in handles]
+        for job_expected, handle, deltas in zip(expected, handles, streamed):
+            assert handle.result().text == job_expected
+            assert "".join(deltas) == job_expected  # restarted rows sent no text twice
+        assert fake.failures >= 1 and engine.row_limit <= 2
+    finally:
+        engine.shutdown()

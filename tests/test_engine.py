@@ -1,0 +1,295 @@
+"""The dynamic-batching engine on the real tiny Mllama: correctness of every row, isolation, cancel."""
+
+from __future__ import annotations
+
+import io
+import re
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+from PIL import Image
+
+from vlm_demo.engine import Engine, SamplingParams
+from vlm_demo.engine.streamer import STOP_TEXT, RowStreamer
+from vlm_demo.errors import (
+    InvalidRequestError,
+    OutOfMemoryError,
+    QueueFullError,
+    RequestCancelledError,
+)
+from vlm_demo.tiny import COLOURS, solid_image
+
+GREEDY = SamplingParams(max_new_tokens=160, temperature=0.0)
+
+# (colour, width, height, question): prompt lengths, image sizes and aspect ratios all differ.
+CASES = [
+    ("red", 16, 16, "Colour?"),
+    ("green", 1024, 16, "What is the main colour of this picture, please?"),
+    ("blue", 300, 700, "Describe it"),
+    ("yellow", 1024, 1024, "What colour do you see in the image here?"),
+    ("white", 57, 333, "what color is it"),
+    ("black", 700, 90, "Tell me the colour of this image and explain your reasoning briefly."),
+]
+
+
+def conclusion(text: str) -> str:
+    match = re.search(r"<CONCLUSION>(.*?)</CONCLUSION>", text, re.S)
+    assert match, f"no CONCLUSION in {text!r}"
+    return match.group(1)
+
+
+def four_stages(text: str) -> bool:
+    return bool(
+        re.fullmatch(
+            r"\s*<SUMMARY>.+?</SUMMARY>\s*<CAPTION>.+?</CAPTION>\s*<REASONING>.+?</REASONING>\s*<CONCLUSION>.+?</CONCLUSION>\s*",
+            text,
+            re.S,
+        )
+    )
+
+
+@pytest.fixture
+def make_engine(worker) -> Iterator:
+    engines: list[Engine] = []
+
+    def make(**kwargs) -> Engine:
+        engine = Engine(worker, **{"max_batch_size": 8, "batch_window_ms": 300.0, **kwargs})
+        engines.append(engine)
+        return engine
+
+    yield make
+    for engine in engines:
+        engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def singles(worker) -> dict[tuple, str]:
+    """Each case run alone (batch of one): the reference every batched row must equal."""
+    engine = Engine(worker, max_batch_size=1, batch_window_ms=0)
+    try:
+        out = {}
+        for colour, w, h, q in CASES:
+            out[(colour, w, h, q)] = engine.generate(solid_image(colour, w, h), q, GREEDY).text
+        for seed in (11, 12):
+            params = SamplingParams(max_new_tokens=160, temperature=0.9, top_p=0.9, seed=seed)
+            out[("sampled", seed)] = engine.generate(solid_image("red", 64, 64), "Colour?", params).text
+        return out
+    finally:
+        engine.shutdown()
+
+
+def submit_all(engine: Engine, jobs: list[tuple]) -> list:
+    """Submit together so they land in one batch."""
+    return [engine.submit(img, q, p) for img, q, p in jobs]
+
+
+def test_greedy_batch_rows_equal_single_runs_next_to_sampled_rows(make_engine, singles) -> None:
+    engine = make_engine()
+    jobs = [(solid_image(c, w, h), q, GREEDY) for c, w, h, q in CASES]
+    for seed in (11, 12):
+        jobs.insert(seed - 9, (solid_image("red", 64, 64), "Colour?", SamplingParams(160, 0.9, 0.9, seed=seed)))
+    handles = submit_all(engine, jobs)
+    results = [h.result(timeout=120) for h in handles]
+    assert all(r.batch_size == 8 for r in results), [r.batch_size for r in results]
+    greedy = [r for r, job in zip(results, jobs, strict=False) if job[2].greedy]
+    for (colour, w, h, q), result in zip(CASES, greedy, strict=False):
+        assert result.text == singles[(colour, w, h, q)], (colour, w, h)
+        assert colour in conclusion(result.text)
+        assert four_stages(result.text)
+    sampled = [r for r, job in zip(results, jobs, strict=False) if not job[2].greedy]
+    # A sampled row draws from its own seeded generator: same seed, same text, whatever its neighbours.
+    assert [r.text for r in sampled] == [singles[("sampled", 11)], singles[("sampled", 12)]]
+
+
+def test_six_colours_in_one_batch_each_get_their_own_colour(make_engine) -> None:
+    engine = make_engine(max_batch_size=6)
+    colours = list(COLOURS)
+    handles = submit_all(
+        engine,
+        [
+            (solid_image(c, 100 + 40 * i, 90, noise=8, seed=i), "What colour is this?", GREEDY)
+            for i, c in enumerate(colours)
+        ],
+    )
+    results = [h.result(timeout=120) for h in handles]
+    assert [r.batch_size for r in results] == [6] * 6
+    for colour, result in zip(colours, results, strict=False):
+        said = conclusion(result.text)
+        assert colour in said and not any(other in said for other in colours if other != colour)
+
+
+def test_streamed_deltas_concatenate_to_the_final_text(make_engine) -> None:
+    engine = make_engine(max_batch_size=2, batch_window_ms=200)
+    a = engine.submit(solid_image("blue", 64, 64), "Give the colour.", GREEDY)
+    b = engine.submit(solid_image("yellow", 80, 40), "Describe the image.", GREEDY)
+    for handle in (a, b):
+        deltas = list(handle.stream(timeout=120))
+        text = handle.result().text
+        assert "".join(deltas) == text
+        assert len(deltas) > 10  # it really streamed, token by token
+        assert not any("\ufffd" in d for d in deltas)  # no half characters
+        assert "→" in text  # the multi-byte character the tiny model writes
+        assert text.endswith(STOP_TEXT)
+
+
+def test_row_streamer_holds_back_partial_utf8_and_split_tags(worker) -> None:
+    """Feed a real tokenisation one token at a time: every prefix sent is valid text."""
+    from vlm_demo.engine.request import Request
+
+    text = "<SUMMARY>ok</SUMMARY> 🙂 é → <CONCLUSION>red</CONCLUSION> trailing"
+    ids = worker.tokenizer.encode(text, add_special_tokens=False)
+    request = Request(image=None, question="q", params=SamplingParams(max_new_tokens=500, temperature=0))
+    row = RowStreamer(worker.tokenizer, request, worker.eos_ids)
+    for token in ids:
+        if row.feed(token):
+            break
+    deltas = list(request.stream(timeout=1))
+    assert "".join(deltas) == "<SUMMARY>ok</SUMMARY> 🙂 é → <CONCLUSION>red</CONCLUSION>"
+    assert not any("\ufffd" in d for d in deltas)
+    assert request.result().finish_reason == "stop"
+
+
+def test_each_row_stops_on_its_own(make_engine) -> None:
+    engine = make_engine(max_batch_size=3)
+    jobs = [
+        (solid_image("red", 50, 50), "Colour?", SamplingParams(max_new_tokens=7, temperature=0, ignore_eos=True)),
+        (solid_image("green", 50, 50), "Colour?", SamplingParams(max_new_tokens=300, temperature=0)),
+        (solid_image("blue", 50, 50), "Colour?", SamplingParams(max_new_tokens=90, temperature=0, ignore_eos=True)),
+    ]
+    short, natural, forced = [h.result(timeout=120) for h in submit_all(engine, jobs)]
+    assert (short.completion_tokens, short.finish_reason) == (7, "length")
+    assert natural.finish_reason == "stop" and natural.text.endswith(STOP_TEXT) and natural.completion_tokens < 300
+    assert (forced.completion_tokens, forced.finish_reason) == (90, "length")  # ran past end of turn
+    assert short.batch_size == natural.batch_size == forced.batch_size == 3
+
+
+def test_cancel_stops_the_stream_at_once_and_frees_the_batch(make_engine) -> None:
+    engine = make_engine(max_batch_size=2, batch_window_ms=200)
+    long = engine.submit(
+        solid_image("red", 60, 60), "q", SamplingParams(max_new_tokens=5000, temperature=0, ignore_eos=True)
+    )
+    short = engine.submit(solid_image("blue", 60, 60), "Colour?", GREEDY)
+    stream = long.stream(timeout=60)
+    next(stream)
+    threading.Timer(0.2, long.cancel).start()
+    started = time.monotonic()
+    with pytest.raises(RequestCancelledError):
+        for _ in stream:
+            pass
+    assert time.monotonic() - started < 5
+    assert "blue" in conclusion(short.result(timeout=60).text)
+    # The batch ends once every row is done or cancelled, not after 5000 tokens.
+    deadline = time.monotonic() + 30
+    while engine.stats()["running"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert engine.stats()["running"] == 0
+    assert len(long.token_ids) < 5000
+
+
+def test_cancelled_waiting_request_never_runs(make_engine) -> None:
+    engine = make_engine(max_batch_size=1, batch_window_ms=0)
+    first = engine.submit(solid_image("red", 60, 60), "Colour?", GREEDY)
+    waiting = engine.submit(solid_image("green", 60, 60), "Colour?", GREEDY)
+    waiting.cancel()
+    first.result(timeout=60)
+    time.sleep(0.2)
+    assert waiting.started is None and waiting.token_ids == []
+    with pytest.raises(RequestCancelledError):
+        waiting.result()
+
+
+class FakeOOMWorker:
+    """A fake: injects CUDA out-of-memory (impossible on this CPU box) into a real worker's batches."""
+
+    def __init__(self, worker, fails) -> None:
+        self.inner = worker
+        self.fails = fails
+        self.batches: list[int] = []
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def run(self, batch) -> None:
+        self.batches.append(len(batch))
+        if self.fails(batch):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB (injected)")
+        self.inner.run(batch)
+
+
+def test_oom_batch_is_split_and_retried_until_requests_succeed(worker, singles) -> None:
+    fake = FakeOOMWorker(worker, fails=lambda batch: len(batch) > 2)
+    engine = Engine(fake, max_batch_size=6, batch_window_ms=300)
+    try:
+        handles = submit_all(engine, [(solid_image(c, w, h), q, GREEDY) for c, w, h, q in CASES])
+        results = [h.result(timeout=120) for h in handles]
+        for (colour, w, h, q), result in zip(CASES, results, strict=False):
+            assert result.text == singles[(colour, w, h, q)]
+        assert fake.batches[0] == 6 and max(fake.batches[1:]) <= 2
+    finally:
+        engine.shutdown()
+
+
+def test_request_that_fails_alone_gets_a_specific_error_and_others_go_on(worker) -> None:
+    fake = FakeOOMWorker(worker, fails=lambda batch: any(r.question == "poison" for r in batch))
+    engine = Engine(fake, max_batch_size=4, batch_window_ms=300)
+    try:
+        handles = submit_all(
+            engine,
+            [
+                (solid_image(c, 64, 64), "poison" if c == "blue" else "Colour?", GREEDY)
+                for c in ("red", "green", "blue", "white")
+            ],
+        )
+        for colour, handle in zip(("red", "green", "blue", "white"), handles, strict=False):
+            if colour == "blue":
+                with pytest.raises(OutOfMemoryError, match="ran out of memory"):
+                    handle.result(timeout=120)
+            else:
+                assert colour in conclusion(handle.result(timeout=120).text)
+        # The worker thread survived: the next request is served.
+        assert "black" in conclusion(engine.generate(solid_image("black", 30, 30), "Colour?", GREEDY).text)
+    finally:
+        engine.shutdown()
+
+
+def test_undecodable_image_fails_before_batching(make_engine) -> None:
+    engine = make_engine(max_batch_size=4)
+    buf = io.BytesIO()
+    solid_image("red", 200, 200).save(buf, format="PNG")
+    broken = Image.open(io.BytesIO(buf.getvalue()[:120]))  # header fine, pixel data cut off
+    good = engine.submit(solid_image("green", 64, 64), "Colour?", GREEDY)
+    with pytest.raises(InvalidRequestError, match="image"):
+        engine.submit(broken, "Colour?", GREEDY)
+    assert "green" in conclusion(good.result(timeout=60).text)
+
+
+@pytest.mark.parametrize(
+    ("question", "params", "message"),
+    [
+        ("   ", GREEDY, "question"),
+        ("x" * 5000, GREEDY, "too long"),
+        ("ok", SamplingParams(max_new_tokens=0), "max_new_tokens"),
+        ("ok", SamplingParams(max_new_tokens=10**6), "max_new_tokens"),
+        ("ok", SamplingParams(temperature=-1), "temperature"),
+        ("ok", SamplingParams(top_p=1.5), "top_p"),
+    ],
+)
+def test_bad_requests_get_specific_errors(make_engine, question, params, message) -> None:
+    engine = make_engine()
+    with pytest.raises(InvalidRequestError, match=message):
+        engine.submit(solid_image("red", 20, 20), question, params)
+
+
+def test_queue_full_refuses_at_once(make_engine) -> None:
+    engine = make_engine(max_batch_size=1, batch_window_ms=0, max_queue=1)
+    long = SamplingParams(max_new_tokens=400, temperature=0, ignore_eos=True)
+    running = engine.submit(solid_image("red", 20, 20), "q", long)
+    while running.started is None:
+        time.sleep(0.01)
+    engine.submit(solid_image("red", 20, 20), "q", long)
+    with pytest.raises(QueueFullError, match="busy"):
+        engine.submit(solid_image("red", 20, 20), "q", long)
+    running.cancel()

@@ -1,0 +1,42 @@
+"""The one interface the UI, server and benchmark talk to, whatever generates the answer."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any, Protocol
+
+from vlm_demo.engine.request import GenerationResult, SamplingParams
+from vlm_demo.errors import DemoError
+
+
+class Stream(Protocol):
+    """A running request: text deltas, then a final result; cancellable from any thread."""
+
+    def stream(self, timeout: float | None = None) -> Iterator[str]: ...
+
+    def result(self, timeout: float | None = None) -> GenerationResult: ...
+
+    def cancel(self) -> None: ...
+
+
+class Backend(Protocol):
+    name: str  # "local" or "triton"
+    model: str  # what the page and /health show
+
+    def submit(self, image: Any, question: str, params: SamplingParams) -> Stream:
+        """Validate and enqueue; raise a :class:`DemoError` at once for bad input or a full queue."""
+        ...
+
+    def run_batch(self, items: list[tuple[Any, str, SamplingParams]]) -> list[GenerationResult | DemoError]:
+        """Run many requests together; one item's failure is returned in its slot, never raised."""
+        ...
+
+    def health(self) -> dict[str, Any]:
+        """At least ``ready`` (bool) and ``queue_depth`` (int)."""
+        ...
+
+    def add_listener(self, listener: Any) -> None:
+        """Register an object with ``on_batch(size)`` and ``on_request_done(request)`` (metrics)."""
+        ...
+
+    def close(self) -> None: ...

@@ -1,0 +1,793 @@
+"""Forward requests to a remote Triton Inference Server, behind the same interface as the local engine.
+
+Two contracts are spoken (``--triton-protocol auto`` picks one from the model's metadata):
+
+* ``infer`` — the ensemble contract of the design documents: ``IMAGE`` UINT8 ``[H,W,3]`` (plus a batch
+  dimension when the model batches) and ``QUESTION`` BYTES in, ``ANSWER`` BYTES out. Optional extra inputs
+  (``max_new_tokens``, ``temperature``, ``top_p``, ``seed``) and outputs (``FINISH_REASON``, ``PROMPT_TOKENS``,
+  ``COMPLETION_TOKENS``, ``ERROR``) are used only when the model lists them, so any server with the bare
+  contract works.
+* ``generate`` — Triton's vLLM backend: ``text_input`` (chat-templated prompt), ``image`` (base64 of an image
+  file), ``stream``, ``sampling_parameters`` (JSON), ``exclude_input_in_output`` → ``text_output``, streamed
+  over gRPC (decoupled) or HTTP ``/generate_stream`` (server-sent events).
+
+Every call runs in its own thread and hands text to the caller through a thread-safe queue; a deadline
+timer fails the request with :class:`BackendTimeoutError` and aborts the remote call, so nothing waits
+longer than ``--triton-timeout`` whatever the transport does.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import logging
+import queue
+import re
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+from urllib.parse import urlparse
+
+import numpy as np
+
+from vlm_demo.config import Config
+from vlm_demo.engine.request import GenerationResult, SamplingParams
+from vlm_demo.errors import (
+    BackendTimeoutError,
+    BackendUnavailableError,
+    DemoError,
+    EngineStoppedError,
+    GenerationError,
+    InvalidRequestError,
+    OutOfMemoryError,
+    QueueFullError,
+    RequestCancelledError,
+)
+
+log = logging.getLogger(__name__)
+
+ENSEMBLE_MODEL = "llama_3_2v_11b_cot_ensemble"
+GENERATE_MODEL = "vllm_model"
+
+# Llama 3.2 Vision's chat format for one user turn with an image (what its chat template renders, and
+# what vLLM expects as ``text_input``: it finds the image by the ``<|image|>`` token).
+_PROMPT_HEAD = "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\n<|image|>"
+_PROMPT_TAIL = "<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"
+_USER_TURN = re.compile(r"<\|start_header_id\|>user<\|end_header_id\|>\n\n(.*?)<\|eot_id\|>", re.S)
+
+# Servers in this package report a request's typed error as ``vlm_demo[code]: message`` (inside Triton's
+# error text or the optional ERROR output) so the client can raise the same error class the engine did.
+_MARKER = re.compile(r"vlm_demo\[(\w+)\]: ([^\n]*)")
+_ERRORS_BY_CODE: dict[str, type[DemoError]] = {
+    cls.code: cls
+    for cls in (
+        InvalidRequestError,
+        QueueFullError,
+        OutOfMemoryError,
+        RequestCancelledError,
+        EngineStoppedError,
+        GenerationError,
+        BackendUnavailableError,
+        BackendTimeoutError,
+    )
+}
+
+
+def chat_prompt(question: str) -> str:
+    """The chat-templated prompt for ``text_input`` (one user turn: the image, then the question)."""
+    return f"{_PROMPT_HEAD}{question}{_PROMPT_TAIL}"
+
+
+def question_from_prompt(prompt: str) -> str:
+    """The question inside a chat-templated prompt; a prompt without chat markup is the question itself."""
+    turns = _USER_TURN.findall(prompt)
+    if not turns:
+        return prompt.replace("<|image|>", "").strip()
+    return turns[-1].replace("<|image|>", "").strip()
+
+
+def error_text(error: DemoError) -> str:
+    """How a server in this package reports ``error`` so that :func:`error_from_text` restores its class."""
+    return f"vlm_demo[{error.code}]: {error}"
+
+
+def error_from_text(text: str) -> DemoError | None:
+    """The typed error encoded in ``text`` by :func:`error_text`, if any."""
+    match = _MARKER.search(text)
+    if not match:
+        return None
+    return _ERRORS_BY_CODE.get(match.group(1), GenerationError)(match.group(2))
+
+
+@dataclass
+class Endpoint:
+    """A parsed ``--triton-url``: ``http://host:port`` or ``grpc://host:port``."""
+
+    scheme: str  # "http" or "grpc"
+    address: str  # host:port, as tritonclient wants it
+
+    @classmethod
+    def parse(cls, url: str) -> Endpoint:
+        parsed = urlparse(url if "://" in url else "http://" + url)
+        if parsed.scheme not in {"http", "grpc"} or not parsed.hostname:
+            raise SystemExit(f"--triton-url must look like http://host:port or grpc://host:port, got {url!r}")
+        port = parsed.port or (8001 if parsed.scheme == "grpc" else 8000)
+        return cls(parsed.scheme, f"{parsed.hostname}:{port}")
+
+    @property
+    def url(self) -> str:
+        return f"{self.scheme}://{self.address}"
+
+
+# ---- turning transport failures into the demo's typed errors ------------------------------------------
+
+
+def _status_name(exc: Exception) -> str:
+    status = exc.status() if callable(getattr(exc, "status", None)) else None
+    return str(status or "")
+
+
+def to_demo_error(exc: BaseException, endpoint: Endpoint, model: str, timeout: float) -> DemoError:
+    """A specific, user-facing error for anything a Triton call can raise."""
+    if isinstance(exc, DemoError):
+        return exc
+    text = str(exc) or exc.__class__.__name__
+    typed = error_from_text(text)
+    if typed is not None:
+        return typed
+    status = _status_name(exc) if isinstance(exc, Exception) else ""
+    if isinstance(exc, (TimeoutError, socket.timeout)) or "DEADLINE_EXCEEDED" in status or "timed out" in text.lower():
+        return BackendTimeoutError(f"Triton at {endpoint.url} did not answer within {timeout:g} s.")
+    if isinstance(exc, ConnectionError) or "UNAVAILABLE" in status or _is_requests_connection_error(exc):
+        return BackendUnavailableError(f"Triton at {endpoint.url} is unreachable ({_short(text)}). Is the server running?")
+    lowered = text.lower()
+    if "unknown model" in lowered or "not found" in lowered or "not ready" in lowered or "unavailable" in lowered:
+        return BackendUnavailableError(f"Triton model '{model}' is not available at {endpoint.url}: {_short(text)}")
+    return GenerationError(f"Triton model '{model}' failed: {_short(text)}")
+
+
+def _is_requests_connection_error(exc: BaseException) -> bool:
+    import requests
+
+    return isinstance(exc, requests.ConnectionError) and not isinstance(exc, requests.Timeout)
+
+
+def _short(text: str) -> str:
+    """Triton wraps Python-backend errors in a traceback; its last non-empty line says what happened."""
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    return (lines[-1] if lines else text)[:300]
+
+
+# ---- one remote request ----------------------------------------------------------------------------------
+
+_END = object()
+
+
+class TritonStream:
+    """A request in flight to Triton: text deltas through a queue, then a result or a typed error.
+
+    Mirrors the engine's ``Request`` handle (``stream``/``result``/``cancel``, ``error``, ``finish_reason``)
+    so the UI, the metrics listener and the benchmark treat both backends alike.
+    """
+
+    def __init__(self, timeout: float, on_done: Callable[[TritonStream], None]) -> None:
+        self.submitted = time.monotonic()
+        self.first_token: float | None = None
+        self.text = ""
+        self.finish_reason: str | None = None
+        self.prompt_tokens = 0
+        self.completion_tokens = 0
+        self._timeout = timeout
+        self._events: queue.Queue = queue.Queue()
+        self._lock = threading.Lock()
+        self._done = threading.Event()
+        self._result: GenerationResult | None = None
+        self._error: DemoError | None = None
+        self._abort: Callable[[], None] | None = None
+        self._on_done = on_done
+        self._timer = threading.Timer(timeout, self._expire)
+        self._timer.daemon = True
+        self._timer.start()
+
+    # ---- caller side ----
+    @property
+    def error(self) -> DemoError | None:
+        return self._error
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def stream(self, timeout: float | None = None) -> Iterator[str]:
+        """Yield text deltas; raise the request's typed error if it fails."""
+        while True:
+            try:
+                item = self._events.get(timeout=timeout)
+            except queue.Empty:
+                raise TimeoutError(f"No output within {timeout} s.") from None
+            if item is _END:
+                self._events.put(_END)
+                if self._error is not None:
+                    raise self._error
+                return
+            yield item
+
+    def result(self, timeout: float | None = None) -> GenerationResult:
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"Request did not finish within {timeout} s.")
+        if self._error is not None:
+            raise self._error
+        assert self._result is not None
+        return self._result
+
+    def cancel(self) -> None:
+        """Stop waiting and stop the remote work (gRPC cancel / stream stop, or closing the SSE response)."""
+        if self.fail(RequestCancelledError("Request cancelled.")):
+            self._run_abort()
+
+    # ---- transport side ----
+    def set_abort(self, abort: Callable[[], None]) -> None:
+        """Register how to stop the remote call; runs at once if the request already ended."""
+        with self._lock:
+            self._abort = abort
+            ended = self._done.is_set()
+        if ended and self._error is not None:
+            self._run_abort()
+
+    def push(self, delta: str) -> None:
+        if not delta or self._done.is_set():
+            return
+        if self.first_token is None:
+            self.first_token = time.monotonic()
+        self.text += delta
+        self._events.put(delta)
+
+    def finish(self, reason: str = "stop") -> bool:
+        now = time.monotonic()
+        with self._lock:
+            if self._done.is_set():
+                return False
+            self.finish_reason = reason
+            self._result = GenerationResult(
+                text=self.text,
+                finish_reason=reason,
+                batch_size=0,  # the remote does not say how it batched
+                prompt_tokens=self.prompt_tokens,
+                completion_tokens=self.completion_tokens,
+                queue_s=0.0,
+                ttft_s=(self.first_token or now) - self.submitted,
+                total_s=now - self.submitted,
+            )
+            self._done.set()
+        self._end()
+        return True
+
+    def fail(self, error: DemoError) -> bool:
+        with self._lock:
+            if self._done.is_set():
+                return False
+            self._error = error
+            self.finish_reason = error.code
+            self._done.set()
+        self._end()
+        return True
+
+    def _end(self) -> None:
+        self._timer.cancel()
+        self._events.put(_END)
+        try:
+            self._on_done(self)
+        except Exception:  # a metrics listener must never break a request
+            log.exception("request-done listener failed")
+
+    def _expire(self) -> None:
+        if self.fail(BackendTimeoutError(f"Triton did not finish the answer within {self._timeout:g} s.")):
+            log.warning("Triton request timed out after %.1f s", self._timeout)
+            self._run_abort()
+
+    def _run_abort(self) -> None:
+        with self._lock:
+            abort, self._abort = self._abort, None
+        if abort is not None:
+            try:
+                abort()
+            except Exception:
+                log.debug("aborting a Triton call failed", exc_info=True)
+
+
+# ---- the backend ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class ModelInfo:
+    """What the model's metadata (and config, when readable) says about how to call it."""
+
+    protocol: str  # "infer" or "generate"
+    inputs: dict[str, list[int]]  # name -> shape as the metadata reports it
+    outputs: list[str]
+    batched: bool  # IMAGE carries a leading batch dimension (max_batch_size > 0)
+    decoupled: bool
+
+
+class TritonBackend:
+    """The demo's backend when ``--triton-url`` is set: every request goes to a remote Triton model."""
+
+    name = "triton"
+
+    def __init__(self, config: Config, endpoint: Endpoint, info: ModelInfo) -> None:
+        self.config = config
+        self.endpoint = endpoint
+        self.info = info
+        self.model = f"{config.triton_model} @ {endpoint.url}"
+        self._listeners: list[Any] = []
+        self._in_flight = 0
+        self._lock = threading.Lock()
+        self._closed = False
+
+    # ---- start-up ----
+    @classmethod
+    def from_config(cls, config: Config) -> TritonBackend:
+        """Connect, check server and model readiness, and read how the model wants to be called.
+
+        Raises ``SystemExit`` with a message naming the URL and model when the remote is not usable.
+        """
+        endpoint = Endpoint.parse(config.triton_url)
+        try:
+            info = inspect_model(endpoint, config.triton_model, config.triton_protocol, config.triton_timeout)
+        except DemoError as exc:
+            raise SystemExit(f"Cannot use Triton: {exc}") from None
+        log.info(
+            "Triton %s model %s: protocol=%s batched=%s decoupled=%s",
+            endpoint.url, config.triton_model, info.protocol, info.batched, info.decoupled,
+        )
+        return cls(config, endpoint, info)
+
+    # ---- Backend interface ----
+    def submit(self, image: Any, question: str, params: SamplingParams) -> TritonStream:
+        """Validate here (same rules and messages as the local engine), then send in a background thread."""
+        if self._closed:
+            raise EngineStoppedError("The Triton backend is shut down.")
+        image, question, params = self._validate(image, question, params)
+        with self._lock:
+            if self._in_flight >= self.config.max_queue:
+                raise QueueFullError(f"Server busy: {self._in_flight} requests already waiting. Try again shortly.")
+            self._in_flight += 1
+        stream = TritonStream(self.config.triton_timeout, self._request_done)
+        target = self._run_generate if self.info.protocol == "generate" else self._run_infer
+        threading.Thread(target=self._guarded, args=(target, stream, image, question, params), daemon=True).start()
+        return stream
+
+    def run_batch(self, items: list[tuple[Any, str, SamplingParams]]) -> list[GenerationResult | DemoError]:
+        """Send all items at once, so the remote's dynamic batcher can group them; errors stay in their slot."""
+        streams: list[TritonStream | DemoError] = []
+        for image, question, params in items:
+            try:
+                streams.append(self.submit(image, question, params))
+            except DemoError as exc:
+                streams.append(exc)
+        results: list[GenerationResult | DemoError] = []
+        for item in streams:
+            if isinstance(item, DemoError):
+                results.append(item)
+                continue
+            try:
+                results.append(item.result(self.config.triton_timeout + 5))
+            except DemoError as exc:
+                results.append(exc)
+            except TimeoutError:
+                item.cancel()
+                results.append(BackendTimeoutError(f"Triton did not answer within {self.config.triton_timeout:g} s."))
+        return results
+
+    def health(self) -> dict[str, Any]:
+        """The remote's readiness (server and model), checked now with a short timeout."""
+        report: dict[str, Any] = {
+            "backend": self.name,
+            "url": self.endpoint.url,
+            "triton_model": self.config.triton_model,
+            "protocol": self.info.protocol,
+            "queue_depth": self._in_flight,
+        }
+        try:
+            report.update(check_ready(self.endpoint, self.config.triton_model, min(2.0, self.config.triton_timeout)))
+            report["ready"] = True
+        except DemoError as exc:
+            report.update(ready=False, error=str(exc))
+        return report
+
+    def add_listener(self, listener: Any) -> None:
+        self._listeners.append(listener)
+
+    def close(self) -> None:
+        self._closed = True
+
+    # ---- internals ----
+    def _validate(self, image: Any, question: str, params: SamplingParams) -> tuple[Any, str, SamplingParams]:
+        from vlm_demo.images import load_image
+
+        if not isinstance(question, str) or not question.strip():
+            raise InvalidRequestError("Please enter a question.")
+        question = question.strip()
+        if len(question) > self.config.max_question_chars:
+            raise InvalidRequestError(
+                f"The question is too long ({len(question)} characters; the limit is {self.config.max_question_chars})."
+            )
+        image = load_image(image, self.config.max_image_pixels)
+        return image, question, params.validated(self.config.max_new_tokens)
+
+    def _request_done(self, stream: TritonStream) -> None:
+        with self._lock:
+            self._in_flight -= 1
+        for listener in self._listeners:
+            on_done = getattr(listener, "on_request_done", None)
+            if on_done is not None:
+                on_done(stream)
+
+    def _guarded(self, target: Callable, stream: TritonStream, *args: Any) -> None:
+        try:
+            target(stream, *args)
+        except BaseException as exc:  # noqa: BLE001 - every failure must reach the caller as a typed error
+            error = to_demo_error(exc, self.endpoint, self.config.triton_model, self.config.triton_timeout)
+            if not isinstance(error, BackendTimeoutError) or not stream.done:
+                log.info("Triton request failed: %s", error)
+            stream.fail(error)
+
+    # -- infer contract --
+    def _infer_inputs(self, mod: Any, image: Any, question: str, params: SamplingParams) -> list[Any]:
+        lead = [1] if self.info.batched else []
+        pixels = np.ascontiguousarray(np.asarray(image.convert("RGB"), dtype=np.uint8))
+        arrays = {
+            "IMAGE": pixels.reshape(lead + list(pixels.shape)),
+            "QUESTION": np.array([question.encode("utf-8")], dtype=np.object_).reshape(lead + [1]),
+        }
+        extras = {
+            "max_new_tokens": np.array([params.max_new_tokens], dtype=np.int32),
+            "temperature": np.array([params.temperature], dtype=np.float32),
+            "top_p": np.array([params.top_p], dtype=np.float32),
+            "seed": np.array([params.seed if params.seed is not None else 0], dtype=np.int64),
+        }
+        for name, value in extras.items():
+            if name in self.info.inputs:
+                arrays[name] = value.reshape(lead + [1])
+        return [_infer_input(mod, name, array) for name, array in arrays.items()]
+
+    def _run_infer(self, stream: TritonStream, image: Any, question: str, params: SamplingParams) -> None:
+        wanted = [n for n in ("ANSWER", "FINISH_REASON", "PROMPT_TOKENS", "COMPLETION_TOKENS", "ERROR") if n in self.info.outputs]
+        timeout = self.config.triton_timeout
+        if self.endpoint.scheme == "http":
+            import tritonclient.http as mod
+
+            client = mod.InferenceServerClient(self.endpoint.address, connection_timeout=timeout, network_timeout=timeout)
+            try:
+                inputs = self._infer_inputs(mod, image, question, params)
+                outputs = [mod.InferRequestedOutput(n, binary_data=True) for n in wanted]
+                response = client.infer(self.config.triton_model, inputs, outputs=outputs)
+            finally:
+                client.close()
+            self._finish_infer(stream, response)
+            return
+        import tritonclient.grpc as mod
+
+        client = mod.InferenceServerClient(self.endpoint.address)
+        inputs = self._infer_inputs(mod, image, question, params)
+        outputs = [mod.InferRequestedOutput(n) for n in wanted]
+        if self.info.decoupled:
+            self._grpc_stream(stream, client, inputs, outputs, self._on_infer_chunk)
+            return
+        done = threading.Event()
+
+        def callback(result: Any, error: Any) -> None:
+            try:
+                if error is not None:
+                    stream.fail(to_demo_error(error, self.endpoint, self.config.triton_model, timeout))
+                else:
+                    self._finish_infer(stream, result)
+            except BaseException as exc:  # noqa: BLE001
+                stream.fail(to_demo_error(exc, self.endpoint, self.config.triton_model, timeout))
+            finally:
+                done.set()
+
+        try:
+            call = client.async_infer(self.config.triton_model, inputs, callback, outputs=outputs, client_timeout=timeout)
+            stream.set_abort(call.cancel)
+            done.wait(timeout + 1)
+        finally:
+            client.close()
+
+    def _on_infer_chunk(self, stream: TritonStream, result: Any) -> None:
+        """One response of a decoupled infer-contract model: ANSWER holds the next piece of text."""
+        answer = result.as_numpy("ANSWER")
+        if answer is not None and answer.size:
+            stream.push(_text(answer))
+        _read_counts(stream, result)
+
+    def _finish_infer(self, stream: TritonStream, result: Any) -> None:
+        error = result.as_numpy("ERROR") if "ERROR" in self.info.outputs else None
+        if error is not None and error.size and _text(error):
+            message = _text(error)
+            stream.fail(error_from_text(message) or GenerationError(f"Triton model failed: {message}"))
+            return
+        answer = result.as_numpy("ANSWER")
+        if answer is None:
+            raise GenerationError(f"Triton model '{self.config.triton_model}' returned no ANSWER.")
+        _read_counts(stream, result)
+        stream.push(_text(answer))
+        reason = result.as_numpy("FINISH_REASON")
+        stream.finish(_text(reason) if reason is not None and reason.size else "stop")
+
+    # -- generate contract --
+    def _sampling_json(self, params: SamplingParams) -> str:
+        sampling: dict[str, Any] = {
+            "temperature": params.temperature,
+            "top_p": params.top_p,
+            "max_tokens": params.max_new_tokens,
+        }
+        if params.seed is not None and not params.greedy:
+            sampling["seed"] = params.seed
+        if params.ignore_eos:
+            sampling["ignore_eos"] = True
+        return json.dumps(sampling)
+
+    def _run_generate(self, stream: TritonStream, image: Any, question: str, params: SamplingParams) -> None:
+        values: dict[str, Any] = {
+            "text_input": chat_prompt(question),
+            "image": encode_image(image),
+            "stream": True,
+            "sampling_parameters": self._sampling_json(params),
+            "exclude_input_in_output": True,
+        }
+        for flag in ("return_finish_reason", "return_num_input_tokens", "return_num_output_tokens"):
+            if flag in self.info.inputs:
+                values[flag] = True
+        if self.endpoint.scheme == "http":
+            self._generate_sse(stream, values)
+            return
+        import tritonclient.grpc as mod
+
+        client = mod.InferenceServerClient(self.endpoint.address)
+        inputs = []
+        for name, value in values.items():
+            if name not in self.info.inputs:
+                continue
+            if isinstance(value, bool):
+                array = np.array([value], dtype=bool)
+            else:
+                array = np.array([value.encode("utf-8")], dtype=np.object_)
+            inputs.append(_infer_input(mod, name, array))
+        self._grpc_stream(stream, client, inputs, None, self._on_generate_chunk)
+
+    def _on_generate_chunk(self, stream: TritonStream, result: Any) -> None:
+        text = result.as_numpy("text_output")
+        if text is not None and text.size:
+            stream.push(_text(text))
+        _read_counts(stream, result)
+
+    def _generate_sse(self, stream: TritonStream, values: dict[str, Any]) -> None:
+        """POST to ``/generate_stream`` and read server-sent events; an error may arrive mid-stream (HTTP 200)."""
+        import requests
+
+        url = f"http://{self.endpoint.address}/v2/models/{self.config.triton_model}/generate_stream"
+        body = {k: v for k, v in values.items() if k in self.info.inputs}
+        timeout = self.config.triton_timeout
+        response = requests.post(url, json=body, stream=True, timeout=(min(timeout, 10.0), timeout))
+        stream.set_abort(response.close)
+        with response:
+            if response.status_code != 200:
+                raise GenerationError(_http_error(response))
+            for line in response.iter_lines(decode_unicode=True):
+                if stream.done:
+                    return
+                if not line or not line.startswith("data:"):
+                    continue
+                event = json.loads(line[5:].strip())
+                if "error" in event:
+                    raise GenerationError(str(event["error"]))
+                stream.push(_event_text(event.get("text_output", "")))
+                _read_event_counts(stream, event)
+        stream.finish(stream.finish_reason or "stop")
+
+    # -- gRPC streaming (decoupled models, both contracts) --
+    def _grpc_stream(
+        self,
+        stream: TritonStream,
+        client: Any,
+        inputs: list[Any],
+        outputs: list[Any] | None,
+        on_chunk: Callable[[TritonStream, Any], None],
+    ) -> None:
+        finished = threading.Event()
+        timeout = self.config.triton_timeout
+
+        def callback(result: Any, error: Any) -> None:
+            try:
+                if error is not None:
+                    stream.fail(to_demo_error(error, self.endpoint, self.config.triton_model, timeout))
+                    finished.set()
+                    return
+                on_chunk(stream, result)
+                final = result.get_response().parameters.get("triton_final_response")
+                if final is not None and final.bool_param:
+                    stream.finish(stream.finish_reason or "stop")
+                    finished.set()
+            except BaseException as exc:  # noqa: BLE001
+                stream.fail(to_demo_error(exc, self.endpoint, self.config.triton_model, timeout))
+                finished.set()
+
+        def stop() -> None:
+            client.stop_stream(cancel_requests=True)
+
+        try:
+            client.start_stream(callback, stream_timeout=timeout)
+            stream.set_abort(stop)
+            client.async_stream_infer(
+                self.config.triton_model, inputs, outputs=outputs, enable_empty_final_response=True
+            )
+            finished.wait(timeout + 1)
+        finally:
+            if not stream.done:
+                stream.fail(BackendTimeoutError(f"Triton did not finish the answer within {timeout:g} s."))
+            client.close()
+
+
+def _read_counts(stream: TritonStream, result: Any) -> None:
+    """Pick up the optional token counts and finish reason whichever contract's names the remote uses."""
+    for name, attr in (
+        ("PROMPT_TOKENS", "prompt_tokens"),
+        ("COMPLETION_TOKENS", "completion_tokens"),
+        ("num_input_tokens", "prompt_tokens"),
+        ("num_output_tokens", "completion_tokens"),
+    ):
+        value = _maybe_output(result, name)
+        if value is not None and value.size:
+            count = int(value.reshape(-1)[0])
+            setattr(stream, attr, count if attr == "prompt_tokens" else getattr(stream, attr) + count)
+    reason = _maybe_output(result, "finish_reason")
+    if reason is not None and reason.size and _text(reason):
+        stream.finish_reason = _finish_reason(_text(reason))
+
+
+def _read_event_counts(stream: TritonStream, event: dict[str, Any]) -> None:
+    if "num_input_tokens" in event:
+        stream.prompt_tokens = int(_first(event["num_input_tokens"]))
+    if "num_output_tokens" in event:
+        stream.completion_tokens += int(_first(event["num_output_tokens"]))
+    if event.get("finish_reason"):
+        stream.finish_reason = _finish_reason(str(_first(event["finish_reason"])))
+
+
+def _finish_reason(text: str) -> str:
+    """vLLM says "length"/"stop"/"abort"; keep the engine's vocabulary."""
+    return {"abort": "cancelled"}.get(text, text)
+
+
+def _first(value: Any) -> Any:
+    return value[0] if isinstance(value, list) and value else value
+
+
+def _maybe_output(result: Any, name: str) -> np.ndarray | None:
+    try:
+        return result.as_numpy(name)
+    except Exception:  # tritonclient raises for outputs absent from the response
+        return None
+
+
+def _text(array: np.ndarray) -> str:
+    """A BYTES tensor (any shape) as one string."""
+    return "".join(v.decode("utf-8", "replace") if isinstance(v, bytes) else str(v) for v in np.ravel(array))
+
+
+def _event_text(value: Any) -> str:
+    if isinstance(value, list):
+        return "".join(str(v) for v in value)
+    return str(value)
+
+
+def _http_error(response: Any) -> str:
+    try:
+        return str(response.json().get("error", response.text))
+    except ValueError:
+        return f"HTTP {response.status_code}: {response.text[:300]}"
+
+
+def _infer_input(mod: Any, name: str, array: np.ndarray) -> Any:
+    from tritonclient.utils import np_to_triton_dtype
+
+    item = mod.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype))
+    if mod.__name__.endswith("http"):
+        item.set_data_from_numpy(array, binary_data=True)
+    else:
+        item.set_data_from_numpy(array)
+    return item
+
+
+def encode_image(image: Any) -> str:
+    """Base64 of a PNG file: lossless, so the remote sees exactly the pixels the local engine would."""
+    buffer = io.BytesIO()
+    image.convert("RGB").save(buffer, format="PNG")
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+# ---- readiness and metadata --------------------------------------------------------------------------
+
+
+def _admin_client(endpoint: Endpoint, timeout: float) -> Any:
+    if endpoint.scheme == "http":
+        import tritonclient.http as mod
+
+        return mod.InferenceServerClient(endpoint.address, connection_timeout=timeout, network_timeout=timeout)
+    import tritonclient.grpc as mod
+
+    return mod.InferenceServerClient(endpoint.address)
+
+
+def check_ready(endpoint: Endpoint, model: str, timeout: float) -> dict[str, Any]:
+    """Raise :class:`BackendUnavailableError` saying which of server or model is not ready."""
+    client = _admin_client(endpoint, timeout)
+    kwargs = {} if endpoint.scheme == "http" else {"client_timeout": timeout}
+    try:
+        try:
+            live = client.is_server_live(**kwargs)
+            server_ready = client.is_server_ready(**kwargs)
+        except Exception as exc:
+            raise to_demo_error(exc, endpoint, model, timeout) from None
+        if not live or not server_ready:
+            raise BackendUnavailableError(f"Triton at {endpoint.url} is up but not ready (live={live}, ready={server_ready}).")
+        try:
+            model_ready = client.is_model_ready(model, **kwargs)
+        except Exception as exc:
+            raise to_demo_error(exc, endpoint, model, timeout) from None
+        if not model_ready:
+            raise BackendUnavailableError(
+                f"Triton at {endpoint.url} is ready but model '{model}' is not (unknown, still loading or failed to load)."
+            )
+        return {"server_ready": True, "model_ready": True}
+    finally:
+        client.close()
+
+
+def inspect_model(endpoint: Endpoint, model: str, protocol: str, timeout: float) -> ModelInfo:
+    """Check readiness and read the model's metadata to decide how to call it."""
+    check_ready(endpoint, model, min(timeout, 10.0))
+    client = _admin_client(endpoint, timeout)
+    kwargs: dict[str, Any] = {} if endpoint.scheme == "http" else {"as_json": True, "client_timeout": timeout}
+    try:
+        try:
+            meta = client.get_model_metadata(model, **kwargs)
+        except Exception as exc:
+            raise to_demo_error(exc, endpoint, model, timeout) from None
+        try:
+            config = client.get_model_config(model, **kwargs)
+            config = config.get("config", config)
+        except Exception:  # some servers restrict the config endpoint; metadata is enough
+            config = {}
+    finally:
+        client.close()
+    inputs = {i["name"]: [int(d) for d in i.get("shape", [])] for i in meta.get("inputs", [])}
+    outputs = [o["name"] for o in meta.get("outputs", [])]
+    if protocol == "auto":
+        if "IMAGE" in inputs and "QUESTION" in inputs:
+            protocol = "infer"
+        elif "text_input" in inputs:
+            protocol = "generate"
+        else:
+            raise BackendUnavailableError(
+                f"Triton model '{model}' speaks neither contract: inputs {sorted(inputs)} "
+                "(expected IMAGE+QUESTION, or text_input). Set --triton-protocol if this is wrong."
+            )
+    needed = {"infer": ("IMAGE", "QUESTION"), "generate": ("text_input",)}[protocol]
+    missing = [n for n in needed if n not in inputs]
+    if missing:
+        raise BackendUnavailableError(f"Triton model '{model}' lacks input(s) {missing} needed by --triton-protocol {protocol}.")
+    if protocol == "infer" and "ANSWER" not in outputs:
+        raise BackendUnavailableError(f"Triton model '{model}' has no ANSWER output (outputs: {outputs}).")
+    policy = config.get("model_transaction_policy", {}) if isinstance(config, dict) else {}
+    decoupled = bool(policy.get("decoupled", protocol == "generate" and not config))
+    if decoupled and protocol == "infer" and endpoint.scheme == "http":
+        raise BackendUnavailableError(
+            f"Triton model '{model}' is decoupled (streaming); Triton streams it only over gRPC: use --triton-url grpc://..."
+        )
+    batched = protocol == "infer" and len(inputs["IMAGE"]) == 4
+    return ModelInfo(protocol, inputs, outputs, batched, decoupled)

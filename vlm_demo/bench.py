@@ -1,0 +1,335 @@
+"""Closed-loop load benchmark: batching modes side by side, in one process, on one model.
+
+Like perf_analyzer's concurrency sweep: at each concurrency level C, C client threads each send a
+request, wait for its last token, and send the next, until ``--requests`` have been served. Every
+mode (``unbatched`` = max batch 1, ``dynamic``, ``continuous``, ``triton``) runs against the same
+loaded weights, the same requests and the same forced output lengths (``ignore_eos``), so the
+ratios between modes are fair even on a noisy machine. ``--repeats`` interleaves the modes and
+reports medians.
+
+    python -m vlm_demo.bench --model tiny --concurrency 1,2,4,8 --requests 32 --json out.json --plot out.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import math
+import random
+import statistics
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from vlm_demo.config import Config
+from vlm_demo.engine import Engine, SamplingParams
+from vlm_demo.engine.worker import Worker
+from vlm_demo.tiny import solid_image
+
+log = logging.getLogger("vlm_demo.bench")
+
+COLOURS = ("red", "green", "blue", "yellow", "white", "black")
+SIZES = ((64, 64), (300, 120), (120, 300), (560, 560), (1024, 64), (40, 40))
+QUESTIONS = (
+    "What colour is this image?",
+    "Describe the picture.",
+    "Which colour dominates here, and why do you think so?",
+    "Tell me about it.",
+)
+
+
+@dataclass
+class Sample:
+    latency_s: float
+    ttft_s: float
+    tokens: int
+    batch_size: int
+    error: str | None = None
+
+
+@dataclass
+class RunResult:
+    """One (mode, concurrency) measurement; the JSON keys are a public contract."""
+
+    mode: str
+    max_batch_size: int
+    concurrency: int
+    requests: int
+    throughput_rps: float
+    tokens_per_s: float
+    latency_p50_s: float
+    latency_p95_s: float
+    ttft_p50_s: float
+    mean_batch_size: float
+    errors: int
+    wall_s: float
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile (no interpolation: with 32 samples p95 is a real observation)."""
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    rank = max(1, math.ceil(q / 100 * len(ordered)))
+    return ordered[rank - 1]
+
+
+def forced_lengths(n: int, mixed: bool, max_new_tokens: int, low: int, high: int, seed: int = 0) -> list[int]:
+    """Per-request output lengths: all equal, or a seeded log-uniform spread in ``[low, high]``."""
+    if not mixed:
+        return [max_new_tokens] * n
+    rng = random.Random(seed)
+    return [int(round(math.exp(rng.uniform(math.log(low), math.log(high))))) for _ in range(n)]
+
+
+def make_workload(n: int, lengths: list[int]) -> list[tuple[Any, str, SamplingParams]]:
+    """Solid-colour images of several sizes and questions; greedy; forced length per request."""
+    items = []
+    for i in range(n):
+        width, height = SIZES[i % len(SIZES)]
+        image = solid_image(COLOURS[i % len(COLOURS)], width, height)
+        params = SamplingParams(max_new_tokens=lengths[i], temperature=0.0, ignore_eos=True)
+        items.append((image, QUESTIONS[i % len(QUESTIONS)], params))
+    return items
+
+
+class BatchCounter:
+    """Engine listener that records batch sizes (for ``mean_batch_size``)."""
+
+    def __init__(self) -> None:
+        self.sizes: list[int] = []
+
+    def on_batch(self, size: int) -> None:
+        self.sizes.append(size)
+
+    def on_request_done(self, request: Any) -> None:
+        pass
+
+
+def run_load(
+    backend: Any, workload: list[tuple[Any, str, SamplingParams]], concurrency: int
+) -> tuple[list[Sample], float]:
+    """Closed loop: ``concurrency`` threads each keep one request in flight until all are served."""
+    samples: list[Sample] = []
+    lock = threading.Lock()
+    cursor = iter(range(len(workload)))
+
+    def client() -> None:
+        while True:
+            with lock:
+                index = next(cursor, None)
+            if index is None:
+                return
+            image, question, params = workload[index]
+            start = time.monotonic()
+            first = None
+            try:
+                handle = backend.submit(image, question, params)
+                for _ in handle.stream(timeout=600):
+                    if first is None:
+                        first = time.monotonic()
+                result = handle.result(timeout=600)
+                end = time.monotonic()
+                sample = Sample(end - start, (first or end) - start, result.completion_tokens, result.batch_size)
+            except Exception as exc:  # counted, not fatal: the benchmark reports errors
+                sample = Sample(time.monotonic() - start, 0.0, 0, 0, f"{type(exc).__name__}: {exc}")
+            with lock:
+                samples.append(sample)
+
+    threads = [threading.Thread(target=client) for _ in range(concurrency)]
+    began = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return samples, time.monotonic() - began
+
+
+def summarise(
+    mode: str, max_batch_size: int, concurrency: int, samples: list[Sample], wall_s: float, batches: list[int]
+) -> RunResult:
+    ok = [s for s in samples if s.error is None]
+    tokens = sum(s.tokens for s in ok)
+    if batches:
+        mean_batch = statistics.fmean(batches)
+    else:
+        mean_batch = statistics.fmean([s.batch_size for s in ok]) if ok else 0.0
+    return RunResult(
+        mode=mode,
+        max_batch_size=max_batch_size,
+        concurrency=concurrency,
+        requests=len(samples),
+        throughput_rps=len(ok) / wall_s if wall_s > 0 else 0.0,
+        tokens_per_s=tokens / wall_s if wall_s > 0 else 0.0,
+        latency_p50_s=percentile([s.latency_s for s in ok], 50),
+        latency_p95_s=percentile([s.latency_s for s in ok], 95),
+        ttft_p50_s=percentile([s.ttft_s for s in ok], 50),
+        mean_batch_size=round(mean_batch, 3),
+        errors=len(samples) - len(ok),
+        wall_s=wall_s,
+    )
+
+
+def median_run(runs: list[RunResult]) -> RunResult:
+    """Field-wise median over repeats of the same (mode, concurrency)."""
+    if len(runs) == 1:
+        return runs[0]
+    merged = {}
+    for f in dataclasses.fields(RunResult):
+        values = [getattr(r, f.name) for r in runs]
+        merged[f.name] = statistics.median(values) if isinstance(values[0], float) else values[0]
+    merged["errors"] = sum(r.errors for r in runs)
+    return RunResult(**merged)
+
+
+def print_table(results: list[RunResult]) -> None:
+    header = f"{'mode':<11}{'maxB':>5}{'conc':>5}{'reqs':>5}{'req/s':>9}{'tok/s':>9}{'p50 s':>8}{'p95 s':>8}{'ttft s':>8}{'meanB':>7}{'err':>5}"
+    print(header)
+    print("-" * len(header))
+    for r in results:
+        print(
+            f"{r.mode:<11}{r.max_batch_size:>5}{r.concurrency:>5}{r.requests:>5}{r.throughput_rps:>9.2f}"
+            f"{r.tokens_per_s:>9.1f}{r.latency_p50_s:>8.3f}{r.latency_p95_s:>8.3f}{r.ttft_p50_s:>8.3f}"
+            f"{r.mean_batch_size:>7.2f}{r.errors:>5}"
+        )
+    by_level: dict[int, dict[str, RunResult]] = {}
+    for r in results:
+        by_level.setdefault(r.concurrency, {})[r.mode] = r
+    for level, modes in sorted(by_level.items()):
+        base = modes.get("unbatched")
+        if base and base.throughput_rps > 0:
+            ratios = ", ".join(
+                f"{m} {r.throughput_rps / base.throughput_rps:.2f}x" for m, r in modes.items() if m != "unbatched"
+            )
+            print(f"concurrency {level}: throughput vs unbatched: {ratios}")
+
+
+def plot(results: list[RunResult], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    for mode in dict.fromkeys(r.mode for r in results):
+        rows = sorted((r for r in results if r.mode == mode), key=lambda r: r.concurrency)
+        xs = [r.concurrency for r in rows]
+        ax1.plot(xs, [r.throughput_rps for r in rows], marker="o", label=mode)
+        ax2.plot(xs, [r.latency_p95_s for r in rows], marker="o", label=mode)
+    ax1.set(xlabel="concurrency (closed-loop clients)", ylabel="throughput (req/s)", title="Throughput")
+    ax2.set(xlabel="concurrency (closed-loop clients)", ylabel="p95 latency (s)", title="p95 latency")
+    for ax in (ax1, ax2):
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="tiny", help="model id, folder, or 'tiny'")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--concurrency", default="1,2,4,8", help="comma-separated closed-loop client counts")
+    p.add_argument("--requests", type=int, default=32, help="requests per (mode, concurrency)")
+    p.add_argument("--max-new-tokens", type=int, default=48, help="forced output length (uniform lengths)")
+    p.add_argument("--max-batch-size", type=int, default=8, help="batch limit for the batched modes")
+    p.add_argument("--batch-window-ms", type=float, default=10.0)
+    p.add_argument("--mixed-lengths", action="store_true", help="seeded log-uniform forced lengths")
+    p.add_argument("--length-range", default="16,512", help="low,high for --mixed-lengths")
+    p.add_argument("--modes", default="unbatched,dynamic", help="comma-separated: unbatched,dynamic,continuous,triton")
+    p.add_argument("--triton-url", default="", help="also measure a Triton endpoint (adds mode 'triton')")
+    p.add_argument("--triton-model", default="llama_3_2v_11b_cot_ensemble")
+    p.add_argument("--triton-protocol", default="auto")
+    p.add_argument("--repeats", type=int, default=1, help="interleaved repeats; medians are reported")
+    p.add_argument("--json", dest="json_path", default="", help="write the runs as a JSON list")
+    p.add_argument("--plot", dest="plot_path", default="", help="write a PNG of throughput and p95 latency")
+    return p
+
+
+def backend_factories(args: argparse.Namespace) -> dict[str, tuple[int, Callable[[], Any]]]:
+    """Mode name -> (max batch size, factory of a fresh backend). Local modes share one worker."""
+    from vlm_demo.backends.local import LocalBackend
+
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if args.triton_url and "triton" not in modes:
+        modes.append("triton")
+    factories: dict[str, tuple[int, Callable[[], Any]]] = {}
+    worker: Worker | None = None
+    if any(m != "triton" for m in modes):
+        worker = Worker.load(args.model, args.device, args.dtype)
+
+    def local(max_batch: int, batching: str) -> Callable[[], Any]:
+        def make() -> Any:
+            engine = Engine.create(
+                worker,
+                batching=batching,
+                max_batch_size=max_batch,
+                batch_window_ms=args.batch_window_ms,
+                max_queue=max(1024, args.requests),
+                max_new_tokens_cap=100_000,
+            )
+            return LocalBackend(engine, args.model)
+
+        return make
+
+    for mode in modes:
+        if mode == "unbatched":
+            factories[mode] = (1, local(1, "dynamic"))
+        elif mode in ("dynamic", "continuous"):
+            factories[mode] = (args.max_batch_size, local(args.max_batch_size, mode))
+        elif mode == "triton":
+            from vlm_demo.backends import make_backend
+
+            config = Config(
+                triton_url=args.triton_url,
+                triton_model=args.triton_model,
+                triton_protocol=args.triton_protocol,
+                max_new_tokens=100_000,
+            )
+            factories[mode] = (0, lambda config=config: make_backend(config))
+        else:
+            raise SystemExit(f"unknown mode {mode!r}")
+    return factories
+
+
+def main(argv: list[str] | None = None) -> list[RunResult]:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
+    low, high = (int(x) for x in args.length_range.split(","))
+    lengths = forced_lengths(args.requests, args.mixed_lengths, args.max_new_tokens, low, high)
+    workload = make_workload(args.requests, lengths)
+    factories = backend_factories(args)
+    collected: dict[tuple[str, int], list[RunResult]] = {}
+    for repeat in range(args.repeats):
+        for level in levels:
+            for mode, (max_batch, make) in factories.items():
+                backend = make()
+                counter = BatchCounter()
+                backend.add_listener(counter)
+                warm = make_workload(1, [min(8, lengths[0])])[0]
+                backend.submit(*warm).result(timeout=600)  # warm-up: first-call overheads are not load
+                counter.sizes.clear()
+                samples, wall = run_load(backend, workload, level)
+                backend.close()
+                result = summarise(mode, max_batch, level, samples, wall, counter.sizes)
+                log.info("repeat %d: %s", repeat + 1, result)
+                collected.setdefault((mode, level), []).append(result)
+    results = [median_run(runs) for runs in collected.values()]
+    results.sort(key=lambda r: (r.concurrency, list(factories).index(r.mode)))
+    print_table(results)
+    if args.json_path:
+        with open(args.json_path, "w") as fh:
+            json.dump([dataclasses.asdict(r) for r in results], fh, indent=2)
+    if args.plot_path:
+        plot(results, args.plot_path)
+    return results
+
+
+if __name__ == "__main__":
+    main()

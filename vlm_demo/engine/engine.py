@@ -1,0 +1,221 @@
+"""The engine: validates requests at the door, queues them, and runs batches on one worker thread.
+
+Failure isolation lives here. If a batch raises (CUDA out of memory, a kernel error), it is split in
+halves and each half retried, down to single requests; only a request that fails on its own gets an
+error, and the worker thread carries on with the next batch.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any, Protocol
+
+import torch
+
+from vlm_demo.config import Config
+from vlm_demo.engine.request import GenerationResult, Request, SamplingParams
+from vlm_demo.engine.scheduler import Scheduler
+from vlm_demo.engine.worker import Worker
+from vlm_demo.errors import (
+    DemoError,
+    EngineStoppedError,
+    GenerationError,
+    InvalidRequestError,
+    OutOfMemoryError,
+)
+
+log = logging.getLogger(__name__)
+
+
+class Listener(Protocol):
+    """Observes the engine (metrics); called from the engine thread, must not block."""
+
+    def on_batch(self, size: int) -> None: ...
+
+    def on_request_done(self, request: Request) -> None: ...
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()
+
+
+def error_for(exc: Exception) -> DemoError:
+    """The user-facing error for a request that failed on its own."""
+    if is_out_of_memory(exc):
+        return OutOfMemoryError(
+            "The GPU ran out of memory for this request, even on its own. "
+            "Try a smaller max_new_tokens or a smaller image."
+        )
+    return GenerationError(f"Generation failed: {type(exc).__name__}: {exc}")
+
+
+class Engine:
+    """Dynamic batching over one :class:`Worker`. Thread-safe ``submit``; one engine thread."""
+
+    def __init__(
+        self,
+        worker: Worker,
+        max_batch_size: int = 4,
+        batch_window_ms: float = 10.0,
+        max_queue: int = 128,
+        max_new_tokens_cap: int = 2048,
+        max_question_chars: int = 2000,
+    ) -> None:
+        self.worker = worker
+        self.max_batch_size = max_batch_size
+        self.max_new_tokens_cap = max_new_tokens_cap
+        self.max_question_chars = max_question_chars
+        self.scheduler = Scheduler(max_batch_size, batch_window_ms / 1000.0, max_queue)
+        self.listeners: list[Listener] = []
+        self.running: list[Request] = []
+        self.batches_run = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="vlm-engine", daemon=True)
+        self._thread.start()
+
+    @staticmethod
+    def create(worker: Worker, batching: str = "dynamic", **kwargs: Any) -> Engine:
+        """An engine of the requested batching kind over ``worker``."""
+        if batching == "continuous":
+            from vlm_demo.engine.continuous import ContinuousEngine
+
+            return ContinuousEngine(worker, **kwargs)
+        if batching != "dynamic":
+            raise ValueError(f"unknown batching mode {batching!r}")
+        return Engine(worker, **kwargs)
+
+    @classmethod
+    def from_config(cls, config: Config) -> Engine:
+        worker = Worker.load(config.model, config.device, config.dtype, config.resolved_tiny_dir())
+        return cls.create(
+            worker,
+            batching=config.batching,
+            max_batch_size=config.max_batch_size,
+            batch_window_ms=config.batch_window_ms,
+            max_queue=config.max_queue,
+            max_new_tokens_cap=config.max_new_tokens,
+            max_question_chars=config.max_question_chars,
+        )
+
+    # ---- the door ----------------------------------------------------------------------------
+    def make_request(self, image: Any, question: str, params: SamplingParams | None = None) -> Request:
+        """Validate and preprocess on the caller's thread; nothing invalid ever reaches a batch."""
+        if image is None:
+            raise InvalidRequestError("Please provide an image.")
+        if not hasattr(image, "mode") or not hasattr(image, "size"):
+            raise InvalidRequestError("The image must be a decoded picture (PIL image).")
+        if not isinstance(question, str) or not question.strip():
+            raise InvalidRequestError("Please type a question about the image.")
+        if len(question) > self.max_question_chars:
+            raise InvalidRequestError(
+                f"The question is too long ({len(question)} characters; the limit is {self.max_question_chars})."
+            )
+        params = (params or SamplingParams()).validated(self.max_new_tokens_cap)
+        if image.mode != "RGB":
+            image = image.convert("RGB")
+        request = Request(image=image, question=question.strip(), params=params)
+        request.inputs = self.worker.prepare(image, request.question)
+        return request
+
+    def submit(self, image: Any, question: str, params: SamplingParams | None = None) -> Request:
+        """Queue one request and return its handle (stream / result / cancel)."""
+        if self._stop.is_set():
+            raise EngineStoppedError("The server is shutting down; please try again shortly.")
+        request = self.make_request(image, question, params)
+        request.add_done_callback(self._on_done)
+        self.scheduler.add(request)
+        return request
+
+    def run_batch(self, items: list[tuple[Any, str, SamplingParams | None]]) -> list[GenerationResult | DemoError]:
+        """Submit many at once (they batch together) and wait; errors come back in their slots."""
+        handles: list[Request | DemoError] = []
+        for image, question, params in items:
+            try:
+                handles.append(self.submit(image, question, params))
+            except DemoError as exc:
+                handles.append(exc)
+        results: list[GenerationResult | DemoError] = []
+        for handle in handles:
+            if isinstance(handle, DemoError):
+                results.append(handle)
+                continue
+            try:
+                results.append(handle.result())
+            except DemoError as exc:
+                results.append(exc)
+        return results
+
+    def generate(self, image: Any, question: str, params: SamplingParams | None = None) -> GenerationResult:
+        return self.submit(image, question, params).result()
+
+    # ---- observation -------------------------------------------------------------------------
+    def add_listener(self, listener: Listener) -> None:
+        self.listeners.append(listener)
+
+    def _notify(self, method: str, *args: Any) -> None:
+        for listener in self.listeners:
+            try:
+                getattr(listener, method)(*args)
+            except Exception:  # a broken metric must not break serving
+                log.exception("listener %r failed in %s", listener, method)
+
+    def _on_done(self, request: Request) -> None:
+        self._notify("on_request_done", request)
+        if request.cancelled:
+            self.scheduler.wake()
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "ready": self._thread.is_alive() and not self._stop.is_set(),
+            "queue_depth": self.scheduler.depth,
+            "running": sum(1 for r in self.running if not r.done),
+            "batches_run": self.batches_run,
+            "max_batch_size": self.max_batch_size,
+            "device": str(self.worker.device),
+        }
+
+    # ---- the engine thread -------------------------------------------------------------------
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            batch = self.scheduler.next_batch(timeout=0.5)
+            if batch:
+                self._execute(batch)
+
+    def _execute(self, batch: list[Request]) -> None:
+        live = [r for r in batch if not r.done]
+        if not live:
+            return
+        self.running = live
+        self.batches_run += 1
+        self._notify("on_batch", len(live))
+        try:
+            self.worker.run(live)
+        except Exception as exc:
+            self._recover(live, exc)
+        finally:
+            self.running = []
+
+    def _recover(self, batch: list[Request], exc: Exception) -> None:
+        """Split a failed batch and retry the halves; fail only requests that fail alone."""
+        if is_out_of_memory(exc) and torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        unfinished = [r for r in batch if not r.done]
+        if len(unfinished) > 1:
+            log.warning("batch of %d failed (%s); retrying in halves", len(unfinished), exc)
+            middle = len(unfinished) // 2
+            self._execute(unfinished[:middle])
+            self._execute(unfinished[middle:])
+            return
+        for request in unfinished:
+            log.warning("request %d failed on its own: %r", request.request_id, exc)
+            request.fail(error_for(exc))
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop taking work, fail what is queued, let the running batch end."""
+        self._stop.set()
+        for request in self.scheduler.close():
+            request.fail(EngineStoppedError("The server shut down before this request ran."))
+        for request in list(self.running):
+            request.cancel()
+        self._thread.join(timeout)

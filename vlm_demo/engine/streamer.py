@@ -1,0 +1,101 @@
+"""Per-row streaming and stopping inside one batched ``generate`` call.
+
+transformers' stock streamers accept batch size 1 only, and its stop rules apply to the whole batch.
+``BatchStreamer`` is handed to ``generate`` as a stopping criterion because that hook sees every
+step's token ids for all rows, on CPU and on GPU alike (the ``streamer`` hook lags one step on CUDA).
+Each row decodes incrementally, streams its own text, and stops on its own: end of turn, the closing
+``</CONCLUSION>`` tag, its own ``max_new_tokens``, or cancellation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from transformers import StoppingCriteria
+
+from vlm_demo.engine.request import Request
+
+STOP_TEXT = "</CONCLUSION>"
+
+
+class RowStreamer:
+    """Incremental detokenizer and stop rule for one row.
+
+    Decoding the whole sequence every step is quadratic; decoding only the newest token breaks
+    multi-byte characters and merges. So, as TGI does, decode a short window twice and emit the
+    difference, holding back text that ends in an incomplete UTF-8 character ("\\ufffd").
+    """
+
+    def __init__(self, tokenizer: Any, request: Request, eos_ids: Sequence[int]) -> None:
+        self.tokenizer = tokenizer
+        self.request = request
+        self.eos_ids = set(eos_ids)
+        self.ids: list[int] = []
+        self.text = ""
+        self.prefix_offset = 0
+        self.read_offset = 0
+        self.done = False
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    def feed(self, token_id: int) -> bool:
+        """Take the row's next token; return True once the row has finished."""
+        if self.done:
+            return True
+        request = self.request
+        if request.cancelled:
+            return self._stop("cancelled")
+        params = request.params
+        if token_id in self.eos_ids and not params.ignore_eos:
+            return self._stop("stop")
+        self.ids.append(token_id)
+        request.token_ids.append(token_id)
+        prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        window = self._decode(self.ids[self.prefix_offset :])
+        if len(window) > len(prefix) and not window.endswith("\ufffd"):
+            self.text += window[len(prefix) :]
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+            end = self.text.find(STOP_TEXT, max(0, len(self.text) - len(window) - len(STOP_TEXT)))
+            if end >= 0 and not params.ignore_eos:
+                self.text = self.text[: end + len(STOP_TEXT)]
+                request.push_text(self.text)
+                return self._stop("stop")
+            request.push_text(self.text)
+        if len(self.ids) >= params.max_new_tokens:
+            return self._stop("length")
+        return False
+
+    def _stop(self, reason: str) -> bool:
+        self.done = True
+        if reason != "cancelled":
+            full = self._decode(self.ids)
+            if STOP_TEXT in full and reason == "stop":
+                full = full[: full.index(STOP_TEXT) + len(STOP_TEXT)]
+            if full.startswith(self.text):  # flush anything held back (a trailing partial character)
+                self.text = full
+            self.request.push_text(self.text)
+            self.request.finish(reason)
+        return True
+
+
+class BatchStreamer(StoppingCriteria):
+    """Feeds each step's newest token to every row and tells ``generate`` which rows are done."""
+
+    def __init__(self, rows: list[RowStreamer]) -> None:
+        self.rows = rows
+
+    def __call__(
+        self, input_ids: torch.LongTensor, scores: torch.FloatTensor | None = None, **kwargs: Any
+    ) -> torch.BoolTensor:
+        newest = input_ids[:, -1].tolist()
+        flags = [row.feed(token) for row, token in zip(self.rows, newest, strict=False)]
+        return torch.tensor(flags, dtype=torch.bool, device=input_ids.device)
+
+    def finish_all(self) -> None:
+        """After ``generate`` returns, end rows it stopped for its own reasons (overall length)."""
+        for row in self.rows:
+            if not row.done:
+                row._stop("length")

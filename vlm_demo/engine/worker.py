@@ -1,0 +1,199 @@
+"""Runs batches on one ``MllamaForConditionalGeneration``.
+
+The worker owns the model and processor. ``prepare`` turns one request into tensors on the caller's
+thread (so a broken image fails alone, before it can join a batch); ``run`` left-pads a batch of
+prepared requests and calls ``generate`` once, with per-row sampling and per-row streaming/stopping.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+from transformers import (
+    AutoProcessor,
+    GenerationConfig,
+    LogitsProcessorList,
+    MllamaForConditionalGeneration,
+    StoppingCriteriaList,
+)
+
+from vlm_demo.engine.request import Request
+from vlm_demo.engine.sampler import RowSampler
+from vlm_demo.engine.streamer import BatchStreamer, RowStreamer
+from vlm_demo.errors import InvalidRequestError
+
+log = logging.getLogger(__name__)
+
+# Tensors whose second dimension is the token sequence: these get left padding in a batch.
+SEQUENCE_KEYS = ("input_ids", "attention_mask", "cross_attention_mask")
+
+
+def resolve_device(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+def resolve_dtype(dtype: str, device: str) -> torch.dtype:
+    """bf16 on GPU (the checkpoint's dtype), fp32 on CPU (bf16 matmuls are slow and lossy there)."""
+    if dtype == "auto":
+        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+    return getattr(torch, dtype)
+
+
+def resolve_model_path(model: str, tiny_dir: str | None = None) -> str:
+    """``tiny`` means the offline test model, built once into its cache folder."""
+    if model == "tiny":
+        from vlm_demo.tiny import ensure_tiny
+
+        return ensure_tiny(tiny_dir or None)
+    return model
+
+
+def left_pad(tensors: list[torch.Tensor], value: int | float) -> torch.Tensor:
+    """Stack ``[1, L_i, ...]`` tensors into ``[B, max L, ...]``, padding on the left."""
+    longest = max(t.shape[1] for t in tensors)
+    rows = []
+    for t in tensors:
+        missing = longest - t.shape[1]
+        if missing:
+            pad = torch.full((1, missing, *t.shape[2:]), value, dtype=t.dtype)
+            t = torch.cat([pad, t], dim=1)
+        rows.append(t)
+    return torch.cat(rows, dim=0)
+
+
+def collate(inputs: list[dict[str, torch.Tensor]], pad_id: int) -> dict[str, torch.Tensor]:
+    """Merge single-request processor outputs into one left-padded batch.
+
+    Left padding is what makes batched rows equal their single runs: ``generate`` reads each row's
+    last position, which must be a real token, not padding.
+    """
+    batch: dict[str, torch.Tensor] = {}
+    for key in inputs[0]:
+        values = [x[key] for x in inputs]
+        if key in SEQUENCE_KEYS:
+            batch[key] = left_pad(values, pad_id if key == "input_ids" else 0)
+        else:
+            batch[key] = torch.cat(values, dim=0)
+    return batch
+
+
+class Worker:
+    """One model replica; not thread-safe by design (the engine calls it from one thread)."""
+
+    def __init__(self, model: Any, processor: Any, name: str) -> None:
+        self.model = model
+        self.processor = processor
+        self.name = name
+        self.tokenizer = processor.tokenizer
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self.pad_id = self._pad_id()
+        self.eos_ids = self._eos_ids()
+
+    @classmethod
+    def load(cls, model: str, device: str = "auto", dtype: str = "auto", tiny_dir: str | None = None) -> Worker:
+        """Load weights and processor from a hub id or folder (``tiny`` builds the test model)."""
+        path = resolve_model_path(model, tiny_dir)
+        dev = resolve_device(device)
+        kwargs: dict[str, Any] = {"dtype": resolve_dtype(dtype, dev)}
+        if dev.startswith("cuda"):
+            # accelerate spreads an 11B model over all visible GPUs; a named device pins it.
+            kwargs["device_map"] = "auto" if dev == "cuda" else {"": dev}
+        started = time.monotonic()
+        net = MllamaForConditionalGeneration.from_pretrained(path, **kwargs)
+        if not dev.startswith("cuda"):
+            net.to(dev)
+        net.eval()
+        processor = AutoProcessor.from_pretrained(path)
+        log.info("loaded %s on %s (%s) in %.1f s", model, dev, kwargs["dtype"], time.monotonic() - started)
+        return cls(net, processor, model)
+
+    def _pad_id(self) -> int:
+        tok = self.tokenizer
+        if tok.pad_token_id is not None:
+            return int(tok.pad_token_id)
+        pad = self.model.generation_config.pad_token_id
+        if isinstance(pad, int):
+            return pad
+        return int(tok.convert_tokens_to_ids("<|finetune_right_pad_id|>"))
+
+    def _eos_ids(self) -> list[int]:
+        ids = self.model.generation_config.eos_token_id
+        ids = [ids] if isinstance(ids, int) else list(ids or [])
+        for token in ("<|eot_id|>", "<|eom_id|>", "<|end_of_text|>"):
+            tid = self.tokenizer.convert_tokens_to_ids(token)
+            if isinstance(tid, int) and tid >= 0 and tid != self.tokenizer.unk_token_id and tid not in ids:
+                ids.append(tid)
+        return ids
+
+    def prompt(self, question: str) -> str:
+        """The chat-templated prompt text (image placeholder + question), as the model was trained."""
+        messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
+        return self.processor.apply_chat_template(messages, add_generation_prompt=True)
+
+    def prepare(self, image: Any, question: str) -> dict[str, torch.Tensor]:
+        """Tokenise and preprocess one request; raise ``InvalidRequestError`` if the image is unusable."""
+        try:
+            # The template already starts with <|begin_of_text|>: no second BOS.
+            return dict(
+                self.processor(images=image, text=self.prompt(question), add_special_tokens=False, return_tensors="pt")
+            )
+        except Exception as exc:  # the processor raises many types for odd images
+            raise InvalidRequestError(f"Could not process the image: {exc}") from exc
+
+    def to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        out = {}
+        for key, value in batch.items():
+            value = value.to(self.device)
+            out[key] = value.to(self.dtype) if value.is_floating_point() else value
+        return out
+
+    def generation_config(self, max_new_tokens: int) -> GenerationConfig:
+        """Greedy at the ``generate`` level; sampling and stopping are decided per row by us."""
+        return GenerationConfig(
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=self.pad_id,
+            eos_token_id=None,
+            bos_token_id=self.model.generation_config.bos_token_id,
+        )
+
+    @property
+    def cross_attention_layers(self) -> frozenset[int]:
+        return frozenset(self.model.config.get_text_config().cross_attention_layers)
+
+    @torch.inference_mode()
+    def prefill(self, request: Request) -> tuple[Any, torch.Tensor]:
+        """Continuous mode: run one request's image and prompt alone; return its cache and last logits."""
+        out = self.model(**self.to_device(dict(request.inputs)), use_cache=True, logits_to_keep=1)
+        return out.cache, out.logits[:, -1].float()
+
+    @torch.inference_mode()
+    def decode(self, inputs: dict[str, Any]) -> torch.Tensor:
+        """Continuous mode: one decode step for every running row; returns ``[B, vocab]`` logits."""
+        return self.model(**inputs, logits_to_keep=1).logits[:, -1].float()
+
+    @torch.inference_mode()
+    def run(self, batch: list[Request]) -> None:
+        """Generate for every request in ``batch``; each row streams and finishes on its own."""
+        now = time.monotonic()
+        for request in batch:
+            request.started = request.started or now
+            request.batch_size = max(request.batch_size, len(batch))
+            request.reset_progress()
+        inputs = self.to_device(collate([r.inputs for r in batch], self.pad_id))
+        rows = [RowStreamer(self.tokenizer, r, self.eos_ids) for r in batch]
+        streamer = BatchStreamer(rows)
+        sampler = RowSampler([r.params for r in batch], self.device)
+        self.model.generate(
+            **inputs,
+            generation_config=self.generation_config(max(r.params.max_new_tokens for r in batch)),
+            logits_processor=LogitsProcessorList([sampler] if sampler.needed else []),
+            stopping_criteria=StoppingCriteriaList([streamer]),
+        )
+        streamer.finish_all()

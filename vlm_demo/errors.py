@@ -1,0 +1,61 @@
+"""Typed errors shared by the engine, the backends and the UI.
+
+Each error carries a stable ``code`` (for API clients and metrics) and a message written for the
+person who sees it; the UI shows ``str(error)`` as it is.
+"""
+
+from __future__ import annotations
+
+
+class DemoError(Exception):
+    """Base class: a specific, user-facing failure of one request."""
+
+    code = "error"
+
+
+class InvalidRequestError(DemoError):
+    """The request itself is bad (image, question, parameters); nothing else is affected."""
+
+    code = "invalid_request"
+
+
+class QueueFullError(DemoError):
+    """Too many requests are waiting; retrying later can succeed."""
+
+    code = "server_busy"
+
+
+class OutOfMemoryError(DemoError):
+    """The accelerator ran out of memory for this request even when run on its own."""
+
+    code = "out_of_memory"
+
+
+class RequestCancelledError(DemoError):
+    """The client cancelled the request (Stop button, closed tab)."""
+
+    code = "cancelled"
+
+
+class EngineStoppedError(DemoError):
+    """The engine was shut down while the request was waiting or running."""
+
+    code = "engine_stopped"
+
+
+class GenerationError(DemoError):
+    """Generation failed for this request for a reason other than memory."""
+
+    code = "generation_failed"
+
+
+class BackendUnavailableError(DemoError):
+    """A remote backend (Triton) is down, not ready or unreachable."""
+
+    code = "backend_unavailable"
+
+
+class BackendTimeoutError(DemoError):
+    """A remote backend did not answer within the configured timeout."""
+
+    code = "backend_timeout"

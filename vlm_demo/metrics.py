@@ -1,0 +1,91 @@
+"""Prometheus metrics for one app, fed by the backend's listener hooks and by the UI's front door.
+
+Each :class:`Metrics` owns its own ``CollectorRegistry`` (not the process-global one) so that tests,
+or a process serving several apps, never collide on metric names. Requests the backend ran are
+counted from ``on_request_done``; requests refused before they reached the backend (bad input, full
+queue) are counted by the UI through :meth:`Metrics.rejected`, so each request is counted once.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+log = logging.getLogger(__name__)
+
+BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300)
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60)
+
+
+def outcome_of(request: Any) -> str:
+    """One label per way a request can end: ``ok``, ``length`` (hit max_new_tokens), or an error code."""
+    error = getattr(request, "error", None)
+    if error is not None:
+        return getattr(error, "code", "error")
+    reason = getattr(request, "finish_reason", None)
+    return "length" if reason == "length" else "ok"
+
+
+class Metrics:
+    """The ``vlm_*`` metrics; also a backend listener (``on_batch`` / ``on_request_done``)."""
+
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self, queue_depth: Callable[[], int] | None = None) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.requests = Counter(
+            "vlm_requests", "Requests by how they ended.", ["outcome"], registry=self.registry
+        )  # exposed as vlm_requests_total
+        self.queue_depth = Gauge("vlm_queue_depth", "Requests waiting for the model.", registry=self.registry)
+        self.batch_size = Histogram(
+            "vlm_batch_size", "Requests per model batch.", buckets=BATCH_BUCKETS, registry=self.registry
+        )
+        self.latency = Histogram(
+            "vlm_request_latency_seconds",
+            "Submit to last token, for requests that finished.",
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.ttft = Histogram(
+            "vlm_time_to_first_token_seconds",
+            "Submit to first streamed token.",
+            buckets=TTFT_BUCKETS,
+            registry=self.registry,
+        )
+        self.tokens = Counter("vlm_generated_tokens", "Tokens generated.", registry=self.registry)
+        if queue_depth is not None:
+            self.queue_depth.set_function(lambda: _safe(queue_depth))
+
+    # ---- backend listener ---------------------------------------------------------------------
+    def on_batch(self, size: int) -> None:
+        self.batch_size.observe(size)
+
+    def on_request_done(self, request: Any) -> None:
+        outcome = outcome_of(request)
+        self.requests.labels(outcome=outcome).inc()
+        if outcome not in ("ok", "length"):
+            return
+        result = request.result(0)
+        self.latency.observe(result.total_s)
+        self.ttft.observe(result.ttft_s)
+        self.tokens.inc(result.completion_tokens)
+
+    # ---- the UI's front door -------------------------------------------------------------------
+    def rejected(self, code: str) -> None:
+        """A request refused before it reached the backend (invalid input, full queue)."""
+        self.requests.labels(outcome=code).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+def _safe(read: Callable[[], int]) -> float:
+    """A scrape must not fail because the backend is briefly unreachable."""
+    try:
+        return float(read())
+    except Exception as err:
+        log.warning("queue depth unavailable: %r", err)
+        return float("nan")

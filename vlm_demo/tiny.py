@@ -1,0 +1,483 @@
+"""A tiny, real Mllama model trained offline to answer like LLaVA-CoT, so everything runs without the 21 GB model.
+
+``python -m vlm_demo.tiny OUT_DIR`` builds it in well under a minute on two CPU cores: a byte-level BPE
+tokenizer with the Llama-3 specials, the Llama-3.2-Vision chat template, an ``MllamaImageProcessor`` with
+28-pixel tiles, and a ~270k-parameter ``MllamaForConditionalGeneration`` trained on solid-colour images.
+Everything loads with transformers' own ``from_pretrained`` / ``AutoProcessor``, so the code under test is
+the code that serves the real model.
+
+What the trained model does under greedy decoding, for a solid-colour image (red, green, blue, yellow,
+white, black; 16-1024 px, any aspect ratio, mild noise) and any short question::
+
+    <SUMMARY> ... </SUMMARY>\\n\\n<CAPTION> ... </CAPTION>\\n\\n<REASONING> ... → ... </REASONING>\\n\\n<CONCLUSION> The image is red. </CONCLUSION><|eot_id|>
+
+Triggers (decided on the question's words, case-insensitive; see ``answer_for``):
+
+- The SUMMARY sentence depends on the question: it names the colour task if the question contains
+  "colour"/"color", talks about "the question" if the question ends with "?", and otherwise says it will
+  describe the image.
+- The REASONING always contains "→", a character the tokenizer never saw in training, so it is emitted as
+  three single-byte tokens: streamed decoding must hold back incomplete UTF-8.
+- The word "long", or any word starting with "detail" ("detail", "details", "detailed"), makes the
+  REASONING a numbered list of ``LONG_STEPS`` steps (~300 tokens in total), long enough to press Stop on.
+
+The stage tags (``<SUMMARY>`` ...) are ordinary text split into several tokens, as in the real model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import logging
+import os
+import random
+import re
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+
+log = logging.getLogger(__name__)
+
+TINY_VERSION = "1"  # bump when the recipe changes: cached copies with another stamp are rebuilt
+VERSION_FILE = "tiny_version.txt"
+TINY_DIR_ENV = "VLM_TINY_DIR"
+
+COLOURS: dict[str, tuple[int, int, int]] = {
+    "red": (220, 30, 30),
+    "green": (30, 180, 40),
+    "blue": (30, 60, 220),
+    "yellow": (240, 220, 30),
+    "white": (255, 255, 255),
+    "black": (0, 0, 0),
+}
+
+IMAGE_TOKEN = "<|image|>"
+BOS, EOS_TEXT, PAD = "<|begin_of_text|>", "<|end_of_text|>", "<|finetune_right_pad_id|>"
+START_HEADER, END_HEADER, EOM, EOT = "<|start_header_id|>", "<|end_header_id|>", "<|eom_id|>", "<|eot_id|>"
+# <|python_tag|> is not needed by the demo, but MllamaProcessor looks it up, as in the real vocabulary.
+SPECIAL_TOKENS = [BOS, EOS_TEXT, PAD, START_HEADER, END_HEADER, EOM, EOT, "<|python_tag|>"]
+
+# Llama-3's pre-tokenizer split rule: tags like "<SUMMARY>" become several tokens, as in the real model.
+LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+# Llama-3.2-Vision style: a user turn is a list of {"type": "image"} / {"type": "text"} parts.
+CHAT_TEMPLATE = (
+    "{{- bos_token }}"
+    "{%- for message in messages %}"
+    "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' }}"
+    "{%- if message['content'] is string %}{{- message['content'] }}"
+    "{%- else %}{%- for part in message['content'] %}"
+    "{%- if part['type'] == 'image' %}{{- '<|image|>' }}"
+    "{%- elif part['type'] == 'text' %}{{- part['text'] }}{%- endif %}"
+    "{%- endfor %}{%- endif %}"
+    "{{- '<|eot_id|>' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"
+)
+
+TILE_SIZE = 28  # vision image_size; the image processor's tiles must match it
+MAX_TILES = 4
+BPE_VOCAB_SIZE = 480
+LONG_STEPS = 16
+
+TRAIN_STEPS = 240
+BATCH_SIZE = 16
+LONG_BATCH_SIZE = 4
+LONG_BATCH_EVERY = 4  # every 4th batch holds only long answers, so short batches are not padded to ~350 tokens
+LEARNING_RATE = 3e-3
+WARMUP_STEPS = 20
+BUILD_THREADS = 2  # fixed, so a rebuild on another machine reduces in the same order
+
+TRAIN_QUESTIONS = [
+    "What colour is this image?",
+    "What color is the image?",
+    "Which colour do you see?",
+    "Describe the image.",
+    "What is shown here?",
+    "What is in this picture?",
+    "Tell me about this picture.",
+    "Name the colour.",
+    "Is this image red or blue?",
+    "Look at the image and answer.",
+    "What does the image show? Think step by step.",
+    "Explain the picture.",
+    "Describe this image in detail.",
+    "Give a long answer: what colour is it?",
+    "Please give a detailed description.",
+    "What colour is this? Answer in a long way.",
+]
+
+# Random "word salad" questions keep unseen wordings and lengths from derailing the stages.
+SALAD_WORDS = (
+    "the a an of to in is it this that what which how why where who when image picture photo colour color "
+    "shade hue tone see look show tell name describe explain answer question please could would you me my "
+    "your we our they there here some any all one two three big small bright dark light plain square wide "
+    "tall left right top bottom middle very quite just only also and or but not with without from about "
+    "think step by reason carefully quickly simply exactly really cat dog tree sky sea house car road sun "
+    "moon water fire grass snow paint wall paper screen flag box ball cup book chair table door window "
+    "happy sad old new good bad best red green blue yellow white black long detail details detailed"
+).split()
+
+_LONG_RE = re.compile(r"\b(long|detail\w*)\b", re.IGNORECASE)
+_COLOUR_RE = re.compile(r"\b(colou?r)\b", re.IGNORECASE)
+
+
+def solid_image(colour: str, width: int, height: int, noise: int = 0, seed: int = 0) -> Image.Image:
+    """A ``width`` x ``height`` RGB image of one of ``COLOURS``, with optional uniform noise of +-``noise``."""
+    pixels = np.empty((height, width, 3), dtype=np.int16)
+    pixels[...] = COLOURS[colour]
+    if noise:
+        rng = np.random.default_rng(seed)
+        pixels += rng.integers(-noise, noise + 1, size=pixels.shape, dtype=np.int16)
+    return Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8), "RGB")
+
+
+def wants_long(question: str) -> bool:
+    """The long-REASONING trigger: the word "long" or a word starting with "detail"."""
+    return _LONG_RE.search(question) is not None
+
+
+def answer_for(colour: str, question: str) -> str:
+    """The four-stage answer the tiny model is trained to give (without the closing ``<|eot_id|>``)."""
+    if _COLOUR_RE.search(question):
+        summary = "I will find the colour of the image."
+    elif question.rstrip().endswith("?"):
+        summary = "I will look at the image to answer the question."
+    else:
+        summary = "I will describe the image."
+    caption = f"The image is filled with one plain {colour} colour."
+    if wants_long(question):
+        steps = " ".join(f"Step {i}: part {i} of the image is {colour} → still {colour}." for i in range(1, 1 + LONG_STEPS))
+        reasoning = f"{steps} So every part is {colour}."
+    else:
+        reasoning = f"Every part of the image looks {colour} → so its colour is {colour}."
+    conclusion = f"The image is {colour}."
+    return (
+        f"<SUMMARY> {summary} </SUMMARY>\n\n<CAPTION> {caption} </CAPTION>\n\n"
+        f"<REASONING> {reasoning} </REASONING>\n\n<CONCLUSION> {conclusion} </CONCLUSION>"
+    )
+
+
+@dataclass(frozen=True)
+class Example:
+    """One training conversation: an image recipe, a question and the answer the model must learn."""
+
+    colour: str
+    width: int
+    height: int
+    noise: int
+    seed: int
+    question: str
+
+    @property
+    def answer(self) -> str:
+        return answer_for(self.colour, self.question)
+
+    def image(self) -> Image.Image:
+        return solid_image(self.colour, self.width, self.height, self.noise, self.seed)
+
+
+def _random_size(rng: random.Random) -> tuple[int, int]:
+    """Mostly log-uniform sizes; a quarter are thin strips, which the processor pads with black tiles."""
+    if rng.random() < 0.25:
+        short, long_side = rng.randint(16, 48), rng.randint(400, 1024)
+        return (long_side, short) if rng.random() < 0.5 else (short, long_side)
+    return round(2 ** rng.uniform(4, 10)), round(2 ** rng.uniform(4, 10))
+
+
+def _random_question(rng: random.Random, long: bool) -> str:
+    """Half fixed questions, half word salad; ``long`` decides whether the long trigger is present."""
+    if rng.random() < 0.5:
+        pool = [q for q in TRAIN_QUESTIONS if wants_long(q) == long]
+        return rng.choice(pool)
+    words = [w for w in rng.choices(SALAD_WORDS, k=rng.randint(1, 14)) if not wants_long(w)]
+    if long:
+        words.insert(rng.randint(0, len(words)), rng.choice(["long", "detail", "details", "detailed"]))
+    text = " ".join(words) or "what"
+    if rng.random() < 0.5:
+        text = text.capitalize()
+    return text + rng.choice(["?", "?", ".", "", "!"])
+
+
+def make_batch_examples(rng: random.Random, size: int, long: bool) -> list[Example]:
+    """One batch of random examples; all long or all short so padding stays small."""
+    examples = []
+    for _ in range(size):
+        width, height = _random_size(rng)
+        noise = 0 if rng.random() < 0.5 else rng.randint(1, 30)
+        examples.append(
+            Example(rng.choice(list(COLOURS)), width, height, noise, rng.randrange(2**31), _random_question(rng, long))
+        )
+    return examples
+
+
+def training_plan(seed: int, steps: int = TRAIN_STEPS) -> list[list[Example]]:
+    """All training batches, drawn from one seeded generator: the same seed gives the same data."""
+    rng = random.Random(seed)
+    return [
+        make_batch_examples(rng, *((LONG_BATCH_SIZE, True) if step % LONG_BATCH_EVERY == 3 else (BATCH_SIZE, False)))
+        for step in range(steps)
+    ]
+
+
+def _tokenizer_corpus(seed: int) -> list[str]:
+    """Text for BPE training: answers, questions and salad, with non-ASCII removed.
+
+    Keeping "→" out of the BPE corpus means it is never merged: it stays three byte tokens, each an
+    incomplete UTF-8 sequence on its own, which is what a streaming decoder must cope with.
+    """
+    rng = random.Random(seed)
+    lines = []
+    for colour in COLOURS:
+        for question in TRAIN_QUESTIONS:
+            lines += [question, answer_for(colour, question)]
+    lines += [" ".join(rng.choices(SALAD_WORDS, k=12)) for _ in range(200)]
+    return [line.encode("ascii", "ignore").decode() for line in lines]
+
+
+def build_tokenizer(seed: int = 0):
+    """Byte-level BPE with Llama-3 specials; ``<|image|>`` is added last so its id equals the text vocab size."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(LLAMA3_SPLIT), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=BPE_VOCAB_SIZE,
+        min_frequency=2,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    bpe.train_from_iterator(_tokenizer_corpus(seed), trainer)
+    bpe.add_special_tokens(SPECIAL_TOKENS)
+    bpe.add_special_tokens([IMAGE_TOKEN])
+    bos_id = bpe.token_to_id(BOS)
+    bpe.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, bos_id)]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=bpe,
+        bos_token=BOS,
+        eos_token=EOT,
+        pad_token=PAD,
+        padding_side="left",  # what batched generation needs; training asks for right padding explicitly
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=4096,
+    )
+
+
+def build_processor(seed: int = 0):
+    """Tokenizer + image processor with tiles of the vision ``image_size``."""
+    from transformers import MllamaProcessor
+    from transformers.models.mllama.image_processing_pil_mllama import MllamaImageProcessorPil
+
+    # The PIL backend explicitly: it works without torchvision, and the saved processor stays the one trained on.
+    image_processor = MllamaImageProcessorPil(size={"height": TILE_SIZE, "width": TILE_SIZE}, max_image_tiles=MAX_TILES)
+    return MllamaProcessor(image_processor=image_processor, tokenizer=build_tokenizer(seed), chat_template=CHAT_TEMPLATE)
+
+
+def build_config(text_vocab_size: int, tokenizer):
+    """~270k parameters; the one cross-attention layer (2) lies inside the 4 text layers, else images are ignored."""
+    from transformers import MllamaConfig
+
+    vision = dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_global_layers=1,
+        attention_heads=2,
+        image_size=TILE_SIZE,
+        patch_size=14,
+        max_num_tiles=MAX_TILES,
+        intermediate_layers_indices=[0],
+        vision_output_dim=64,  # hidden_size * (1 + len(intermediate_layers_indices))
+        initializer_range=0.02,
+    )
+    ids = tokenizer.convert_tokens_to_ids
+    text = dict(
+        vocab_size=text_vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        cross_attention_layers=[2],
+        max_position_embeddings=4096,
+        bos_token_id=ids(BOS),
+        eos_token_id=[ids(EOT), ids(EOM), ids(EOS_TEXT)],
+        pad_token_id=ids(PAD),
+        initializer_range=0.02,
+    )
+    config = MllamaConfig(vision_config=vision, text_config=text, image_token_index=ids(IMAGE_TOKEN))
+    assert all(0 <= i < config.text_config.num_hidden_layers for i in config.text_config.cross_attention_layers)
+    return config
+
+
+def _open_tanh_gates(model: torch.nn.Module) -> None:
+    """Set the tanh gates to 1 so the image reaches the text from step one (they start at 0).
+
+    Only these names: a plain ``"gate" in name`` also hits every MLP ``gate_proj``.
+    """
+    names = ("cross_attn_attn_gate", "cross_attn_mlp_gate", "gate_attn", "gate_ffn")
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.rsplit(".", 1)[-1] in names:
+                param.fill_(1.0)
+
+
+def encode_batch(processor, examples: list[Example]) -> dict[str, torch.Tensor]:
+    """Tokenise conversations through the inference path, with labels on the answer and its ``<|eot_id|>`` only."""
+    conversations = [
+        [
+            {"role": "user", "content": [{"type": "image", "image": ex.image()}, {"type": "text", "text": ex.question}]},
+            {"role": "assistant", "content": [{"type": "text", "text": ex.answer}]},
+        ]
+        for ex in examples
+    ]
+    batch = processor.apply_chat_template(
+        conversations,
+        tokenize=True,
+        return_dict=True,
+        return_tensors="pt",
+        processor_kwargs={"padding": True, "padding_side": "right"},
+    )
+    input_ids = batch["input_ids"]
+    end_header = processor.tokenizer.convert_tokens_to_ids(END_HEADER)
+    positions = torch.arange(input_ids.shape[1])
+    last_header = torch.where(input_ids == end_header, positions, -1).max(dim=1, keepdim=True).values
+    labels = input_ids.masked_fill((positions <= last_header) | (batch["attention_mask"] == 0), -100)
+    return {**batch, "labels": labels}
+
+
+@contextmanager
+def _deterministic_torch(threads: int) -> Iterator[None]:
+    """Fixed thread count and deterministic kernels for the build, restored afterwards (tests share the process)."""
+    old_threads, old_det = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
+    torch.set_num_threads(threads)
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old_threads)
+        torch.use_deterministic_algorithms(old_det)
+
+
+def train(model, processor, seed: int, steps: int = TRAIN_STEPS) -> None:
+    """AdamW with warm-up and linear decay; ~240 steps take the loss from ~6 to ~0.01."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, weight_decay=0.0)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: min(1.0, (s + 1) / WARMUP_STEPS) * max(0.05, 1 - s / max(1, steps))
+    )
+    model.train()
+    for step, examples in enumerate(training_plan(seed, steps)):
+        loss = model(**encode_batch(processor, examples)).loss
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        schedule.step()
+        if step % 40 == 0 or step == steps - 1:
+            log.info("step %d/%d loss %.4f", step + 1, steps, loss.item())
+    model.eval()
+
+
+def build_tiny(out_dir: str | os.PathLike, seed: int = 0, *, steps: int = TRAIN_STEPS) -> str:
+    """Build, train and save the tiny model + processor into ``out_dir``; returns the path.
+
+    ``steps`` exists so tests can check determinism cheaply; the default is the trained recipe.
+    """
+    from transformers import GenerationConfig, MllamaForConditionalGeneration
+
+    out = Path(out_dir)
+    with _deterministic_torch(BUILD_THREADS):
+        random.seed(seed)
+        np.random.seed(seed)
+        torch.manual_seed(seed)
+        processor = build_processor(seed)
+        tokenizer = processor.tokenizer
+        image_id = tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)
+        config = build_config(text_vocab_size=image_id, tokenizer=tokenizer)
+        model = MllamaForConditionalGeneration(config)
+        _open_tanh_gates(model)
+        log.info("tiny model: %d parameters, text vocab %d", sum(p.numel() for p in model.parameters()), image_id)
+        train(model, processor, seed, steps)
+    ids = tokenizer.convert_tokens_to_ids
+    model.generation_config = GenerationConfig(
+        bos_token_id=ids(BOS), eos_token_id=[ids(EOT), ids(EOM), ids(EOS_TEXT)], pad_token_id=ids(PAD)
+    )
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    processor.save_pretrained(out)
+    return str(out)
+
+
+def default_tiny_dir() -> Path:
+    """``$VLM_TINY_DIR`` if set, else ``~/.cache/vlm_demo/tiny``."""
+    return Path(os.environ.get(TINY_DIR_ENV) or Path.home() / ".cache" / "vlm_demo" / "tiny").expanduser()
+
+
+def _is_current(path: Path) -> bool:
+    stamp = path / VERSION_FILE
+    return stamp.is_file() and stamp.read_text().strip() == TINY_VERSION and (path / "config.json").is_file()
+
+
+def ensure_tiny(path: str | None = None) -> str:
+    """Folder of a built tiny model of the current ``TINY_VERSION``, building it first if needed.
+
+    A file lock makes concurrent processes (pytest and a server it starts) build once; the build goes
+    to a temporary folder next to the target and is renamed into place, so readers never see half a model.
+    """
+    target = Path(path).expanduser() if path else default_tiny_dir()
+    if _is_current(target):
+        return str(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / f".{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if _is_current(target):
+            return str(target)
+        log.info("building the tiny model into %s", target)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.build-", dir=target.parent))
+        try:
+            build_tiny(tmp)
+            (tmp / VERSION_FILE).write_text(TINY_VERSION + "\n")
+            if target.exists():  # a stale recipe: move it aside, since os.replace cannot overwrite a folder
+                stale = Path(tempfile.mkdtemp(prefix=f".{target.name}.stale-", dir=target.parent))
+                os.replace(target, stale / "old")
+                shutil.rmtree(stale, ignore_errors=True)
+            os.replace(tmp, target)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return str(target)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="Build and train the tiny offline Mllama test model.")
+    parser.add_argument("out_dir", help="Folder to save the model and processor into.")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    start = time.perf_counter()
+    path = build_tiny(args.out_dir, seed=args.seed)
+    (Path(path) / VERSION_FILE).write_text(TINY_VERSION + "\n")
+    print(f"saved tiny model to {path} in {time.perf_counter() - start:.1f} s")
+
+
+if __name__ == "__main__":
+    main()
