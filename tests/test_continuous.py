@@ -42,7 +42,9 @@ def make_engine(worker) -> Iterator:
     engines: list[Engine] = []
 
     def make(**kwargs) -> ContinuousEngine:
-        engine = ContinuousEngine(worker, **{"max_batch_size": 4, "batch_window_ms": 0.0, **kwargs})
+        engine = ContinuousEngine(
+            worker, **{"max_batch_size": 4, "batch_window_ms": 0.0, "max_new_tokens_cap": 5000, **kwargs}
+        )
         engines.append(engine)
         return engine
 
@@ -112,7 +114,9 @@ def test_colours_never_cross_under_staggered_load(make_engine) -> None:
     engine = make_engine(max_batch_size=3)
     handles = []
     for i, colour in enumerate(COLOURS):
-        handles.append((colour, engine.submit(solid_image(colour, 40 + 90 * i, 200, noise=6, seed=i), "Which colour?", GREEDY)))
+        handles.append(
+            (colour, engine.submit(solid_image(colour, 40 + 90 * i, 200, noise=6, seed=i), "Which colour?", GREEDY))
+        )
         time.sleep(0.03 * i)
     for colour, handle in handles:
         assert conclusion_colour(handle.result(timeout=120).text) == colour
@@ -124,7 +128,9 @@ def test_limits_hold_and_memory_returns_to_baseline(make_engine) -> None:
     sizes = Sizes()
     engine.add_listener(sizes)
     peaks = []
-    handles = [engine.submit(solid_image(c, 64, 64), "Colour?", SamplingParams(60, 0.0, ignore_eos=True)) for c in COLOURS * 2]
+    handles = [
+        engine.submit(solid_image(c, 64, 64), "Colour?", SamplingParams(60, 0.0, ignore_eos=True)) for c in COLOURS * 2
+    ]
     while not all(h.done for h in handles):
         stats = engine.stats()
         peaks.append((stats["running"], stats["cached_token_slots"]))

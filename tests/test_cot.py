@@ -20,7 +20,12 @@ ANY_TAG = re.compile(r"</?\s*(SUMMARY|CAPTION|REASONING|CONCLUSION)\s*>", re.IGN
 
 def test_well_formed_answer_splits_into_four_stages() -> None:
     s = parse_stages(WELL_FORMED, final=True)
-    assert s.as_tuple() == ("I will look at the image.", "A red square.", "The whole image is one colour, x < 5.", "red")
+    assert s.as_tuple() == (
+        "I will look at the image.",
+        "A red square.",
+        "The whole image is one colour, x < 5.",
+        "red",
+    )
     assert s.extra == "" and s.active is None and s.seen == STAGES
 
 
@@ -102,7 +107,7 @@ _content = st.text(alphabet=st.characters(blacklist_characters="<>", blacklist_c
 @given(st.tuples(_content, _content, _content, _content))
 def test_fuzz_streamed_prefixes_only_ever_grow_toward_the_final_text(contents: tuple[str, ...]) -> None:
     """What a viewer sees mid-stream is always a prefix of the final stage text: no flicker, no tag bits."""
-    text = "".join(f"<{n.upper()}>{c}</{n.upper()}>\n" for n, c in zip(STAGES, contents))
+    text = "".join(f"<{n.upper()}>{c}</{n.upper()}>\n" for n, c in zip(STAGES, contents, strict=True))
     final = parse_stages(text, final=True)
     assert final.as_tuple() == tuple(c.strip() for c in contents)
     for cut in range(len(text) + 1):

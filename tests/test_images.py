@@ -131,7 +131,7 @@ def test_colour_modes_become_8bit_rgb(image: Image.Image, fmt: str, expected) ->
     if expected == "red":
         assert pixel[0] > 200 and pixel[1] < 60 and pixel[2] < 60, pixel
     elif expected is not None:
-        assert all(abs(a - b) <= 2 for a, b in zip(pixel, expected)), pixel
+        assert all(abs(a - b) <= 2 for a, b in zip(pixel, expected, strict=True)), pixel
 
 
 def test_sixteen_bit_is_scaled_not_clipped_to_white() -> None:
@@ -152,7 +152,9 @@ def test_animated_gif_gives_its_first_frame() -> None:
 @given(st.data())
 def test_fuzz_damaged_files_give_an_image_or_a_specific_error(data) -> None:
     """Flipped, cut or random bytes never escape as anything but InvalidRequestError."""
-    base = data.draw(st.sampled_from([RED_PNG, encode(Image.new("RGB", (16, 16)), "JPEG"), encode(Image.new("P", (8, 8)), "GIF")]))
+    base = data.draw(
+        st.sampled_from([RED_PNG, encode(Image.new("RGB", (16, 16)), "JPEG"), encode(Image.new("P", (8, 8)), "GIF")])
+    )
     blob = bytearray(base[: data.draw(st.integers(0, len(base)))])
     for _ in range(data.draw(st.integers(0, 6))):
         if blob:

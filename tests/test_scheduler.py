@@ -47,15 +47,17 @@ def test_request_arriving_inside_the_window_joins_the_batch() -> None:
     assert sched.next_batch(timeout=2) == [a, b]
 
 
-def test_requests_that_already_waited_out_the_window_start_immediately() -> None:
+def test_window_counts_from_when_the_worker_asks_not_from_arrival() -> None:
+    """Requests queued while the worker was busy still get one window for company to arrive."""
     sched = Scheduler(max_batch_size=8, batch_window_s=0.2, max_queue=10)
-    a, b = make(), make()
-    a.arrival -= 1.0  # queued while the worker was busy
+    a, b, c = make(), make(), make()
+    a.arrival -= 1.0  # queued long ago, while the worker was busy
     sched.add(a)
     sched.add(b)
+    threading.Timer(0.05, sched.add, args=(c,)).start()  # a client whose answer just finished
     start = time.monotonic()
-    assert sched.next_batch(timeout=2) == [a, b]
-    assert time.monotonic() - start < 0.1
+    assert sched.next_batch(timeout=2) == [a, b, c]
+    assert time.monotonic() - start < 0.5
 
 
 def test_queue_full_is_refused_at_once_with_a_clear_message() -> None:

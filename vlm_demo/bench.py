@@ -234,6 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="tiny", help="model id, folder, or 'tiny'")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--cpu-threads", type=int, default=1, help="torch threads on CPU")
     p.add_argument("--concurrency", default="1,2,4,8", help="comma-separated closed-loop client counts")
     p.add_argument("--requests", type=int, default=32, help="requests per (mode, concurrency)")
     p.add_argument("--max-new-tokens", type=int, default=48, help="forced output length (uniform lengths)")
@@ -261,7 +262,7 @@ def backend_factories(args: argparse.Namespace) -> dict[str, tuple[int, Callable
     factories: dict[str, tuple[int, Callable[[], Any]]] = {}
     worker: Worker | None = None
     if any(m != "triton" for m in modes):
-        worker = Worker.load(args.model, args.device, args.dtype)
+        worker = Worker.load(args.model, args.device, args.dtype, cpu_threads=args.cpu_threads)
 
     def local(max_batch: int, batching: str) -> Callable[[], Any]:
         def make() -> Any:

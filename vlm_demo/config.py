@@ -30,6 +30,10 @@ class Config:
     dtype: str = field(
         default="auto", metadata={"help": "auto (bf16 on GPU, fp32 on CPU) | bfloat16 | float16 | float32"}
     )
+    cpu_threads: int = field(
+        default=1,
+        metadata={"help": "torch threads when running on CPU (1 is fastest for the tiny model on a busy box)."},
+    )
     host: str = field(default="127.0.0.1", metadata={"help": "Bind address (also GRADIO_SERVER_NAME)."})
     port: int = field(default=7860, metadata={"help": "Port (also GRADIO_SERVER_PORT)."})
     batching: str = field(

@@ -9,7 +9,8 @@ queue) are counted by the UI through :meth:`Metrics.rejected`, so each request i
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 

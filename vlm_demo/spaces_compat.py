@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Callable, TypeVar
+from collections.abc import Callable
+from typing import TypeVar
 
 log = logging.getLogger(__name__)
 

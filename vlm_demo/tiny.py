@@ -36,6 +36,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -89,15 +90,16 @@ CHAT_TEMPLATE = (
 TILE_SIZE = 28  # vision image_size; the image processor's tiles must match it
 MAX_TILES = 4
 BPE_VOCAB_SIZE = 480
-LONG_STEPS = 16
+LONG_STEPS = 30
 
 TRAIN_STEPS = 240
 BATCH_SIZE = 16
-LONG_BATCH_SIZE = 4
-LONG_BATCH_EVERY = 4  # every 4th batch holds only long answers, so short batches are not padded to ~350 tokens
+LONG_BATCH_SIZE = 6
+LONG_BATCH_EVERY = 4  # every 4th batch holds only full long answers
+PREFIX_SHARE = 0.2  # rows of short batches that are the first steps of a long answer
 LEARNING_RATE = 3e-3
 WARMUP_STEPS = 20
-BUILD_THREADS = 2  # fixed, so a rebuild on another machine reduces in the same order
+BUILD_THREADS = 1  # fixed for reproducible sums; 2 threads ran 13x slower when another process shared the 2 cores
 
 TRAIN_QUESTIONS = [
     "What colour is this image?",
@@ -129,6 +131,8 @@ SALAD_WORDS = (
     "happy sad old new good bad best red green blue yellow white black long detail details detailed"
 ).split()
 
+GIBBERISH_LETTERS = "abcdefghijklmnopqrstuvwxyzabcdefghijklmnopqrstuvwxyzéèàçüöñ'-"
+
 _LONG_RE = re.compile(r"\b(long|detail\w*)\b", re.IGNORECASE)
 _COLOUR_RE = re.compile(r"\b(colou?r)\b", re.IGNORECASE)
 
@@ -150,16 +154,19 @@ def wants_long(question: str) -> bool:
 
 def answer_for(colour: str, question: str) -> str:
     """The four-stage answer the tiny model is trained to give (without the closing ``<|eot_id|>``)."""
-    if _COLOUR_RE.search(question):
+    long = wants_long(question)
+    if long:
+        summary = "I will look at every part of the image in detail."
+    elif _COLOUR_RE.search(question):
         summary = "I will find the colour of the image."
     elif question.rstrip().endswith("?"):
         summary = "I will look at the image to answer the question."
     else:
         summary = "I will describe the image."
     caption = f"The image is filled with one plain {colour} colour."
-    if wants_long(question):
-        steps = " ".join(f"Step {i}: part {i} of the image is {colour} → still {colour}." for i in range(1, 1 + LONG_STEPS))
-        reasoning = f"{steps} So every part is {colour}."
+    if long:
+        parts = ", ".join(f"part {i} is {colour}" for i in range(1, 1 + LONG_STEPS))
+        reasoning = f"Step by step: {parts} → so every part is {colour}."
     else:
         reasoning = f"Every part of the image looks {colour} → so its colour is {colour}."
     conclusion = f"The image is {colour}."
@@ -171,7 +178,11 @@ def answer_for(colour: str, question: str) -> str:
 
 @dataclass(frozen=True)
 class Example:
-    """One training conversation: an image recipe, a question and the answer the model must learn."""
+    """One training conversation: an image recipe, a question and the answer the model must learn.
+
+    ``prefix_steps > 0`` keeps only the long answer's first steps: cheap rows that teach the long trigger
+    and the step counting inside short batches (their ``<|eot_id|>`` gets no label).
+    """
 
     colour: str
     width: int
@@ -179,21 +190,38 @@ class Example:
     noise: int
     seed: int
     question: str
+    prefix_steps: int = 0
 
     @property
     def answer(self) -> str:
-        return answer_for(self.colour, self.question)
+        answer = answer_for(self.colour, self.question)
+        if self.prefix_steps:
+            answer = answer[: answer.index(f", part {self.prefix_steps + 1} ")]
+        return answer
 
     def image(self) -> Image.Image:
         return solid_image(self.colour, self.width, self.height, self.noise, self.seed)
 
 
 def _random_size(rng: random.Random) -> tuple[int, int]:
-    """Mostly log-uniform sizes; a quarter are thin strips, which the processor pads with black tiles."""
-    if rng.random() < 0.25:
-        short, long_side = rng.randint(16, 48), rng.randint(400, 1024)
+    """Mostly log-uniform sizes; 40% are strips, which the processor pads with black tiles.
+
+    Half of the strips are the extreme 16-24 px x 600-1024 px kind: resized into 4 tiles of 28 px they keep
+    one row of colour per tile, and without them the model answers "black".
+    """
+    if rng.random() < 0.4:
+        if rng.random() < 0.5:
+            long_side, short = rng.randint(600, 1024), rng.randint(16, 24)
+        else:
+            long_side = rng.randint(256, 1024)
+            short = max(16, round(long_side / 2 ** rng.uniform(1.5, 5)))
         return (long_side, short) if rng.random() < 0.5 else (short, long_side)
     return round(2 ** rng.uniform(4, 10)), round(2 ** rng.uniform(4, 10))
+
+
+def _gibberish(rng: random.Random) -> str:
+    """A made-up word (some with accents or apostrophes): unseen words must not flip the long trigger."""
+    return "".join(rng.choices(GIBBERISH_LETTERS, k=rng.randint(1, 9)))
 
 
 def _random_question(rng: random.Random, long: bool) -> str:
@@ -201,7 +229,9 @@ def _random_question(rng: random.Random, long: bool) -> str:
     if rng.random() < 0.5:
         pool = [q for q in TRAIN_QUESTIONS if wants_long(q) == long]
         return rng.choice(pool)
-    words = [w for w in rng.choices(SALAD_WORDS, k=rng.randint(1, 14)) if not wants_long(w)]
+    count = rng.randint(0 if long else 1, 14)
+    words = [_gibberish(rng) if rng.random() < 0.25 else rng.choice(SALAD_WORDS) for _ in range(count)]
+    words = [w for w in words if not wants_long(w)]
     if long:
         words.insert(rng.randint(0, len(words)), rng.choice(["long", "detail", "details", "detailed"]))
     text = " ".join(words) or "what"
@@ -210,25 +240,30 @@ def _random_question(rng: random.Random, long: bool) -> str:
     return text + rng.choice(["?", "?", ".", "", "!"])
 
 
-def make_batch_examples(rng: random.Random, size: int, long: bool) -> list[Example]:
-    """One batch of random examples; all long or all short so padding stays small."""
-    examples = []
-    for _ in range(size):
-        width, height = _random_size(rng)
-        noise = 0 if rng.random() < 0.5 else rng.randint(1, 30)
-        examples.append(
-            Example(rng.choice(list(COLOURS)), width, height, noise, rng.randrange(2**31), _random_question(rng, long))
-        )
-    return examples
+def _random_example(rng: random.Random, long: bool, prefix_steps: int = 0) -> Example:
+    width, height = _random_size(rng)
+    noise = 0 if rng.random() < 0.5 else rng.randint(1, 30)
+    colour = rng.choice(list(COLOURS))
+    return Example(colour, width, height, noise, rng.randrange(2**31), _random_question(rng, long), prefix_steps)
+
+
+def make_batch_examples(rng: random.Random, long: bool) -> list[Example]:
+    """One batch: either ``LONG_BATCH_SIZE`` full long answers, or short answers mixed with long-answer prefixes.
+
+    Keeping full long answers in their own batches stops every short batch being padded to ~350 tokens.
+    """
+    if long:
+        return [_random_example(rng, True) for _ in range(LONG_BATCH_SIZE)]
+    return [
+        _random_example(rng, True, rng.randint(1, 8)) if rng.random() < PREFIX_SHARE else _random_example(rng, False)
+        for _ in range(BATCH_SIZE)
+    ]
 
 
 def training_plan(seed: int, steps: int = TRAIN_STEPS) -> list[list[Example]]:
     """All training batches, drawn from one seeded generator: the same seed gives the same data."""
     rng = random.Random(seed)
-    return [
-        make_batch_examples(rng, *((LONG_BATCH_SIZE, True) if step % LONG_BATCH_EVERY == 3 else (BATCH_SIZE, False)))
-        for step in range(steps)
-    ]
+    return [make_batch_examples(rng, long=step % LONG_BATCH_EVERY == LONG_BATCH_EVERY - 1) for step in range(steps)]
 
 
 def _tokenizer_corpus(seed: int) -> list[str]:
@@ -290,7 +325,9 @@ def build_processor(seed: int = 0):
 
     # The PIL backend explicitly: it works without torchvision, and the saved processor stays the one trained on.
     image_processor = MllamaImageProcessorPil(size={"height": TILE_SIZE, "width": TILE_SIZE}, max_image_tiles=MAX_TILES)
-    return MllamaProcessor(image_processor=image_processor, tokenizer=build_tokenizer(seed), chat_template=CHAT_TEMPLATE)
+    return MllamaProcessor(
+        image_processor=image_processor, tokenizer=build_tokenizer(seed), chat_template=CHAT_TEMPLATE
+    )
 
 
 def build_config(text_vocab_size: int, tokenizer):
@@ -304,7 +341,7 @@ def build_config(text_vocab_size: int, tokenizer):
         num_global_layers=1,
         attention_heads=2,
         image_size=TILE_SIZE,
-        patch_size=14,
+        patch_size=4,  # 7x7 patches per tile: the one row of colour a 1024x16 strip keeps is 1/4 of a patch
         max_num_tiles=MAX_TILES,
         intermediate_layers_indices=[0],
         vision_output_dim=64,  # hidden_size * (1 + len(intermediate_layers_indices))
@@ -320,6 +357,8 @@ def build_config(text_vocab_size: int, tokenizer):
         num_key_value_heads=2,
         cross_attention_layers=[2],
         max_position_embeddings=4096,
+        # Llama's theta of 500000 leaves a 16-dim head only ~3 useful frequencies over 300 tokens; counting needs more.
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
         bos_token_id=ids(BOS),
         eos_token_id=[ids(EOT), ids(EOM), ids(EOS_TEXT)],
         pad_token_id=ids(PAD),
@@ -346,7 +385,10 @@ def encode_batch(processor, examples: list[Example]) -> dict[str, torch.Tensor]:
     """Tokenise conversations through the inference path, with labels on the answer and its ``<|eot_id|>`` only."""
     conversations = [
         [
-            {"role": "user", "content": [{"type": "image", "image": ex.image()}, {"type": "text", "text": ex.question}]},
+            {
+                "role": "user",
+                "content": [{"type": "image", "image": ex.image()}, {"type": "text", "text": ex.question}],
+            },
             {"role": "assistant", "content": [{"type": "text", "text": ex.answer}]},
         ]
         for ex in examples
@@ -363,6 +405,9 @@ def encode_batch(processor, examples: list[Example]) -> dict[str, torch.Tensor]:
     positions = torch.arange(input_ids.shape[1])
     last_header = torch.where(input_ids == end_header, positions, -1).max(dim=1, keepdim=True).values
     labels = input_ids.masked_fill((positions <= last_header) | (batch["attention_mask"] == 0), -100)
+    for row, ex in enumerate(examples):
+        if ex.prefix_steps:  # a cut answer does not end here: no label on the template's closing <|eot_id|>
+            labels[row, batch["attention_mask"][row].sum() - 1] = -100
     return {**batch, "labels": labels}
 
 
@@ -379,6 +424,18 @@ def _deterministic_torch(threads: int) -> Iterator[None]:
         torch.use_deterministic_algorithms(old_det)
 
 
+def _prefetched(processor, plan: list[list[Example]]) -> Iterator[dict[str, torch.Tensor]]:
+    """Encode the next batch on a second thread while this one trains (images and tokenising are ~20% of the time)."""
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        pending = pool.submit(encode_batch, processor, plan[0]) if plan else None
+        for examples in plan[1:]:
+            batch = pending.result()
+            pending = pool.submit(encode_batch, processor, examples)
+            yield batch
+        if pending is not None:
+            yield pending.result()
+
+
 def train(model, processor, seed: int, steps: int = TRAIN_STEPS) -> None:
     """AdamW with warm-up and linear decay; ~240 steps take the loss from ~6 to ~0.01."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, weight_decay=0.0)
@@ -386,8 +443,8 @@ def train(model, processor, seed: int, steps: int = TRAIN_STEPS) -> None:
         optimizer, lambda s: min(1.0, (s + 1) / WARMUP_STEPS) * max(0.05, 1 - s / max(1, steps))
     )
     model.train()
-    for step, examples in enumerate(training_plan(seed, steps)):
-        loss = model(**encode_batch(processor, examples)).loss
+    for step, batch in enumerate(_prefetched(processor, training_plan(seed, steps))):
+        loss = model(**batch).loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

@@ -22,14 +22,16 @@ import argparse
 import asyncio
 import base64
 import binascii
+import dataclasses
 import json
 import logging
 import os
 import sys
 import sysconfig
 import threading
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 from PIL import Image
@@ -50,7 +52,13 @@ SAMPLING_INPUTS = {
     "seed": (np.int64, "seed"),
 }
 INFER_OUTPUTS = ("ANSWER", "FINISH_REASON", "PROMPT_TOKENS", "COMPLETION_TOKENS", "ERROR")
-GENERATE_FLAGS = ("stream", "exclude_input_in_output", "return_finish_reason", "return_num_input_tokens", "return_num_output_tokens")
+GENERATE_FLAGS = (
+    "stream",
+    "exclude_input_in_output",
+    "return_finish_reason",
+    "return_num_input_tokens",
+    "return_num_output_tokens",
+)
 
 
 def _bytes_item(value: Any) -> str:
@@ -71,7 +79,9 @@ class InferItem:
     params: SamplingParams
 
 
-def decode_infer_request(inputs: dict[str, np.ndarray], max_pixels: int, default_max_tokens: int) -> list[InferItem | DemoError]:
+def decode_infer_request(
+    inputs: dict[str, np.ndarray], max_pixels: int, default_max_tokens: int
+) -> list[InferItem | DemoError]:
     """One entry per batch row of a (batched) infer request; a bad row becomes its error, not an exception."""
     image = inputs.get("IMAGE")
     question = inputs.get("QUESTION")
@@ -91,7 +101,12 @@ def decode_infer_request(inputs: dict[str, np.ndarray], max_pixels: int, default
 
 
 def _decode_infer_row(
-    inputs: dict[str, np.ndarray], pixels: np.ndarray, question: np.ndarray, row: int, max_pixels: int, default_max_tokens: int
+    inputs: dict[str, np.ndarray],
+    pixels: np.ndarray,
+    question: np.ndarray,
+    row: int,
+    max_pixels: int,
+    default_max_tokens: int,
 ) -> InferItem:
     if pixels.dtype != np.uint8 or pixels.ndim != 3 or pixels.shape[-1] != 3:
         raise InvalidRequestError(f"IMAGE must be UINT8 [H,W,3]; got {pixels.dtype} {list(pixels.shape)}.")
@@ -270,6 +285,42 @@ def generate_responses(engine: Any, call: GenerateCall) -> Iterator[dict[str, np
         yield final
 
 
+# ---- configuration inside a model repository -----------------------------------------------------------
+
+
+def config_from_model_config(model_config: dict[str, Any], environ: dict[str, str] | None = None) -> Config:
+    """The engine's :class:`Config` for a Python-backend model: defaults < ``config.pbtxt`` parameters < ``VLM_*``.
+
+    ``parameters { key: "model" value: { string_value: "..." } }`` names any ``Config`` field; the model's
+    ``max_batch_size`` (when > 0) is also the engine's, so Triton's batch becomes one engine batch.
+    """
+    environ = dict(os.environ if environ is None else environ)
+    fields = {f.name: f for f in dataclasses.fields(Config) if f.metadata.get("cli") is not False}
+    namespace = argparse.Namespace()
+    for key, value in (model_config.get("parameters") or {}).items():
+        raw = value.get("string_value", "") if isinstance(value, dict) else str(value)
+        if key not in fields:
+            raise ValueError(f"config.pbtxt parameter {key!r} is not a setting; known: {sorted(fields)}")
+        if raw == "" or environ.get("VLM_" + key.upper()):
+            continue
+        kind = type(fields[key].default)
+        setattr(namespace, key, raw.strip().lower() in {"1", "true", "yes"} if kind is bool else kind(raw))
+    batch = int(model_config.get("max_batch_size") or 0)
+    if batch > 0 and not environ.get("VLM_MAX_BATCH_SIZE"):
+        namespace.max_batch_size = batch
+    return config_from_namespace(namespace, environ)
+
+
+def instance_device(args: dict[str, str]) -> str | None:
+    """``cuda:N`` for a KIND_GPU instance (Triton says which GPU), ``cpu`` for KIND_CPU, else no opinion."""
+    kind = args.get("model_instance_kind", "")
+    if kind == "GPU":
+        return f"cuda:{args.get('model_instance_device_id', '0')}"
+    if kind == "CPU":
+        return "cpu"
+    return None
+
+
 # ---- PyTriton wiring ----------------------------------------------------------------------------------
 
 
@@ -304,7 +355,9 @@ class _GenerateModel:
             finally:
                 stop.set()
 
-    def _pump(self, request: Any, loop: asyncio.AbstractEventLoop, pieces: asyncio.Queue, stop: threading.Event) -> None:
+    def _pump(
+        self, request: Any, loop: asyncio.AbstractEventLoop, pieces: asyncio.Queue, stop: threading.Event
+    ) -> None:
         def put(kind: str, payload: Any) -> None:
             loop.call_soon_threadsafe(pieces.put_nowait, (kind, payload))
 
@@ -389,45 +442,122 @@ def libdir_on_path() -> bool:
     return libdir in os.environ.get("LD_LIBRARY_PATH", "").split(os.pathsep)
 
 
+def _security() -> Any:
+    """PyTriton token-protects statistics by default; they show Triton's batch sizes, so leave them readable
+    and keep protecting the endpoints that change the server."""
+    from pytriton.triton import TritonSecurityConfig
+
+    return TritonSecurityConfig(restricted_endpoints=["shared-memory", "model-repository", "trace", "logging"])
+
+
 def serve(config: Config, http_port: int, grpc_port: int, metrics_port: int, host: str) -> None:
-    """Load the engine, start Triton with both models, and block until SIGTERM/SIGINT."""
-    from pytriton.triton import Triton, TritonConfig, TritonSecurityConfig
+    """Load the engine, start Triton with both models bound, and block until SIGTERM/SIGINT."""
+    from pytriton.triton import Triton, TritonConfig
 
     from vlm_demo.engine import Engine
 
     engine = Engine.from_config(config)
     triton_config = TritonConfig(
-        http_address=host,
-        grpc_address=host,
-        http_port=http_port,
-        grpc_port=grpc_port,
-        metrics_port=metrics_port,
+        http_address=host, grpc_address=host, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port
     )
-    # PyTriton token-protects statistics by default; they are how you see Triton's batch sizes, so leave
-    # them readable and keep protecting the endpoints that change the server.
-    security = TritonSecurityConfig(restricted_endpoints=["shared-memory", "model-repository", "trace", "logging"])
     try:
-        with Triton(config=triton_config, security_config=security) as triton:
+        with Triton(config=triton_config, security_config=_security()) as triton:
             bind_models(triton, engine, config)
             log.info(
                 "Triton serving %s and %s on http://%s:%d and grpc://%s:%d",
-                ENSEMBLE_MODEL, GENERATE_MODEL, host, http_port, host, grpc_port,
+                ENSEMBLE_MODEL,
+                GENERATE_MODEL,
+                host,
+                http_port,
+                host,
+                grpc_port,
             )
             triton.serve()
     finally:
         engine.shutdown()
 
 
+def cpu_copy_of_repository(repository: str, into: str) -> str:
+    """A copy of ``repository`` whose GPU instance groups run on the CPU (for machines without a GPU)."""
+    import re
+    import shutil
+
+    target = os.path.join(into, "model_repository")
+    shutil.copytree(repository, target, ignore=shutil.ignore_patterns("__pycache__", "*.md"))
+    for name in os.listdir(target):
+        path = os.path.join(target, name, "config.pbtxt")
+        if os.path.exists(path):
+            with open(path) as f:
+                text = f.read()
+            text = re.sub(r"kind:\s*KIND_GPU", "kind: KIND_CPU", text)
+            text = re.sub(r"\n\s*gpus:\s*\[[^\]]*\]", "", text)
+            with open(path, "w") as f:
+                f.write(text)
+    return target
+
+
+def serve_repository(
+    repository: str, config: Config, http_port: int, grpc_port: int, metrics_port: int, host: str
+) -> None:
+    """Serve a classic model repository (``vlm_demo/triton_repo``) with the bundled tritonserver, no Docker.
+
+    The Python-backend stubs inherit this environment: ``PYTHONPATH`` gets this package, and an explicit
+    ``--model`` reaches ``model.py`` as ``VLM_MODEL`` (overriding ``config.pbtxt``).
+    """
+    import tempfile
+
+    import torch
+    from pytriton.triton import Triton, TritonConfig
+
+    package_parent = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (package_parent, os.environ.get("PYTHONPATH", "")) if p)
+    if config.model_explicit:
+        os.environ["VLM_MODEL"] = config.model
+    if config.tiny_dir:
+        os.environ["VLM_TINY_DIR"] = config.tiny_dir
+    with tempfile.TemporaryDirectory() as scratch:
+        if not torch.cuda.is_available():
+            log.warning("no GPU: running the repository's KIND_GPU instances on the CPU")
+            repository = cpu_copy_of_repository(repository, scratch)
+        triton_config = TritonConfig(
+            model_repository=repository,
+            http_address=host,
+            grpc_address=host,
+            http_port=http_port,
+            grpc_port=grpc_port,
+            metrics_port=metrics_port,
+        )
+        with Triton(config=triton_config, security_config=_security()) as triton:
+            log.info("Triton serving %s on http://%s:%d and grpc://%s:%d", repository, host, http_port, host, grpc_port)
+            triton.serve()
+
+
 def build_arg_parser() -> argparse.ArgumentParser:
     parser = build_parser(
         "Serve the engine from Triton Inference Server (PyTriton): the ensemble and generate contracts.",
-        only=["model", "device", "dtype", "max_batch_size", "batch_window_ms", "max_queue", "max_new_tokens",
-              "max_image_pixels", "max_question_chars", "batching", "tiny_dir"],
+        only=[
+            "model",
+            "device",
+            "dtype",
+            "max_batch_size",
+            "batch_window_ms",
+            "max_queue",
+            "max_new_tokens",
+            "max_image_pixels",
+            "max_question_chars",
+            "batching",
+            "tiny_dir",
+        ],
     )
     parser.add_argument("--host", default="127.0.0.1", help="Bind address for HTTP and gRPC (default loopback).")
     parser.add_argument("--http-port", type=int, default=8000)
     parser.add_argument("--grpc-port", type=int, default=8001)
     parser.add_argument("--metrics-port", type=int, default=8002)
+    parser.add_argument(
+        "--model-repository",
+        default="",
+        help="Serve this classic model repository (e.g. vlm_demo/triton_repo) instead of binding the engine in-process.",
+    )
     return parser
 
 
@@ -441,7 +571,11 @@ def main(argv: Sequence[str] | None = None) -> None:
             sysconfig.get_config_var("LIBDIR"),
         )
     config = config_from_namespace(args)
-    serve(config, args.http_port, args.grpc_port, args.metrics_port, args.host)
+    ports = (args.http_port, args.grpc_port, args.metrics_port, args.host)
+    if args.model_repository:
+        serve_repository(args.model_repository, config, *ports)
+    else:
+        serve(config, *ports)
 
 
 if __name__ == "__main__":

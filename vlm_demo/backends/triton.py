@@ -27,8 +27,9 @@ import re
 import socket
 import threading
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any
 from urllib.parse import urlparse
 
 import numpy as np
@@ -142,7 +143,9 @@ def to_demo_error(exc: BaseException, endpoint: Endpoint, model: str, timeout: f
     if isinstance(exc, (TimeoutError, socket.timeout)) or "DEADLINE_EXCEEDED" in status or "timed out" in text.lower():
         return BackendTimeoutError(f"Triton at {endpoint.url} did not answer within {timeout:g} s.")
     if isinstance(exc, ConnectionError) or "UNAVAILABLE" in status or _is_requests_connection_error(exc):
-        return BackendUnavailableError(f"Triton at {endpoint.url} is unreachable ({_short(text)}). Is the server running?")
+        return BackendUnavailableError(
+            f"Triton at {endpoint.url} is unreachable ({_short(text)}). Is the server running?"
+        )
     lowered = text.lower()
     if "unknown model" in lowered or "not found" in lowered or "not ready" in lowered or "unavailable" in lowered:
         return BackendUnavailableError(f"Triton model '{model}' is not available at {endpoint.url}: {_short(text)}")
@@ -341,7 +344,11 @@ class TritonBackend:
             raise SystemExit(f"Cannot use Triton: {exc}") from None
         log.info(
             "Triton %s model %s: protocol=%s batched=%s decoupled=%s",
-            endpoint.url, config.triton_model, info.protocol, info.batched, info.decoupled,
+            endpoint.url,
+            config.triton_model,
+            info.protocol,
+            info.batched,
+            info.decoupled,
         )
         return cls(config, endpoint, info)
 
@@ -455,12 +462,18 @@ class TritonBackend:
         return [_infer_input(mod, name, array) for name, array in arrays.items()]
 
     def _run_infer(self, stream: TritonStream, image: Any, question: str, params: SamplingParams) -> None:
-        wanted = [n for n in ("ANSWER", "FINISH_REASON", "PROMPT_TOKENS", "COMPLETION_TOKENS", "ERROR") if n in self.info.outputs]
+        wanted = [
+            n
+            for n in ("ANSWER", "FINISH_REASON", "PROMPT_TOKENS", "COMPLETION_TOKENS", "ERROR")
+            if n in self.info.outputs
+        ]
         timeout = self.config.triton_timeout
         if self.endpoint.scheme == "http":
             import tritonclient.http as mod
 
-            client = mod.InferenceServerClient(self.endpoint.address, connection_timeout=timeout, network_timeout=timeout)
+            client = mod.InferenceServerClient(
+                self.endpoint.address, connection_timeout=timeout, network_timeout=timeout
+            )
             try:
                 inputs = self._infer_inputs(mod, image, question, params)
                 outputs = [mod.InferRequestedOutput(n, binary_data=True) for n in wanted]
@@ -491,7 +504,9 @@ class TritonBackend:
                 done.set()
 
         try:
-            call = client.async_infer(self.config.triton_model, inputs, callback, outputs=outputs, client_timeout=timeout)
+            call = client.async_infer(
+                self.config.triton_model, inputs, callback, outputs=outputs, client_timeout=timeout
+            )
             stream.set_abort(call.cancel)
             done.wait(timeout + 1)
         finally:
@@ -576,7 +591,8 @@ class TritonBackend:
         stream.set_abort(response.close)
         with response:
             if response.status_code != 200:
-                raise GenerationError(_http_error(response))
+                message = _http_error(response)
+                raise error_from_text(message) or GenerationError(message)
             for line in response.iter_lines(decode_unicode=True):
                 if stream.done:
                     return
@@ -584,7 +600,8 @@ class TritonBackend:
                     continue
                 event = json.loads(line[5:].strip())
                 if "error" in event:
-                    raise GenerationError(str(event["error"]))
+                    message = str(event["error"])
+                    raise error_from_text(message) or GenerationError(f"Triton model failed: {_short(message)}")
                 stream.push(_event_text(event.get("text_output", "")))
                 _read_event_counts(stream, event)
         stream.finish(stream.finish_reason or "stop")
@@ -686,10 +703,14 @@ def _event_text(value: Any) -> str:
 
 
 def _http_error(response: Any) -> str:
-    try:
-        return str(response.json().get("error", response.text))
-    except ValueError:
-        return f"HTTP {response.status_code}: {response.text[:300]}"
+    """The error text of a failed generate call: a JSON body, or an SSE ``data:`` event holding one."""
+    body = response.text
+    for candidate in (body, *(line[5:] for line in body.splitlines() if line.startswith("data:"))):
+        try:
+            return str(json.loads(candidate).get("error", candidate))
+        except (ValueError, AttributeError):
+            continue
+    return f"HTTP {response.status_code}: {body[:300]}"
 
 
 def _infer_input(mod: Any, name: str, array: np.ndarray) -> Any:
@@ -734,7 +755,9 @@ def check_ready(endpoint: Endpoint, model: str, timeout: float) -> dict[str, Any
         except Exception as exc:
             raise to_demo_error(exc, endpoint, model, timeout) from None
         if not live or not server_ready:
-            raise BackendUnavailableError(f"Triton at {endpoint.url} is up but not ready (live={live}, ready={server_ready}).")
+            raise BackendUnavailableError(
+                f"Triton at {endpoint.url} is up but not ready (live={live}, ready={server_ready})."
+            )
         try:
             model_ready = client.is_model_ready(model, **kwargs)
         except Exception as exc:
@@ -780,7 +803,9 @@ def inspect_model(endpoint: Endpoint, model: str, protocol: str, timeout: float)
     needed = {"infer": ("IMAGE", "QUESTION"), "generate": ("text_input",)}[protocol]
     missing = [n for n in needed if n not in inputs]
     if missing:
-        raise BackendUnavailableError(f"Triton model '{model}' lacks input(s) {missing} needed by --triton-protocol {protocol}.")
+        raise BackendUnavailableError(
+            f"Triton model '{model}' lacks input(s) {missing} needed by --triton-protocol {protocol}."
+        )
     if protocol == "infer" and "ANSWER" not in outputs:
         raise BackendUnavailableError(f"Triton model '{model}' has no ANSWER output (outputs: {outputs}).")
     policy = config.get("model_transaction_policy", {}) if isinstance(config, dict) else {}

@@ -87,7 +87,7 @@ class Engine:
 
     @classmethod
     def from_config(cls, config: Config) -> Engine:
-        worker = Worker.load(config.model, config.device, config.dtype, config.resolved_tiny_dir())
+        worker = Worker.load(config.model, config.device, config.dtype, config.resolved_tiny_dir(), config.cpu_threads)
         return cls.create(
             worker,
             batching=config.batching,

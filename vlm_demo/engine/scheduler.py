@@ -1,10 +1,14 @@
 """Which waiting requests run together, and when.
 
-Policy (dynamic batching): when the worker is free, take up to ``max_batch_size`` waiting requests
-in arrival order. If fewer are waiting, wait until the oldest has waited ``batch_window_s`` for
-company, then go with what is there. A request that already waited longer than the window (it
-queued while the worker was busy) starts at once. The queue is bounded: past ``max_queue`` a
-request is refused immediately, so a burst never turns into an unbounded wait.
+Policy (dynamic batching): when the worker asks for work, take up to ``max_batch_size`` waiting
+requests in arrival order. If fewer are waiting, wait for company at most ``batch_window_s``,
+counted from when the batch could first start (the worker became free, or the first request
+arrived, whichever is later), then go with what is there. Counting from that moment rather than
+from the oldest arrival matters under load: clients whose answers just finished send their next
+request a few milliseconds later, and without the pause the batches split into two half-full
+groups that alternate for ever (measured: mean batch 4.0 of 8 at concurrency 8).
+The queue is bounded: past ``max_queue`` a request is refused immediately, so a burst never turns
+into an unbounded wait.
 """
 
 from __future__ import annotations
@@ -53,14 +57,15 @@ class Scheduler:
 
     def next_batch(self, timeout: float | None = None) -> list[Request]:
         """Block until a batch is due; return it (empty on timeout or close)."""
-        give_up = None if timeout is None else time.monotonic() + timeout
+        asked = time.monotonic()
+        give_up = None if timeout is None else asked + timeout
         with self._cond:
             while True:
                 self._prune()
                 if self._closed:
                     return []
                 if self.waiting:
-                    due = self.waiting[0].arrival + self.batch_window_s
+                    due = max(self.waiting[0].arrival, asked) + self.batch_window_s
                     now = time.monotonic()
                     if len(self.waiting) >= self.max_batch_size or now >= due:
                         return [self.waiting.popleft() for _ in range(min(self.max_batch_size, len(self.waiting)))]

@@ -96,10 +96,16 @@ class Worker:
         self.eos_ids = self._eos_ids()
 
     @classmethod
-    def load(cls, model: str, device: str = "auto", dtype: str = "auto", tiny_dir: str | None = None) -> Worker:
+    def load(
+        cls, model: str, device: str = "auto", dtype: str = "auto", tiny_dir: str | None = None, cpu_threads: int = 1
+    ) -> Worker:
         """Load weights and processor from a hub id or folder (``tiny`` builds the test model)."""
         path = resolve_model_path(model, tiny_dir)
         dev = resolve_device(device)
+        if dev == "cpu" and cpu_threads > 0:
+            # Small matmuls gain nothing from threads, and OpenMP threads that spin-wait for a
+            # descheduled sibling make every step many times slower on a shared machine.
+            torch.set_num_threads(cpu_threads)
         kwargs: dict[str, Any] = {"dtype": resolve_dtype(dtype, dev)}
         if dev.startswith("cuda"):
             # accelerate spreads an 11B model over all visible GPUs; a named device pins it.
@@ -154,12 +160,22 @@ class Worker:
         return out
 
     def generation_config(self, max_new_tokens: int) -> GenerationConfig:
-        """Greedy at the ``generate`` level; sampling and stopping are decided per row by us."""
+        """Greedy at the ``generate`` level; sampling and stopping are decided per row by us.
+
+        Unset fields would be filled from the checkpoint's generation_config.json, so every field
+        that changes logits or stops rows is set to a neutral value here, end-of-turn included.
+        """
         return GenerationConfig(
             max_new_tokens=max_new_tokens,
+            min_new_tokens=0,
             do_sample=False,
+            temperature=1.0,
+            top_p=1.0,
+            repetition_penalty=1.0,
+            no_repeat_ngram_size=0,
+            num_beams=1,
             pad_token_id=self.pad_id,
-            eos_token_id=None,
+            eos_token_id=[],
             bos_token_id=self.model.generation_config.bos_token_id,
         )
 

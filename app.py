@@ -1,0 +1,25 @@
+"""Start the LLaVA-CoT web demo: ``python app.py [--model tiny] [--port 7860] [--share --auth U:P]``.
+
+Also the ``app_file`` of the Hugging Face Space. It only parses options and launches; see
+``vlm_demo/server.py`` (web server) and ``vlm_demo/ui.py`` (the page).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # no version-check calls home
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from vlm_demo.config import load_config
+    from vlm_demo.server import serve
+
+    serve(load_config(argv, description="LLaVA-CoT (Llama-3.2V-11B-cot) web demo"))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

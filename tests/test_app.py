@@ -1,0 +1,352 @@
+"""End to end over HTTP: ``python app.py --model tiny`` in a subprocess, driven by gradio_client.
+
+Held-out images (sizes, aspect ratios and noise the tiny model was not trained on) and held-out
+questions go to ``/ask`` (streaming) and ``/ask_batch`` (Gradio batch mode) at the same time; every
+answer must name its own colour and equal the answer the same request gets alone (greedy), the
+metrics must show that the engine really batched, and hostile input must get specific errors while
+the good requests in the same burst still succeed.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import socket
+import struct
+import subprocess
+import sys
+import time
+import zlib
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+import requests
+from gradio_client import Client, handle_file
+from PIL import Image
+
+from vlm_demo.tiny import solid_image
+
+ROOT = Path(__file__).resolve().parents[1]
+GREEDY = (160, 0.0, 1.0)  # max_new_tokens, temperature (0 = greedy), top_p
+MAX_QUESTION = 2000  # Config.max_question_chars default
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(port: int, *extra: str) -> subprocess.Popen:
+    env = dict(os.environ, GRADIO_ANALYTICS_ENABLED="False", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+    env.setdefault("OMP_NUM_THREADS", "1")  # on a small shared CPU, spinning torch threads slow batches ~8x
+    cmd = [sys.executable, "app.py", "--model", "tiny", "--host", "127.0.0.1", "--port", str(port), *extra]
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def wait_ready(proc: subprocess.Popen, url: str, timeout: float = 240) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError("server exited:\n" + (proc.stdout.read() if proc.stdout else ""))
+        try:
+            if requests.get(url + "/health", timeout=2).json().get("ready"):
+                return
+        except (requests.RequestException, ValueError):
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"server at {url} not ready in {timeout} s")
+
+
+def stop_server(proc: subprocess.Popen) -> str:
+    proc.terminate()
+    try:
+        out, _ = proc.communicate(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, _ = proc.communicate()
+    return out or ""
+
+
+@pytest.fixture(scope="module")
+def server(tiny_dir: str) -> Iterator[str]:
+    """One tiny-model server for this module: max batch 4, so bursts must batch."""
+    port = free_port()
+    proc = start_server(port, "--max-batch-size", "4", "--batch-window-ms", "20", "--max-queue", "256")
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(proc, url)
+        yield url
+    finally:
+        serving_log = stop_server(proc).split("Shutting down")[0]  # open SSE streams may be cut at exit
+        assert "Traceback" not in serving_log, serving_log[-4000:]
+
+
+@pytest.fixture(scope="module")
+def client(server: str) -> Client:
+    return Client(server, verbose=False)
+
+
+def save(image: Image.Image, path: Path, fmt: str = "PNG", **kwargs) -> str:
+    image.save(path, fmt, **kwargs)
+    return str(path)
+
+
+def colour_of(conclusion: str) -> str | None:
+    words = [c for c in ("red", "green", "blue", "yellow", "white", "black") if c in conclusion.lower()]
+    return words[0] if len(words) == 1 else None
+
+
+# Held out: sizes, shapes, noise and questions that the tiny model's training never used verbatim.
+HELD_OUT = [
+    ("red", 37, 53, 0, "Which hue fills this picture?"),
+    ("green", 300, 22, 6, "what is in the photo"),
+    ("blue", 25, 410, 0, "Tell me the colour, please."),
+    ("yellow", 129, 131, 9, "Is there anything here?"),
+    ("white", 64, 48, 0, "Name the dominant color"),
+    ("black", 90, 90, 4, "Explain what you observe?"),
+    ("red", 512, 300, 12, "Quel est le sujet ?"),
+    ("blue", 48, 48, 0, "colour?"),
+]
+
+
+@pytest.fixture(scope="module")
+def held_out(tmp_path_factory) -> list[tuple[str, str, str]]:
+    folder = tmp_path_factory.mktemp("held_out")
+    cases = []
+    for i, (colour, w, h, noise, question) in enumerate(HELD_OUT):
+        path = save(solid_image(colour, w, h, noise=noise, seed=i), folder / f"{i}_{colour}.png")
+        cases.append((colour, path, question))
+    return cases
+
+
+def ask_alone(client: Client, path: str, question: str, api: str = "/ask") -> tuple:
+    return client.predict(handle_file(path), question, *GREEDY, api_name=api)
+
+
+def metric(url: str, name: str) -> float:
+    for line in requests.get(url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise KeyError(name)
+
+
+def test_health_reports_the_contract_keys(server: str) -> None:
+    reply = requests.get(server + "/health", timeout=10)
+    body = reply.json()
+    assert reply.status_code == 200
+    assert {"status", "backend", "model", "ready", "queue_depth"} <= body.keys()
+    assert body["status"] == "ok" and body["ready"] is True
+    assert body["backend"] == "local" and body["model"] == "tiny"
+    assert isinstance(body["queue_depth"], int)
+
+
+def test_metrics_endpoint_is_prometheus_text(server: str) -> None:
+    reply = requests.get(server + "/metrics", timeout=10)
+    assert reply.headers["content-type"].startswith("text/plain")
+    for name in ("vlm_requests_total", "vlm_queue_depth", "vlm_batch_size", "vlm_request_latency_seconds"):
+        assert f"# TYPE {name.removesuffix('_total')}" in reply.text
+
+
+def test_ask_streams_the_four_stages(client: Client, held_out) -> None:
+    colour, path, question = held_out[0]
+    job = client.submit(handle_file(path), question, *GREEDY, api_name="/ask")
+    final = job.result(timeout=60)
+    updates = job.outputs()
+    assert len(updates) >= 5, "the panels should fill progressively"
+    summary, caption, reasoning, conclusion, raw = final[:5]
+    assert summary and caption and reasoning and colour_of(conclusion) == colour
+    assert "<SUMMARY>" in raw and "<CONCLUSION>" in raw  # raw keeps the tags; the panels never do
+    for update in updates:
+        assert not any("<" in (panel or "") for panel in update[:4]), update
+    assert "batch of" in final[5] and "tokens/s" in final[5]
+
+
+def test_concurrent_ask_and_ask_batch_match_single_runs(server: str, client: Client, held_out) -> None:
+    alone = {path: ask_alone(client, path, q)[:5] for _, path, q in held_out}
+    for colour, path, _ in held_out:
+        assert colour_of(alone[path][3]) == colour, (colour, alone[path])
+    batches_before = metric(server, "vlm_batch_size_count")
+    rows_before = metric(server, "vlm_batch_size_sum")
+
+    jobs = []
+    for _, path, q in held_out * 2:
+        for api in ("/ask", "/ask_batch"):
+            jobs.append((path, api, client.submit(handle_file(path), q, *GREEDY, api_name=api)))
+    for path, api, job in jobs:
+        assert tuple(job.result(timeout=120)[:5]) == alone[path], (api, path)
+
+    batches = metric(server, "vlm_batch_size_count") - batches_before
+    rows = metric(server, "vlm_batch_size_sum") - rows_before
+    assert rows == len(jobs)
+    assert rows / batches > 1.5, f"mean batch size {rows / batches:.2f}: the engine did not batch"
+
+
+def test_ask_batch_item_errors_stay_in_their_own_rows(client: Client, held_out) -> None:
+    colour, path, question = held_out[1]
+    good = [client.submit(handle_file(path), question, *GREEDY, api_name="/ask_batch") for _ in range(3)]
+    bad = [
+        client.submit(handle_file(path), "   ", *GREEDY, api_name="/ask_batch"),
+        client.submit(None, question, *GREEDY, api_name="/ask_batch"),
+        client.submit(handle_file(path), question, 0, 0.0, 1.0, api_name="/ask_batch"),
+    ]
+    for job in good:
+        out = job.result(timeout=60)
+        assert colour_of(out[3]) == colour and out[5].startswith("Done")
+    messages = [job.result(timeout=60)[5] for job in bad]
+    assert "type a question" in messages[0]
+    assert "upload an image" in messages[1]
+    assert "max_new_tokens must be a whole number from 1 to" in messages[2]
+    assert all(m.startswith("Error (invalid_request)") for m in messages)
+
+
+# ---- hostile input ----------------------------------------------------------------------------
+
+
+def _png_claiming(width: int, height: int) -> bytes:
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0" * 64)) + chunk(b"IEND", b"")
+
+
+def _encoded(image: Image.Image, fmt: str, **kwargs) -> bytes:
+    buf = io.BytesIO()
+    image.save(buf, fmt, **kwargs)
+    return buf.getvalue()
+
+
+def hostile_cases(folder: Path) -> list[tuple[str, object, object, tuple, str]]:
+    """(name, image, question, (max_new_tokens, temperature, top_p), expected error text or "red")."""
+
+    def file(name: str, data: bytes) -> object:
+        path = folder / name
+        path.write_bytes(data)
+        return handle_file(str(path))
+
+    red = solid_image("red", 40, 40)
+    red_png = _encoded(red, "PNG")
+    good = file("red.png", red_png)
+    q = "What colour is it?"
+    rotated = Image.new("RGB", (40, 20), (220, 30, 30))
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    frames = [solid_image("red", 32, 32), solid_image("blue", 32, 32)]
+    gif = io.BytesIO()
+    frames[0].save(gif, "GIF", save_all=True, append_images=frames[1:], duration=40)
+    rgba = Image.new("RGBA", (40, 40), (220, 30, 30, 255))
+    sixteen = Image.fromarray(np.full((24, 24), 65535, dtype=np.uint16))
+    p = GREEDY
+    return [
+        ("no image", None, q, p, "upload an image"),
+        ("text file", file("notes.png", b"just some text, not pixels"), q, p, "not an image"),
+        ("empty file", file("empty.png", b""), q, p, "empty"),
+        ("truncated png", file("cut.png", red_png[: len(red_png) // 2]), q, p, "corrupt"),
+        ("png signature only", file("sig.png", red_png[:8]), q, p, "looks like a PNG but is corrupt"),
+        ("broken jpeg", file("bad.jpg", b"\xff\xd8\xff\xe0" + os.urandom(64)), q, p, "corrupt"),
+        ("pixel bomb", file("bomb.png", _png_claiming(9000, 9000)), q, p, "megapixels"),
+        ("giant bomb", file("huge.png", _png_claiming(200_000, 200_000)), q, p, "too many pixels"),
+        ("svg", file("x.svg", b'<svg xmlns="http://www.w3.org/2000/svg" width="9" height="9"/>'), q, p, "not an image"),
+        ("html", file("page.png", b"<html><script>alert(1)</script></html>"), q, p, "not an image"),
+        ("zip", file("a.png", b"PK\x03\x04" + bytes(40)), q, p, "not an image"),
+        ("pdf", file("doc.png", b"%PDF-1.4\n" + bytes(40)), q, p, "not an image"),
+        ("empty question", good, "", p, "type a question"),
+        ("blank question", good, " \n\t ", p, "type a question"),
+        ("long question", good, "why " * (MAX_QUESTION // 4 + 1), p, "too long"),
+        ("nul in question", good, "colour?\x00", p, "NUL"),
+        ("question not text", good, 42, p, "must be text"),
+        ("zero tokens", good, q, (0, 0.0, 1.0), "max_new_tokens must be a whole number from 1"),
+        ("negative tokens", good, q, (-5, 0.0, 1.0), "max_new_tokens must be a whole number from 1"),
+        ("too many tokens", good, q, (10**9, 0.0, 1.0), "max_new_tokens must be a whole number from 1"),
+        ("fractional tokens", good, q, (12.5, 0.0, 1.0), "whole number"),
+        ("tokens as words", good, q, ("many", 0.0, 1.0), "max_new_tokens must be a number"),
+        ("tokens missing", good, q, (None, 0.0, 1.0), "max_new_tokens must be a finite number"),
+        ("tokens as bool", good, q, (True, 0.0, 1.0), "max_new_tokens must be a finite number"),
+        ("negative temperature", good, q, (32, -1.0, 1.0), "temperature must be a number from 0 to 2"),
+        ("huge temperature", good, q, (32, 50.0, 1.0), "temperature must be a number from 0 to 2"),
+        ("top_p above 1", good, q, (32, 0.5, 1.5), "top_p must be a number from 0 to 1"),
+        ("negative top_p", good, q, (32, 0.5, -0.1), "top_p must be a number from 0 to 1"),
+        ("top_p zero when sampling", good, q, (32, 0.7, 0.0), "top_p must be above 0"),
+        # Odd but valid: answered normally.
+        ("tags in question", good, "<SUMMARY>ignore</SUMMARY> <CONCLUSION>colour?", p, "red"),
+        ("html in question", good, "<script>alert(1)</script> colour?", p, "red"),
+        ("emoji and rtl question", good, "🎨 ما هو اللون؟ colour?", p, "red"),
+        ("numeric string params", good, q, ("160", "0", "1"), "red"),
+        ("one pixel", file("dot.png", _encoded(solid_image("red", 1, 1), "PNG")), q, p, "red"),
+        ("exif rotated jpeg", file("rot.jpg", _encoded(rotated, "JPEG", exif=exif.tobytes())), q, p, "red"),
+        ("animated gif", file("anim.gif", gif.getvalue()), q, p, "red"),
+        ("rgba png", file("rgba.png", _encoded(rgba, "PNG")), q, p, "red"),
+        ("cmyk jpeg", file("cmyk.jpg", _encoded(red.convert("CMYK"), "JPEG")), q, p, "red"),
+        ("16-bit greyscale", file("grey16.png", _encoded(sixteen, "PNG")), q, p, "white"),
+    ]
+
+
+@pytest.mark.slow
+def test_hostile_inputs_get_specific_errors_while_good_requests_succeed(
+    server: str, client: Client, held_out, tmp_path
+) -> None:
+    cases = hostile_cases(tmp_path)
+    assert len(cases) >= 30
+    good_jobs = [
+        (colour, client.submit(handle_file(path), q, *GREEDY, api_name="/ask")) for colour, path, q in held_out[:4]
+    ]
+    jobs = [(name, expected, client.submit(image, q, *params, api_name="/ask")) for name, image, q, params, expected in cases]
+    problems = []
+    for name, expected, job in jobs:
+        try:
+            out = job.result(timeout=120)
+        except Exception as err:  # gradio_client raises the gr.Error's message
+            if expected in ("red", "white") or expected not in str(err):
+                problems.append(f"{name}: expected {expected!r}, got error {err}")
+        else:
+            if colour_of(out[3]) != expected:
+                problems.append(f"{name}: expected {expected!r}, got answer {out[3]!r} / {out[5]!r}")
+    assert not problems, "\n".join(problems)
+    for colour, job in good_jobs:
+        assert colour_of(job.result(timeout=60)[3]) == colour
+    assert requests.get(server + "/health", timeout=5).json()["ready"]
+    assert metric(server, 'vlm_requests_total{outcome="invalid_request"}') >= 25
+
+
+@pytest.mark.slow
+def test_64_simultaneous_clients_lose_nothing(server: str, held_out) -> None:
+    with ThreadPoolExecutor(max_workers=8) as pool:  # connect first: this test is about serving, not connecting
+        # The default 5 s httpx timeout is for one quick call; 64 joins at once on a 2-core box may take longer.
+        clients = list(pool.map(lambda _: Client(server, verbose=False, httpx_kwargs={"timeout": 60}), range(64)))
+    jobs = []
+    for i, c in enumerate(clients):
+        colour, path, question = held_out[i % len(held_out)]
+        jobs.append((colour, c.submit(handle_file(path), question, *GREEDY, api_name="/ask")))
+    results = [(colour, job.result(timeout=240)[3]) for colour, job in jobs]
+    assert len(results) == 64
+    wrong = [(colour, conclusion) for colour, conclusion in results if colour_of(conclusion) != colour]
+    assert not wrong, wrong
+
+
+def test_cancelling_one_run_frees_it_and_spares_the_others(server: str, client: Client, held_out) -> None:
+    colour, path, _ = held_out[2]
+    cancelled_before = _cancelled(server)
+    other = Client(server, verbose=False)
+    long_run = client.submit(handle_file(path), "Describe it in detail.", 1024, 0.0, 1.0, api_name="/ask")
+    bystander = other.submit(handle_file(path), "Describe it in detail.", 1024, 0.0, 1.0, api_name="/ask")
+    deadline = time.monotonic() + 30
+    while not long_run.outputs() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    long_run.cancel()
+    conclusion = bystander.result(timeout=120)[3]
+    assert colour_of(conclusion) == colour
+    deadline = time.monotonic() + 10
+    while _cancelled(server) == cancelled_before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _cancelled(server) == cancelled_before + 1, "the cancelled run kept its model row"
+
+
+def _cancelled(server: str) -> float:
+    try:
+        return metric(server, 'vlm_requests_total{outcome="cancelled"}')
+    except KeyError:
+        return 0.0

@@ -1,0 +1,372 @@
+"""The Triton path end to end: our PyTriton server (real tritonserver, tiny model) and the demo's Triton backend.
+
+Both contracts over HTTP and gRPC must give exactly the local engine's greedy text; failures (typed server
+errors, unknown model, timeout, cancel, server stopped) must surface as specific errors, quickly.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import requests
+
+from vlm_demo.backends.triton import (
+    ENSEMBLE_MODEL,
+    GENERATE_MODEL,
+    Endpoint,
+    TritonBackend,
+    chat_prompt,
+    error_from_text,
+    error_text,
+    question_from_prompt,
+    to_demo_error,
+)
+from vlm_demo.config import Config
+from vlm_demo.engine import Engine, SamplingParams
+from vlm_demo.errors import (
+    BackendTimeoutError,
+    BackendUnavailableError,
+    DemoError,
+    GenerationError,
+    InvalidRequestError,
+    QueueFullError,
+    RequestCancelledError,
+)
+from vlm_demo.tiny import solid_image
+from vlm_demo.triton_serve import (
+    config_from_model_config,
+    decode_generate_request,
+    decode_infer_request,
+    infer_outputs,
+)
+
+GREEDY = SamplingParams(max_new_tokens=160, temperature=0.0)
+QUESTION = "What colour is this image?"
+ROOT = Path(__file__).resolve().parent.parent
+
+
+# ---- launching servers (also used by test_triton_repo.py) ----------------------------------------------
+
+
+def free_ports(count: int) -> list[int]:
+    socks = [socket.socket() for _ in range(count)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def start_server(
+    args: list[str], models: list[str], log_path: Path, wait_s: float = 300
+) -> tuple[subprocess.Popen, int, int]:
+    """``python -m vlm_demo.triton_serve ARGS`` on free loopback ports; returns once every model is ready."""
+    http, grpc, metrics = free_ports(3)
+    env = dict(os.environ, LD_LIBRARY_PATH=sysconfig.get_config_var("LIBDIR"), PYTHONPATH=str(ROOT))
+    log = open(log_path, "w")  # noqa: SIM115 - closed with the process
+    cmd = [sys.executable, "-m", "vlm_demo.triton_serve", *args,
+           "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics)]  # fmt: skip
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + wait_s
+    pending = list(models)
+    while pending:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            stop_server(proc)
+            pytest.fail(f"Triton did not start ({pending} not ready):\n{log_path.read_text()[-3000:]}")
+        try:
+            if requests.get(f"http://127.0.0.1:{http}/v2/models/{pending[0]}/ready", timeout=2).status_code == 200:
+                pending.pop(0)
+                continue
+        except requests.RequestException:
+            pass
+        time.sleep(0.5)
+    return proc, http, grpc
+
+
+def stop_server(proc: subprocess.Popen, http_port: int | None = None) -> None:
+    """SIGTERM (PyTriton ignores SIGINT in the background), then wait until tritonserver has let go of the port.
+
+    The launcher can exit while its tritonserver child still drains in-flight requests (up to 30 s).
+    """
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+    deadline = time.monotonic() + 60
+    while http_port is not None and time.monotonic() < deadline:
+        with socket.socket() as probe:
+            if probe.connect_ex(("127.0.0.1", http_port)) != 0:
+                return
+        time.sleep(0.5)
+
+
+# ---- fixtures ------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def server(tiny_dir, tmp_path_factory):
+    """Our PyTriton server with the tiny model: both contracts on one HTTP and one gRPC port."""
+    log_path = tmp_path_factory.mktemp("triton") / "triton_serve.log"
+    proc, http, grpc = start_server(
+        ["--model", "tiny", "--tiny-dir", tiny_dir, "--device", "cpu"], [ENSEMBLE_MODEL, GENERATE_MODEL], log_path
+    )
+    yield {"proc": proc, "port": http, "http": f"http://127.0.0.1:{http}", "grpc": f"grpc://127.0.0.1:{grpc}"}
+    stop_server(proc, http)
+
+
+@pytest.fixture(scope="module")
+def engine(worker):
+    """The local engine the Triton answers are compared with."""
+    eng = Engine(worker)
+    yield eng
+    eng.shutdown()
+
+
+def backend_for(server, scheme: str, model: str, **overrides) -> TritonBackend:
+    config = Config(triton_url=server[scheme], triton_model=model, triton_timeout=60.0, **overrides)
+    return TritonBackend.from_config(config)
+
+
+def collect(stream) -> tuple[list[str], str]:
+    pieces = list(stream.stream(timeout=90))
+    return pieces, stream.result(1).text
+
+
+# ---- pure protocol pieces (no server) ------------------------------------------------------------------
+
+
+def test_prompt_round_trips_through_the_models_own_chat_template(worker):
+    """The generate contract sends a chat-templated prompt; the server must recover the exact question."""
+    ours = chat_prompt(QUESTION)
+    assert ours == worker.prompt(QUESTION)  # same text the model's template renders
+    assert question_from_prompt(ours) == QUESTION
+    assert question_from_prompt("just a question") == "just a question"
+
+
+def test_typed_errors_survive_the_wire():
+    for error in (InvalidRequestError("bad image"), QueueFullError("busy"), GenerationError("boom")):
+        back = error_from_text(f"Traceback ...\nRuntimeError: {error_text(error)}\n")
+        assert type(back) is type(error) and str(back) == str(error)
+    assert error_from_text("no marker here") is None
+
+
+def test_transport_failures_map_to_specific_errors():
+    from tritonclient.utils import InferenceServerException
+
+    ep = Endpoint.parse("grpc://127.0.0.1:9")
+    assert ep.address == "127.0.0.1:9" and ep.scheme == "grpc"
+    assert isinstance(to_demo_error(ConnectionRefusedError(111, "refused"), ep, "m", 5), BackendUnavailableError)
+    assert isinstance(to_demo_error(TimeoutError(), ep, "m", 5), BackendTimeoutError)
+    unknown = to_demo_error(InferenceServerException("Request for unknown model: 'm' is not found"), ep, "m", 5)
+    assert isinstance(unknown, BackendUnavailableError) and "'m'" in str(unknown)
+    with pytest.raises(SystemExit, match="http://host:port"):
+        Endpoint.parse("ftp://x:1")
+
+
+def test_infer_request_decoding_keeps_a_bad_row_apart():
+    good = np.zeros((2, 8, 8, 3), dtype=np.uint8)
+    inputs = {
+        "IMAGE": good,
+        "QUESTION": np.array([[b"first?"], [b"second?"]], dtype=np.object_),
+        "temperature": np.array([[0.0], [0.5]], dtype=np.float32),
+        "max_new_tokens": np.array([[7], [9]], dtype=np.int32),
+    }
+    rows = decode_infer_request(inputs, max_pixels=1000, default_max_tokens=100)
+    assert [r.question for r in rows] == ["first?", "second?"]
+    assert [(r.params.temperature, r.params.max_new_tokens) for r in rows] == [(0.0, 7), (0.5, 9)]
+    too_big = decode_infer_request({**inputs, "IMAGE": np.zeros((2, 40, 40, 3), np.uint8)}, 1000, 100)
+    assert all(isinstance(r, InvalidRequestError) and "megapixels" in str(r) for r in too_big)
+    out = infer_outputs([InvalidRequestError("no"), _result("ok")])
+    assert out["ANSWER"].shape == (2, 1) and out["ANSWER"][1, 0] == b"ok" and out["ANSWER"][0, 0] == b""
+    assert isinstance(error_from_text(out["ERROR"][0, 0].decode()), InvalidRequestError) and out["ERROR"][1, 0] == b""
+
+
+def _result(text: str):
+    from vlm_demo.engine import GenerationResult
+
+    return GenerationResult(text, "stop", 1, 3, 4, 0.0, 0.0, 0.0)
+
+
+def _png(colour: str = "red") -> bytes:
+    buf = io.BytesIO()
+    solid_image(colour, 20, 20).save(buf, format="PNG")
+    return base64.b64encode(buf.getvalue())
+
+
+def test_generate_request_decoding_follows_vllm():
+    inputs = {
+        "text_input": np.array([chat_prompt("Hi?").encode()], dtype=np.object_),
+        "image": np.array([_png()], dtype=np.object_),
+        "sampling_parameters": np.array([json.dumps({"temperature": 0, "max_tokens": 12}).encode()], dtype=np.object_),
+        "stream": np.array([True]),
+    }
+    call = decode_generate_request(inputs, None, 10_000, 100)
+    assert (call.question, call.params.temperature, call.params.max_new_tokens) == ("Hi?", 0, 12)
+    assert call.stream and not call.prepend_prompt  # vLLM: no prompt echo when streaming by default
+    plain = decode_generate_request(
+        {k: v for k, v in inputs.items() if k not in ("sampling_parameters", "stream")},
+        {"temperature": 0.2, "stream": False},
+        10_000,
+        100,
+    )
+    assert plain.params.temperature == 0.2 and not plain.stream and plain.prepend_prompt
+    with pytest.raises(InvalidRequestError, match="base64"):
+        decode_generate_request({**inputs, "image": np.array([b"%%%"], dtype=np.object_)}, None, 10_000, 100)
+    with pytest.raises(InvalidRequestError, match="exactly one image"):
+        decode_generate_request({"text_input": inputs["text_input"]}, None, 10_000, 100)
+
+
+def test_model_repository_settings_precedence():
+    model_config = {
+        "max_batch_size": 8,
+        "parameters": {"model": {"string_value": "some/model"}, "batch_window_ms": {"string_value": "5"}},
+    }
+    config = config_from_model_config(model_config, environ={})
+    assert (config.model, config.max_batch_size, config.batch_window_ms) == ("some/model", 8, 5.0)
+    assert config_from_model_config(model_config, environ={"VLM_MODEL": "tiny"}).model == "tiny"
+    with pytest.raises(ValueError, match="not a setting"):
+        config_from_model_config({"parameters": {"modle": {"string_value": "x"}}}, environ={})
+
+
+# ---- against the real server ---------------------------------------------------------------------------
+
+CONTRACTS = [("http", ENSEMBLE_MODEL), ("grpc", ENSEMBLE_MODEL), ("http", GENERATE_MODEL), ("grpc", GENERATE_MODEL)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scheme,model", CONTRACTS)
+def test_triton_answers_equal_the_local_engine(server, engine, scheme, model):
+    from vlm_demo.cot import parse_stages
+
+    backend = backend_for(server, scheme, model)
+    assert backend.info.protocol == ("infer" if model == ENSEMBLE_MODEL else "generate")  # auto, from metadata
+    image = solid_image("blue", 96, 40)
+    expected = engine.generate(image, QUESTION, GREEDY).text
+    stream = backend.submit(image, QUESTION, GREEDY)
+    pieces, text = collect(stream)
+    assert text == expected == "".join(pieces)
+    stages = parse_stages(text, final=True)
+    assert stages.summary and stages.caption and stages.reasoning and "blue" in stages.conclusion
+    if model == GENERATE_MODEL:
+        assert len(pieces) > 10  # streamed token by token, not one blob
+    result = stream.result(1)
+    assert result.completion_tokens > 0 and result.finish_reason == "stop"
+    assert backend.health()["ready"] is True
+
+
+@pytest.mark.slow
+def test_dynamic_batching_forms_batches_and_every_row_is_right(server, engine):
+    """Concurrent same-size requests: Triton batches them (statistics) and each row matches its local answer."""
+    backend = backend_for(server, "http", ENSEMBLE_MODEL)
+    colours = ["red", "green", "yellow", "white", "black", "blue"]
+    items = [(solid_image(c, 32, 32), f"What colour is it, {i}?", GREEDY) for i, c in enumerate(colours)]
+    results = backend.run_batch(items)
+    expected = engine.run_batch(items)
+    assert [r.text for r in results] == [e.text for e in expected]
+    stats = requests.get(f"{server['http']}/v2/models/{ENSEMBLE_MODEL}/stats", timeout=5).json()
+    sizes = [int(b["batch_size"]) for b in stats["model_stats"][0]["batch_stats"]]
+    assert max(sizes) > 1, f"Triton never batched: {sizes}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scheme,model", [("http", ENSEMBLE_MODEL), ("http", GENERATE_MODEL), ("grpc", GENERATE_MODEL)])
+def test_server_side_errors_arrive_typed(server, scheme, model):
+    """The server's engine caps max_new_tokens at 2048; asking more (our client allows it) fails with its message.
+
+    Over HTTP ``generate_stream`` this error arrives inside the event stream with status 200.
+    """
+    backend = backend_for(server, scheme, model, max_new_tokens=5000)
+    stream = backend.submit(solid_image("red", 20, 20), QUESTION, SamplingParams(max_new_tokens=3000, temperature=0))
+    with pytest.raises(InvalidRequestError, match="max_new_tokens must be a whole number from 1 to 2048"):
+        list(stream.stream(timeout=30))
+
+
+@pytest.mark.slow
+def test_unknown_model_is_named_at_start_and_at_run_time(server):
+    with pytest.raises(SystemExit, match="model 'no_such_model' is not"):
+        TritonBackend.from_config(Config(triton_url=server["http"], triton_model="no_such_model"))
+    backend = backend_for(server, "grpc", ENSEMBLE_MODEL)
+    backend.config.triton_model = "no_such_model"  # as if the model were unloaded after start-up
+    with pytest.raises(BackendUnavailableError, match="no_such_model"):
+        backend.submit(solid_image("red", 20, 20), QUESTION, GREEDY).result(10)
+    health = backend.health()
+    assert health["ready"] is False and "no_such_model" in health["error"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "scheme,model",
+    [("http", ENSEMBLE_MODEL), ("grpc", ENSEMBLE_MODEL), ("http", GENERATE_MODEL), ("grpc", GENERATE_MODEL)],
+)
+def test_timeout_gives_a_typed_error_within_the_timeout(server, scheme, model):
+    backend = backend_for(server, scheme, model)
+    backend.config.triton_timeout = 0.3  # far shorter than any answer takes on this CPU
+    started = time.monotonic()
+    with pytest.raises(BackendTimeoutError, match="0.3 s"):
+        backend.submit(solid_image("red", 20, 20), QUESTION, GREEDY).result(5)
+    assert time.monotonic() - started < 1.5
+
+
+@pytest.mark.slow
+def test_cancel_stops_a_remote_stream(server):
+    backend = backend_for(server, "grpc", GENERATE_MODEL)
+    stream = backend.submit(solid_image("green", 20, 20), QUESTION, GREEDY)
+    pieces = stream.stream(timeout=30)
+    next(pieces)
+    stream.cancel()
+    with pytest.raises(RequestCancelledError):
+        list(pieces)
+    assert backend.health()["queue_depth"] == 0
+
+
+@pytest.mark.slow
+def test_stopped_server_gives_a_clear_error_quickly(server):
+    """Runs last: a backend connected while the server was up gets 'unreachable' once it is stopped."""
+    backends = [backend_for(server, "http", ENSEMBLE_MODEL), backend_for(server, "grpc", GENERATE_MODEL)]
+    stop_server(server["proc"], server["port"])
+    for backend in backends:
+        started = time.monotonic()
+        with pytest.raises(BackendUnavailableError, match="unreachable"):
+            backend.submit(solid_image("red", 20, 20), QUESTION, GREEDY).result(10)
+        assert time.monotonic() - started < 5
+        assert backend.health()["ready"] is False
+    with pytest.raises(SystemExit, match="unreachable"):
+        TritonBackend.from_config(Config(triton_url=server["grpc"], triton_model=GENERATE_MODEL, triton_timeout=3))
+
+
+def test_many_waiting_requests_are_refused_not_queued_forever():
+    """The in-flight cap (``--max-queue``) answers 'busy' at once; a blackholed port makes requests hang."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)  # accepts connections, never answers: requests sit in flight until the timeout
+    from vlm_demo.backends.triton import ModelInfo
+
+    url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+    config = Config(triton_url=url, triton_model=ENSEMBLE_MODEL, triton_timeout=1.0, max_queue=2)
+    info = ModelInfo("infer", {"IMAGE": [-1, -1, -1, 3], "QUESTION": [-1, 1]}, ["ANSWER"], True, False)
+    backend = TritonBackend(config, Endpoint.parse(url), info)
+    image = solid_image("red", 8, 8)
+    waiting = [backend.submit(image, QUESTION, GREEDY) for _ in range(2)]
+    with pytest.raises(QueueFullError):
+        backend.submit(image, QUESTION, GREEDY)
+    for stream in waiting:
+        with pytest.raises(DemoError):
+            stream.result(5)
+    listener.close()
+    assert backend.health()["queue_depth"] == 0
