@@ -35,14 +35,16 @@ LONG_QUESTION = "Describe this picture in detail."  # "detail" makes the tiny mo
 @pytest.fixture(scope="module")
 def server(tiny_dir: str) -> Iterator[str]:
     port = free_port()
-    # Batch size 1 and a short chunk interval keep the long answer slow enough to watch and stop.
-    proc = start_server(port, "--max-batch-size", "2")
+    # Continuous batching lets a second visitor's request join the browser's running batch, so Stop is
+    # tested on one row of a live batch.
+    proc = start_server(port, "--max-batch-size", "4", "--batching", "continuous")
     url = f"http://127.0.0.1:{port}"
     try:
         wait_ready(proc, url)
         yield url
     finally:
-        stop_server(proc)
+        serving_log = stop_server(proc).split("Shutting down")[0]
+        assert "Traceback" not in serving_log, serving_log[-4000:]
 
 
 @pytest.fixture(scope="module")
@@ -53,9 +55,21 @@ def page(server: str):
     with sync_api.sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=FLAGS)
         page = browser.new_page(viewport={"width": 1360, "height": 1000})
-        page.goto(server, wait_until="networkidle")
+        page.goto(server, wait_until="domcontentloaded")  # never "networkidle": Gradio keeps a stream open
+        page.locator("#p_conclusion").wait_for(timeout=60_000)
+        set_greedy(page)
         yield page
         browser.close()
+
+
+def set_greedy(page) -> None:
+    """Temperature 0 under "Advanced", so the tiny model's answers are deterministic."""
+    page.locator("#advanced").get_by_text("Advanced").click()
+    temperature = page.locator("#temperature input[type=number]")
+    temperature.fill("0")
+    temperature.press("Enter")
+    temperature.blur()
+    page.locator("#advanced").get_by_text("Advanced").click()  # fold it again; the slider keeps its value
 
 
 def panel_text(page, stage: str) -> str:
@@ -93,23 +107,31 @@ def test_upload_ask_and_the_four_panels_fill(page) -> None:
 
 def test_long_answer_marks_the_active_stage_and_stop_cancels_only_this_visitor(server: str, page) -> None:
     blue = ROOT / "assets" / "tiny" / "blue.png"
-    bystander = Client(server, verbose=False).submit(
-        handle_file(str(blue)), LONG_QUESTION, 1024, 0.0, 1.0, api_name="/ask"
-    )
+    other_visitor = Client(server, verbose=False)
     ask(page, blue, LONG_QUESTION)
+    bystander = other_visitor.submit(handle_file(str(blue)), LONG_QUESTION, 1024, 0.0, 1.0, api_name="/ask")
     page.wait_for_selector("#stages [data-active=reasoning]", timeout=60_000)
-    border = page.eval_on_selector("#p_reasoning", "e => getComputedStyle(e).borderTopColor")
-    idle_border = page.eval_on_selector("#p_summary", "e => getComputedStyle(e).borderTopColor")
-    assert border != idle_border, "the stage being written is not marked"
-    page.screenshot(path=str(ROOT / "docs" / "screenshot.png"), full_page=True)
+    style = "e => getComputedStyle(e).boxShadow + getComputedStyle(e).backgroundColor"
+    assert page.eval_on_selector("#p_reasoning", style) != page.eval_on_selector("#p_summary", style), (
+        "the stage being written is not marked"
+    )
+    label = "e => getComputedStyle(e, '::after').content"
+    assert "writing" in page.eval_on_selector("#p_reasoning [data-testid=block-info]", label)
+    page.evaluate("window.scrollTo(0, 0)")
+    page.screenshot(path=str(ROOT / "docs" / "screenshot.png"))
 
     page.locator("#stop").click()
-    page.wait_for_function("() => document.querySelector('#status')?.innerText.includes('Stopped')", timeout=20_000)
+    try:
+        page.wait_for_function("() => document.querySelector('#status')?.innerText.includes('Stopped')", timeout=20_000)
+    except Exception:
+        page.screenshot(path="/tmp/stopfail.png")
+        raise
     time.sleep(1.0)
     reasoning = panel_text(page, "reasoning")
     time.sleep(1.0)
     assert panel_text(page, "reasoning") == reasoning, "the stopped answer kept growing"
     assert panel_text(page, "conclusion") == "", "the answer ran to the end although stopped"
 
-    conclusion = bystander.result(timeout=120)[3]
-    assert "blue" in conclusion, "Stop in one browser cancelled another visitor's run"
+    out = bystander.result(timeout=120)
+    assert "blue" in out[3], "Stop in one browser cancelled another visitor's run"
+    assert "batch of 2" in out[5], "the two visitors' requests did not share a batch, so Stop was not tested mid-batch"

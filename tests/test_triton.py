@@ -139,7 +139,8 @@ def engine(worker):
 
 
 def backend_for(server, scheme: str, model: str, **overrides) -> TritonBackend:
-    config = Config(triton_url=server[scheme], triton_model=model, triton_timeout=60.0, **overrides)
+    overrides.setdefault("triton_timeout", 60.0)
+    config = Config(triton_url=server[scheme], triton_model=model, **overrides)
     return TritonBackend.from_config(config)
 
 
@@ -273,7 +274,7 @@ def test_triton_answers_equal_the_local_engine(server, engine, scheme, model):
 @pytest.mark.slow
 def test_dynamic_batching_forms_batches_and_every_row_is_right(server, engine):
     """Concurrent same-size requests: Triton batches them (statistics) and each row matches its local answer."""
-    backend = backend_for(server, "http", ENSEMBLE_MODEL)
+    backend = backend_for(server, "http", ENSEMBLE_MODEL, triton_timeout=180.0)  # 2 shared cores can be slow
     colours = ["red", "green", "yellow", "white", "black", "blue"]
     items = [(solid_image(c, 32, 32), f"What colour is it, {i}?", GREEDY) for i, c in enumerate(colours)]
     results = backend.run_batch(items)
@@ -342,7 +343,8 @@ def test_stopped_server_gives_a_clear_error_quickly(server):
     stop_server(server["proc"], server["port"])
     for backend in backends:
         started = time.monotonic()
-        with pytest.raises(BackendUnavailableError, match="unreachable"):
+        # "unreachable" once the port is closed; "not available" while tritonserver is still draining.
+        with pytest.raises(BackendUnavailableError, match="unreachable|not available"):
             backend.submit(solid_image("red", 20, 20), QUESTION, GREEDY).result(10)
         assert time.monotonic() - started < 5
         assert backend.health()["ready"] is False

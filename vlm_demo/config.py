@@ -26,9 +26,9 @@ class Config:
         default=DEFAULT_MODEL,
         metadata={"help": "HF model id, local folder, or 'tiny' (offline test model)."},
     )
-    device: str = field(default="auto", metadata={"help": "auto | cpu | cuda | cuda:N"})
+    device: str = field(default="auto", metadata={"help": "auto, cpu, cuda or cuda:N"})
     dtype: str = field(
-        default="auto", metadata={"help": "auto (bf16 on GPU, fp32 on CPU) | bfloat16 | float16 | float32"}
+        default="auto", metadata={"help": "auto (bf16 on GPU, fp32 on CPU), bfloat16, float16 or float32"}
     )
     cpu_threads: int = field(
         default=1,
@@ -37,11 +37,11 @@ class Config:
     host: str = field(default="127.0.0.1", metadata={"help": "Bind address (also GRADIO_SERVER_NAME)."})
     port: int = field(default=7860, metadata={"help": "Port (also GRADIO_SERVER_PORT)."})
     batching: str = field(
-        default="dynamic", metadata={"help": "dynamic (request-level batches) | continuous (iteration-level)."}
+        default="continuous", metadata={"help": "continuous (rows join/leave every step) or dynamic (request-level batches)."}
     )
     max_batch_size: int = field(default=4, metadata={"help": "Most requests merged into one GPU batch."})
     batch_window_ms: float = field(
-        default=10.0, metadata={"help": "How long a short batch waits for more requests (dynamic mode)."}
+        default=50.0, metadata={"help": "How long a short batch waits for more requests (dynamic mode)."}
     )
     max_queue: int = field(default=128, metadata={"help": "Waiting requests beyond this get 'server busy'."})
     max_new_tokens: int = field(default=2048, metadata={"help": "Cap on tokens a request may ask for."})
@@ -56,7 +56,7 @@ class Config:
         default="", metadata={"help": "Forward to Triton instead of a local model: http://h:p or grpc://h:p."}
     )
     triton_model: str = field(default="llama_3_2v_11b_cot_ensemble", metadata={"help": "Triton model name."})
-    triton_protocol: str = field(default="auto", metadata={"help": "auto | infer | generate"})
+    triton_protocol: str = field(default="auto", metadata={"help": "auto (from the model metadata), infer or generate"})
     triton_timeout: float = field(default=120.0, metadata={"help": "Seconds before a Triton call gives up."})
     tiny_dir: str = field(
         default="", metadata={"help": "Where the tiny model is built/cached (default ~/.cache/vlm_demo/tiny)."}

@@ -158,7 +158,7 @@ def serve(config: Config) -> None:
     if share and not config.auth:
         log.warning("--share without --auth: anyone with the link can use this demo; consider --auth USER:PASS")
     server = uvicorn.Server(
-        uvicorn.Config(demo_app.app, host=config.host, port=config.port, log_level="info", timeout_graceful_shutdown=5)
+        uvicorn.Config(demo_app.app, host=config.host, port=config.port, log_level="info", timeout_graceful_shutdown=3)
     )
     if share:
         threading.Thread(target=_share_when_up, args=(server, config.host, config.port), daemon=True).start()

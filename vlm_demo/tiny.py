@@ -2,7 +2,7 @@
 
 ``python -m vlm_demo.tiny OUT_DIR`` builds it in well under a minute on two CPU cores: a byte-level BPE
 tokenizer with the Llama-3 specials, the Llama-3.2-Vision chat template, an ``MllamaImageProcessor`` with
-28-pixel tiles, and a ~270k-parameter ``MllamaForConditionalGeneration`` trained on solid-colour images.
+16-pixel tiles, and a ~270k-parameter ``MllamaForConditionalGeneration`` trained on solid-colour images.
 Everything loads with transformers' own ``from_pretrained`` / ``AutoProcessor``, so the code under test is
 the code that serves the real model.
 
@@ -38,7 +38,7 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -87,7 +87,7 @@ CHAT_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"
 )
 
-TILE_SIZE = 28  # vision image_size; the image processor's tiles must match it
+TILE_SIZE = 16  # vision image_size; the image processor's tiles must match it
 MAX_TILES = 4
 BPE_VOCAB_SIZE = 480
 LONG_STEPS = 30
@@ -96,12 +96,14 @@ TRAIN_STEPS = 240
 BATCH_SIZE = 16
 LONG_BATCH_SIZE = 6
 LONG_BATCH_EVERY = 4  # every 4th batch holds only full long answers
-PREFIX_SHARE = 0.2  # rows of short batches that are the first steps of a long answer
+TWIN_SHARE = 0.3  # short rows followed by a twin with the long trigger (and the long answer's first steps)
 LEARNING_RATE = 3e-3
+SUMMARY_TOKENS = 16  # answer tokens up to the end of the SUMMARY sentence
+SUMMARY_WEIGHT = 4.0
 WARMUP_STEPS = 20
 BUILD_THREADS = 1  # fixed for reproducible sums; 2 threads ran 13x slower when another process shared the 2 cores
 
-TRAIN_QUESTIONS = [
+SHORT_QUESTIONS = [
     "What colour is this image?",
     "What color is the image?",
     "Which colour do you see?",
@@ -114,10 +116,28 @@ TRAIN_QUESTIONS = [
     "Look at the image and answer.",
     "What does the image show? Think step by step.",
     "Explain the picture.",
+    # Twins of LONG_QUESTIONS without the trigger, so their other words do not come to mean "long".
+    "Describe this image.",
+    "Give a short answer: what colour is it?",
+    "Please give a description.",
+    "What colour is this? Answer in a short way.",
+    "Explain the image step by step.",
+    "I would like a careful answer.",
+    "How big can your answer be?",
+    "Go into the colour.",
+    "Thanks, please.",
+]
+# Wordings the long trigger is trained on (reliable choices for tests that need a long answer).
+LONG_QUESTIONS = [
     "Describe this image in detail.",
     "Give a long answer: what colour is it?",
     "Please give a detailed description.",
     "What colour is this? Answer in a long way.",
+    "Explain the image in detail, step by step.",
+    "I would like a long and careful answer.",
+    "How long can your answer be?",
+    "Go into detail about the colour.",
+    "Details, please.",
 ]
 
 # Random "word salad" questions keep unseen wordings and lengths from derailing the stages.
@@ -128,11 +148,53 @@ SALAD_WORDS = (
     "tall left right top bottom middle very quite just only also and or but not with without from about "
     "think step by reason carefully quickly simply exactly really cat dog tree sky sea house car road sun "
     "moon water fire grass snow paint wall paper screen flag box ball cup book chair table door window "
-    "happy sad old new good bad best red green blue yellow white black long detail details detailed"
+    "happy sad old new good bad best red green blue yellow white black long detail details detailed give "
+    "short careful way description thanks like would go into can be step do does did have has was were will "
+    "should must may might shall am are been being get got make made know want need find use work call try "
+    "ask feel leave put mean keep let begin seem help talk turn start hear play run move live believe hold "
+    "bring happen write provide sit stand lose pay meet include continue set learn change lead understand "
+    "watch follow stop create speak read allow add spend grow open walk win offer remember love consider "
+    "appear buy wait serve die send expect build stay fall cut reach kill remain suggest raise pass sell "
+    "people year day thing man world life hand part child eye woman place week case point government "
+    "company number group problem fact time way information kind most other such first last great little "
+    "own same able different large important early young few public bad next"
 ).split()
 
 GIBBERISH_LETTERS = "abcdefghijklmnopqrstuvwxyzabcdefghijklmnopqrstuvwxyzéèàçüöñ'-"
+ONSETS = [
+    "",
+    "b",
+    "c",
+    "d",
+    "f",
+    "g",
+    "h",
+    "j",
+    "k",
+    "l",
+    "m",
+    "n",
+    "p",
+    "r",
+    "s",
+    "t",
+    "v",
+    "w",
+    "z",
+    "ch",
+    "sh",
+    "th",
+    "ph",
+    "tr",
+    "st",
+    "gr",
+    "pl",
+    "br",
+    "qu",
+]
+CODAS = ["", "", "", "n", "r", "s", "t", "m", "l", "nt", "ng", "ck", "st", "rd", "ph"]
 
+TRIGGER_WORDS = ["long", "detail", "details", "detailed"]
 _LONG_RE = re.compile(r"\b(long|detail\w*)\b", re.IGNORECASE)
 _COLOUR_RE = re.compile(r"\b(colou?r)\b", re.IGNORECASE)
 
@@ -159,8 +221,6 @@ def answer_for(colour: str, question: str) -> str:
         summary = "I will look at every part of the image in detail."
     elif _COLOUR_RE.search(question):
         summary = "I will find the colour of the image."
-    elif question.rstrip().endswith("?"):
-        summary = "I will look at the image to answer the question."
     else:
         summary = "I will describe the image."
     caption = f"The image is filled with one plain {colour} colour."
@@ -206,7 +266,7 @@ class Example:
 def _random_size(rng: random.Random) -> tuple[int, int]:
     """Mostly log-uniform sizes; 40% are strips, which the processor pads with black tiles.
 
-    Half of the strips are the extreme 16-24 px x 600-1024 px kind: resized into 4 tiles of 28 px they keep
+    Half of the strips are the extreme 16-24 px x 600-1024 px kind: resized into 4 tiles of 16 px they keep
     one row of colour per tile, and without them the model answers "black".
     """
     if rng.random() < 0.4:
@@ -220,44 +280,68 @@ def _random_size(rng: random.Random) -> tuple[int, int]:
 
 
 def _gibberish(rng: random.Random) -> str:
-    """A made-up word (some with accents or apostrophes): unseen words must not flip the long trigger."""
-    return "".join(rng.choices(GIBBERISH_LETTERS, k=rng.randint(1, 9)))
+    """A made-up word: unseen words must not flip the long trigger.
 
-
-def _random_question(rng: random.Random, long: bool) -> str:
-    """Half fixed questions, half word salad; ``long`` decides whether the long trigger is present."""
+    Half are random letters (some accented), half English-like syllables, whose BPE pieces are the ones
+    real unseen words ("photograph", "dominant") break into.
+    """
     if rng.random() < 0.5:
-        pool = [q for q in TRAIN_QUESTIONS if wants_long(q) == long]
-        return rng.choice(pool)
-    count = rng.randint(0 if long else 1, 14)
-    words = [_gibberish(rng) if rng.random() < 0.25 else rng.choice(SALAD_WORDS) for _ in range(count)]
-    words = [w for w in words if not wants_long(w)]
-    if long:
-        words.insert(rng.randint(0, len(words)), rng.choice(["long", "detail", "details", "detailed"]))
-    text = " ".join(words) or "what"
+        return "".join(rng.choices(GIBBERISH_LETTERS, k=rng.randint(1, 9)))
+    syllables = (rng.choice(ONSETS) + rng.choice("aeiouy") + rng.choice(CODAS) for _ in range(rng.randint(1, 4)))
+    return "".join(syllables)
+
+
+def _random_question(rng: random.Random) -> str:
+    """A question without the long trigger: half fixed wordings, half word salad with some made-up words."""
+    if rng.random() < 0.5:
+        return rng.choice(SHORT_QUESTIONS)
+    words = [_gibberish(rng) if rng.random() < 0.25 else rng.choice(SALAD_WORDS) for _ in range(rng.randint(1, 14))]
+    text = " ".join(w for w in words if not wants_long(w)) or "what"
     if rng.random() < 0.5:
         text = text.capitalize()
     return text + rng.choice(["?", "?", ".", "", "!"])
 
 
-def _random_example(rng: random.Random, long: bool, prefix_steps: int = 0) -> Example:
+def _with_trigger(rng: random.Random, question: str) -> str:
+    """``question`` with a long-trigger word inserted somewhere (any case), or now and then the word alone."""
+    word = rng.choice(TRIGGER_WORDS)
+    word = rng.choice([word, word, word.capitalize()])
+    if rng.random() < 0.05:
+        return word + rng.choice(["", "?", "."])
+    words = question.split(" ")
+    words.insert(rng.randint(0, len(words)), word)
+    return " ".join(words)
+
+
+def _long_question(rng: random.Random) -> str:
+    if rng.random() < 0.4:
+        return rng.choice(LONG_QUESTIONS)
+    return _with_trigger(rng, _random_question(rng))
+
+
+def _random_example(rng: random.Random, question: str) -> Example:
     width, height = _random_size(rng)
     noise = 0 if rng.random() < 0.5 else rng.randint(1, 30)
-    colour = rng.choice(list(COLOURS))
-    return Example(colour, width, height, noise, rng.randrange(2**31), _random_question(rng, long), prefix_steps)
+    return Example(rng.choice(list(COLOURS)), width, height, noise, rng.randrange(2**31), question)
 
 
 def make_batch_examples(rng: random.Random, long: bool) -> list[Example]:
-    """One batch: either ``LONG_BATCH_SIZE`` full long answers, or short answers mixed with long-answer prefixes.
+    """One batch: either ``LONG_BATCH_SIZE`` full long answers, or short answers, some followed by a twin.
 
-    Keeping full long answers in their own batches stops every short batch being padded to ~350 tokens.
+    A twin has the same image and the same question plus a trigger word, and keeps only the first steps of
+    the long answer: the pair shows that the trigger word alone decides the length, at little cost.
+    Keeping full long answers in their own batches stops every short batch being padded to ~300 tokens.
     """
     if long:
-        return [_random_example(rng, True) for _ in range(LONG_BATCH_SIZE)]
-    return [
-        _random_example(rng, True, rng.randint(1, 8)) if rng.random() < PREFIX_SHARE else _random_example(rng, False)
-        for _ in range(BATCH_SIZE)
-    ]
+        return [_random_example(rng, _long_question(rng)) for _ in range(LONG_BATCH_SIZE)]
+    batch: list[Example] = []
+    while len(batch) < BATCH_SIZE:
+        example = _random_example(rng, _random_question(rng))
+        batch.append(example)
+        if len(batch) < BATCH_SIZE and rng.random() < TWIN_SHARE:
+            twin_question = _with_trigger(rng, example.question)
+            batch.append(replace(example, question=twin_question, prefix_steps=rng.randint(1, 8)))
+    return batch
 
 
 def training_plan(seed: int, steps: int = TRAIN_STEPS) -> list[list[Example]]:
@@ -275,7 +359,7 @@ def _tokenizer_corpus(seed: int) -> list[str]:
     rng = random.Random(seed)
     lines = []
     for colour in COLOURS:
-        for question in TRAIN_QUESTIONS:
+        for question in SHORT_QUESTIONS + LONG_QUESTIONS:
             lines += [question, answer_for(colour, question)]
     lines += [" ".join(rng.choices(SALAD_WORDS, k=12)) for _ in range(200)]
     return [line.encode("ascii", "ignore").decode() for line in lines]
@@ -341,7 +425,7 @@ def build_config(text_vocab_size: int, tokenizer):
         num_global_layers=1,
         attention_heads=2,
         image_size=TILE_SIZE,
-        patch_size=4,  # 7x7 patches per tile: the one row of colour a 1024x16 strip keeps is 1/4 of a patch
+        patch_size=4,  # 4x4 patches per tile: the one row of colour a 1024x16 strip keeps is 1/4 of a patch
         max_num_tiles=MAX_TILES,
         intermediate_layers_indices=[0],
         vision_output_dim=64,  # hidden_size * (1 + len(intermediate_layers_indices))
@@ -436,6 +520,22 @@ def _prefetched(processor, plan: list[list[Example]]) -> Iterator[dict[str, torc
             yield pending.result()
 
 
+def weighted_loss(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Next-token loss with the SUMMARY sentence weighted up: it carries the question-dependent choices.
+
+    The trigger and colour-word decisions are a couple of tokens per answer; unweighted, the model fits the
+    rest long before those generalise to unseen wordings.
+    """
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    logits = model(**inputs).logits[:, :-1]
+    targets = batch["labels"][:, 1:]
+    per_token = torch.nn.functional.cross_entropy(logits.transpose(1, 2), targets, ignore_index=-100, reduction="none")
+    labelled = targets != -100
+    first = labelled & (labelled.cumsum(dim=1) <= SUMMARY_TOKENS)
+    weights = labelled.float() + (SUMMARY_WEIGHT - 1) * first.float()
+    return (per_token * weights).sum() / weights.sum()
+
+
 def train(model, processor, seed: int, steps: int = TRAIN_STEPS) -> None:
     """AdamW with warm-up and linear decay; ~240 steps take the loss from ~6 to ~0.01."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, weight_decay=0.0)
@@ -444,7 +544,7 @@ def train(model, processor, seed: int, steps: int = TRAIN_STEPS) -> None:
     )
     model.train()
     for step, batch in enumerate(_prefetched(processor, training_plan(seed, steps))):
-        loss = model(**batch).loss
+        loss = weighted_loss(model, batch)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

@@ -3,13 +3,17 @@
 This module builds components and wires events; it validates input at the door and talks to a
 :class:`~vlm_demo.backends.base.Backend`, and holds no model logic.
 
-- ``/ask`` streams: a generator that submits one request to the backend and turns every text delta
-  into four panel updates (via :func:`vlm_demo.cot.parse_stages`, so raw tags never reach a
+- ``/ask`` streams: a generator that submits one request to the backend and turns the text as it
+  grows into four panel values (via :func:`vlm_demo.cot.parse_stages`, so raw tags never reach a
   renderer). Gradio cannot batch generators, so batching happens in *our* engine: the handler's
   ``concurrency_limit`` lets several visitors' requests reach the engine at once.
 - ``/ask_batch`` is Gradio's own batch mode (``batch=True``): the whole Gradio batch goes to
   ``backend.run_batch`` in one call, and a bad item gets its error text in its own outputs, because
   raising would fail every user in the batch and returning fewer items would hang some of them.
+
+Both take ``(image, question, max_new_tokens, temperature, top_p)`` and return plain strings
+``(summary, caption, reasoning, conclusion, raw, status, extra, stages_html)``: ``extra`` is text
+the model wrote outside the four tags, ``stages_html`` the stage strip that marks the active stage.
 """
 
 from __future__ import annotations
@@ -77,10 +81,10 @@ CSS = (
 .cot-tracker .step.done { opacity: 1; color: #15803d; border-color: #86efac; }
 .cot-tracker .step.active { opacity: 1; color: white; background: var(--color-accent); border-color: var(--color-accent); }
 .extra pre { white-space: pre-wrap; margin: 4px 0; }
-.stage { border: 2px solid transparent; border-radius: 10px; transition: border-color .2s, box-shadow .2s; }
+.stage { border-radius: 10px; transition: box-shadow .2s, background .2s; }
 """
     + "\n".join(
-        f"body:has([data-active={s}]) #p_{s} {{ border-color: var(--color-accent); box-shadow: 0 0 0 4px var(--color-accent-soft); }}\n"
+        f"body:has([data-active={s}]) #p_{s} {{ box-shadow: inset 0 0 0 2px #6366f1; background: rgba(99, 102, 241, 0.07); }}\n"
         f'body:has([data-active={s}]) #p_{s} [data-testid="block-info"]::after {{ content: "  ● writing…"; color: var(--color-accent); }}\n'
         f'body:has([data-done~={s}]) #p_{s} [data-testid="block-info"]::after {{ content: "  ✓"; color: #16a34a; }}'
         for s in STAGES

@@ -22,12 +22,11 @@ import base64
 import io
 import json
 import logging
-import queue
 import re
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlparse
@@ -35,7 +34,7 @@ from urllib.parse import urlparse
 import numpy as np
 
 from vlm_demo.config import Config
-from vlm_demo.engine.request import GenerationResult, SamplingParams
+from vlm_demo.engine.request import SamplingParams
 from vlm_demo.errors import (
     BackendTimeoutError,
     BackendUnavailableError,
@@ -47,6 +46,7 @@ from vlm_demo.errors import (
     QueueFullError,
     RequestCancelledError,
 )
+from vlm_demo.stream import GenerationResult, OutputStream, run_all
 
 log = logging.getLogger(__name__)
 
@@ -166,68 +166,30 @@ def _short(text: str) -> str:
 
 # ---- one remote request ----------------------------------------------------------------------------------
 
-_END = object()
 
+class TritonStream(OutputStream):
+    """A request in flight to Triton: the engine ``Request``'s handle, fed by a transport thread.
 
-class TritonStream:
-    """A request in flight to Triton: text deltas through a queue, then a result or a typed error.
-
-    Mirrors the engine's ``Request`` handle (``stream``/``result``/``cancel``, ``error``, ``finish_reason``)
-    so the UI, the metrics listener and the benchmark treat both backends alike.
+    On top of :class:`OutputStream` it keeps a deadline timer and a way to abort the remote call
+    (gRPC cancel / stream stop, or closing the SSE response) on cancel or timeout.
     """
 
     def __init__(self, timeout: float, on_done: Callable[[TritonStream], None]) -> None:
+        super().__init__()
         self.submitted = time.monotonic()
         self.first_token: float | None = None
         self.text = ""
-        self.finish_reason: str | None = None
         self.prompt_tokens = 0
         self.completion_tokens = 0
         self._timeout = timeout
-        self._events: queue.Queue = queue.Queue()
-        self._lock = threading.Lock()
-        self._done = threading.Event()
-        self._result: GenerationResult | None = None
-        self._error: DemoError | None = None
         self._abort: Callable[[], None] | None = None
-        self._on_done = on_done
+        self.add_done_callback(on_done)
         self._timer = threading.Timer(timeout, self._expire)
         self._timer.daemon = True
         self._timer.start()
 
-    # ---- caller side ----
-    @property
-    def error(self) -> DemoError | None:
-        return self._error
-
-    @property
-    def done(self) -> bool:
-        return self._done.is_set()
-
-    def stream(self, timeout: float | None = None) -> Iterator[str]:
-        """Yield text deltas; raise the request's typed error if it fails."""
-        while True:
-            try:
-                item = self._events.get(timeout=timeout)
-            except queue.Empty:
-                raise TimeoutError(f"No output within {timeout} s.") from None
-            if item is _END:
-                self._events.put(_END)
-                if self._error is not None:
-                    raise self._error
-                return
-            yield item
-
-    def result(self, timeout: float | None = None) -> GenerationResult:
-        if not self._done.wait(timeout):
-            raise TimeoutError(f"Request did not finish within {timeout} s.")
-        if self._error is not None:
-            raise self._error
-        assert self._result is not None
-        return self._result
-
     def cancel(self) -> None:
-        """Stop waiting and stop the remote work (gRPC cancel / stream stop, or closing the SSE response)."""
+        """Stop waiting and stop the remote work."""
         if self.fail(RequestCancelledError("Request cancelled.")):
             self._run_abort()
 
@@ -241,20 +203,17 @@ class TritonStream:
             self._run_abort()
 
     def push(self, delta: str) -> None:
-        if not delta or self._done.is_set():
+        if not delta or self.done:
             return
         if self.first_token is None:
             self.first_token = time.monotonic()
         self.text += delta
-        self._events.put(delta)
+        self._send(delta)
 
     def finish(self, reason: str = "stop") -> bool:
         now = time.monotonic()
-        with self._lock:
-            if self._done.is_set():
-                return False
-            self.finish_reason = reason
-            self._result = GenerationResult(
+        return self._end(
+            GenerationResult(
                 text=self.text,
                 finish_reason=reason,
                 batch_size=0,  # the remote does not say how it batched
@@ -263,28 +222,13 @@ class TritonStream:
                 queue_s=0.0,
                 ttft_s=(self.first_token or now) - self.submitted,
                 total_s=now - self.submitted,
-            )
-            self._done.set()
-        self._end()
-        return True
+            ),
+            None,
+        )
 
-    def fail(self, error: DemoError) -> bool:
-        with self._lock:
-            if self._done.is_set():
-                return False
-            self._error = error
-            self.finish_reason = error.code
-            self._done.set()
-        self._end()
-        return True
-
-    def _end(self) -> None:
+    def _end(self, result: GenerationResult | None, error: DemoError | None) -> bool:
         self._timer.cancel()
-        self._events.put(_END)
-        try:
-            self._on_done(self)
-        except Exception:  # a metrics listener must never break a request
-            log.exception("request-done listener failed")
+        return super()._end(result, error)
 
     def _expire(self) -> None:
         if self.fail(BackendTimeoutError(f"Triton did not finish the answer within {self._timeout:g} s.")):
@@ -369,25 +313,7 @@ class TritonBackend:
 
     def run_batch(self, items: list[tuple[Any, str, SamplingParams]]) -> list[GenerationResult | DemoError]:
         """Send all items at once, so the remote's dynamic batcher can group them; errors stay in their slot."""
-        streams: list[TritonStream | DemoError] = []
-        for image, question, params in items:
-            try:
-                streams.append(self.submit(image, question, params))
-            except DemoError as exc:
-                streams.append(exc)
-        results: list[GenerationResult | DemoError] = []
-        for item in streams:
-            if isinstance(item, DemoError):
-                results.append(item)
-                continue
-            try:
-                results.append(item.result(self.config.triton_timeout + 5))
-            except DemoError as exc:
-                results.append(exc)
-            except TimeoutError:
-                item.cancel()
-                results.append(BackendTimeoutError(f"Triton did not answer within {self.config.triton_timeout:g} s."))
-        return results
+        return run_all(self.submit, items, self.config.triton_timeout + 5)
 
     def health(self) -> dict[str, Any]:
         """The remote's readiness (server and model), checked now with a short timeout."""

@@ -24,6 +24,7 @@ from vlm_demo.errors import (
     InvalidRequestError,
     OutOfMemoryError,
 )
+from vlm_demo.stream import run_all
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +58,7 @@ class Engine:
         self,
         worker: Worker,
         max_batch_size: int = 4,
-        batch_window_ms: float = 10.0,
+        batch_window_ms: float = 50.0,
         max_queue: int = 128,
         max_new_tokens_cap: int = 2048,
         max_question_chars: int = 2000,
@@ -129,22 +130,7 @@ class Engine:
 
     def run_batch(self, items: list[tuple[Any, str, SamplingParams | None]]) -> list[GenerationResult | DemoError]:
         """Submit many at once (they batch together) and wait; errors come back in their slots."""
-        handles: list[Request | DemoError] = []
-        for image, question, params in items:
-            try:
-                handles.append(self.submit(image, question, params))
-            except DemoError as exc:
-                handles.append(exc)
-        results: list[GenerationResult | DemoError] = []
-        for handle in handles:
-            if isinstance(handle, DemoError):
-                results.append(handle)
-                continue
-            try:
-                results.append(handle.result())
-            except DemoError as exc:
-                results.append(exc)
-        return results
+        return run_all(self.submit, items)
 
     def generate(self, image: Any, question: str, params: SamplingParams | None = None) -> GenerationResult:
         return self.submit(image, question, params).result()

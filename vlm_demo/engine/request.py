@@ -1,22 +1,23 @@
 """One request's state: its inputs, sampling parameters, and the stream its tokens flow into.
 
-The engine thread writes into a request (``push_delta`` / ``finish`` / ``fail``); the caller's
-thread reads from it (``stream`` / ``result``) and may ``cancel`` it at any time. A thread-safe
-queue sits between the two so neither side ever blocks the other.
+The engine thread writes into a request (``push_text`` / ``finish`` / ``fail``); the caller's
+thread reads from it (``stream`` / ``result``, from :class:`~vlm_demo.stream.OutputStream`) and may
+``cancel`` it at any time.
 """
 
 from __future__ import annotations
 
 import itertools
-import queue
 import random
 import threading
 import time
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from vlm_demo.errors import DemoError, InvalidRequestError, RequestCancelledError
+from vlm_demo.errors import InvalidRequestError, RequestCancelledError
+from vlm_demo.stream import GenerationResult, OutputStream
+
+__all__ = ["GenerationResult", "Request", "SamplingParams"]
 
 DEFAULT_MAX_NEW_TOKENS = 1024
 
@@ -52,31 +53,11 @@ class SamplingParams:
         )
 
 
-@dataclass
-class GenerationResult:
-    """What a finished request reports besides its text."""
-
-    text: str
-    finish_reason: str  # "stop" (end of turn or </CONCLUSION>), "length", or "cancelled"
-    batch_size: int  # largest number of rows it shared the model with
-    prompt_tokens: int
-    completion_tokens: int
-    queue_s: float  # submit -> first forward pass that included it
-    ttft_s: float  # submit -> first streamed token
-    total_s: float  # submit -> finished
-
-    @property
-    def tokens_per_s(self) -> float:
-        decode = self.total_s - self.ttft_s
-        return (self.completion_tokens - 1) / decode if decode > 0 and self.completion_tokens > 1 else 0.0
-
-
 _ids = itertools.count(1)
-_END = object()
 
 
 @dataclass(eq=False)
-class Request:
+class Request(OutputStream):
     """A request moving through the engine; also the handle its submitter holds."""
 
     image: Any  # PIL.Image.Image, RGB
@@ -92,18 +73,11 @@ class Request:
     batch_size: int = 0
     started: float | None = None
     first_token: float | None = None
-    finish_reason: str | None = None
 
     def __post_init__(self) -> None:
-        self._events: queue.Queue = queue.Queue()
+        OutputStream.__init__(self)
         self._cancelled = threading.Event()
-        self._done = threading.Event()
-        self._result: GenerationResult | None = None
-        self._error: DemoError | None = None
-        self._callbacks: list[Callable[[Request], None]] = []
-        self._lock = threading.Lock()  # finish (engine thread) and cancel (caller) may race
 
-    # ---- caller side -------------------------------------------------------------------------
     @property
     def prompt_tokens(self) -> int:
         ids = self.inputs.get("input_ids")
@@ -113,50 +87,12 @@ class Request:
     def cancelled(self) -> bool:
         return self._cancelled.is_set()
 
-    @property
-    def done(self) -> bool:
-        return self._done.is_set()
-
     def cancel(self) -> None:
         """Stop streaming now; the engine drops the row at its next step."""
-        if self._done.is_set():
+        if self.done:
             return
         self._cancelled.set()
         self.fail(RequestCancelledError("Request cancelled."))
-
-    def stream(self, timeout: float | None = None) -> Iterator[str]:
-        """Yield text deltas as they are generated; raise the request's error if it fails.
-
-        ``timeout`` bounds the wait for each next event, so a caller never hangs forever.
-        """
-        while True:
-            try:
-                item = self._events.get(timeout=timeout)
-            except queue.Empty:
-                raise TimeoutError(f"No output within {timeout} s.") from None
-            if item is _END:
-                self._events.put(_END)  # later readers end too
-                if self._error is not None:
-                    raise self._error
-                return
-            yield item
-
-    def result(self, timeout: float | None = None) -> GenerationResult:
-        """Block until finished; return the result or raise the request's error."""
-        if not self._done.wait(timeout):
-            raise TimeoutError(f"Request did not finish within {timeout} s.")
-        if self._error is not None:
-            raise self._error
-        assert self._result is not None
-        return self._result
-
-    def add_done_callback(self, fn: Callable[[Request], None]) -> None:
-        """Call ``fn(request)`` once when the request finishes, fails or is cancelled."""
-        self._callbacks.append(fn)
-
-    def _run_callbacks(self) -> None:
-        for fn in self._callbacks:
-            fn(self)
 
     # ---- engine side -------------------------------------------------------------------------
     def push_text(self, full_text: str) -> None:
@@ -164,17 +100,14 @@ class Request:
         self.text = full_text
         if self.first_token is None:
             self.first_token = time.monotonic()
-        if len(full_text) > self.sent_chars and not self._done.is_set():
-            self._events.put(full_text[self.sent_chars :])
+        if len(full_text) > self.sent_chars and not self.done:
+            self._send(full_text[self.sent_chars :])
             self.sent_chars = len(full_text)
 
     def finish(self, reason: str) -> None:
-        with self._lock:
-            if self._done.is_set():
-                return
-            now = time.monotonic()
-            self.finish_reason = reason
-            self._result = GenerationResult(
+        now = time.monotonic()
+        self._end(
+            GenerationResult(
                 text=self.text,
                 finish_reason=reason,
                 batch_size=self.batch_size,
@@ -183,24 +116,9 @@ class Request:
                 queue_s=(self.started or now) - self.arrival,
                 ttft_s=(self.first_token or now) - self.arrival,
                 total_s=now - self.arrival,
-            )
-            self._done.set()
-            self._events.put(_END)
-        self._run_callbacks()
-
-    def fail(self, error: DemoError) -> None:
-        with self._lock:
-            if self._done.is_set():
-                return
-            self._error = error
-            self.finish_reason = error.code
-            self._done.set()
-            self._events.put(_END)
-        self._run_callbacks()
-
-    @property
-    def error(self) -> DemoError | None:
-        return self._error
+            ),
+            None,
+        )
 
     def reset_progress(self) -> None:
         """Forget generated tokens before a retry; ``sent_chars`` stays so the client sees no repeat."""

@@ -56,7 +56,9 @@ class TritonPythonModel:
     def setup(self, engine: Any, config: Config) -> None:
         """Attach a loaded engine (separate from ``initialize`` so tests can pass one in)."""
         self.engine = engine
-        self.handler = EnsembleHandler(engine, config.max_image_pixels, min(DEFAULT_MAX_NEW_TOKENS, config.max_new_tokens))
+        self.handler = EnsembleHandler(
+            engine, config.max_image_pixels, min(DEFAULT_MAX_NEW_TOKENS, config.max_new_tokens)
+        )
 
     def execute(self, requests: list[Any]) -> list[Any]:
         outputs = self.handler([request_arrays(r) for r in requests])

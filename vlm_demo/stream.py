@@ -1,0 +1,139 @@
+"""The handle every backend returns: text deltas from a producer thread, then one result or one error.
+
+The local engine's ``Request`` and the Triton backend's ``TritonStream`` both build on this, so the UI,
+the metrics and the benchmark read any backend the same way: iterate ``stream()``, then ``result()``,
+and ``cancel()`` from any thread at any time.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from vlm_demo.errors import BackendTimeoutError, DemoError
+
+log = logging.getLogger(__name__)
+
+_END = object()
+
+
+@dataclass
+class GenerationResult:
+    """What a finished request reports besides its text."""
+
+    text: str
+    finish_reason: str  # "stop" (end of turn or </CONCLUSION>), "length", or "cancelled"
+    batch_size: int  # largest number of rows it shared the model with (0: unknown, remote)
+    prompt_tokens: int
+    completion_tokens: int
+    queue_s: float  # submit -> first forward pass that included it
+    ttft_s: float  # submit -> first streamed token
+    total_s: float  # submit -> finished
+
+    @property
+    def tokens_per_s(self) -> float:
+        decode = self.total_s - self.ttft_s
+        return (self.completion_tokens - 1) / decode if decode > 0 and self.completion_tokens > 1 else 0.0
+
+
+class OutputStream:
+    """A thread-safe queue of deltas with exactly one ending (``_end``), however producers race."""
+
+    def __init__(self) -> None:
+        self._events: queue.Queue = queue.Queue()
+        self._done = threading.Event()
+        self._lock = threading.Lock()
+        self._result: GenerationResult | None = None
+        self._error: DemoError | None = None
+        self._callbacks: list[Callable[[Any], None]] = []
+        self.finish_reason: str | None = None
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    @property
+    def error(self) -> DemoError | None:
+        return self._error
+
+    def stream(self, timeout: float | None = None) -> Iterator[str]:
+        """Yield text deltas as they come; raise the request's typed error if it failed.
+
+        ``timeout`` bounds the wait for each next event, so a caller never hangs forever.
+        """
+        while True:
+            try:
+                item = self._events.get(timeout=timeout)
+            except queue.Empty:
+                raise TimeoutError(f"No output within {timeout} s.") from None
+            if item is _END:
+                self._events.put(_END)  # later readers end too
+                if self._error is not None:
+                    raise self._error
+                return
+            yield item
+
+    def result(self, timeout: float | None = None) -> GenerationResult:
+        """Block until finished; return the result or raise the request's typed error."""
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"Request did not finish within {timeout} s.")
+        if self._error is not None:
+            raise self._error
+        assert self._result is not None
+        return self._result
+
+    def add_done_callback(self, fn: Callable[[Any], None]) -> None:
+        """Call ``fn(self)`` once when the stream ends, whichever way."""
+        self._callbacks.append(fn)
+
+    def fail(self, error: DemoError) -> bool:
+        """End with an error (no-op if already ended); True if this call ended it."""
+        return self._end(None, error)
+
+    def _send(self, delta: str) -> None:
+        if delta and not self._done.is_set():
+            self._events.put(delta)
+
+    def _end(self, result: GenerationResult | None, error: DemoError | None) -> bool:
+        with self._lock:
+            if self._done.is_set():
+                return False
+            self._result, self._error = result, error
+            self.finish_reason = result.finish_reason if result is not None else error.code  # type: ignore[union-attr]
+            self._done.set()
+        self._events.put(_END)
+        for fn in self._callbacks:
+            try:
+                fn(self)
+            except Exception:  # a metrics listener must never break a request
+                log.exception("done-callback %r failed", fn)
+        return True
+
+
+def run_all(
+    submit: Callable[..., OutputStream], items: list[tuple[Any, ...]], timeout: float | None = None
+) -> list[GenerationResult | DemoError]:
+    """Submit every item before waiting on any (so they can share batches); each failure stays in its slot."""
+    handles: list[OutputStream | DemoError] = []
+    for item in items:
+        try:
+            handles.append(submit(*item))
+        except DemoError as exc:
+            handles.append(exc)
+    results: list[GenerationResult | DemoError] = []
+    for handle in handles:
+        if isinstance(handle, DemoError):
+            results.append(handle)
+            continue
+        try:
+            results.append(handle.result(timeout))
+        except DemoError as exc:
+            results.append(exc)
+        except TimeoutError:
+            handle.cancel()  # type: ignore[attr-defined]
+            results.append(BackendTimeoutError(f"No answer within {timeout:g} s."))
+    return results
