@@ -74,9 +74,9 @@ def stop_server(proc: subprocess.Popen) -> str:
 
 @pytest.fixture(scope="module")
 def server(tiny_dir: str) -> Iterator[str]:
-    """One tiny-model server for this module: max batch 4, so bursts must batch."""
+    """One tiny-model server for this module (default batching mode, batches of up to 8)."""
     port = free_port()
-    proc = start_server(port, "--max-batch-size", "4", "--batch-window-ms", "20", "--max-queue", "256")
+    proc = start_server(port, "--max-batch-size", "8", "--max-queue", "256")
     url = f"http://127.0.0.1:{port}"
     try:
         wait_ready(proc, url)

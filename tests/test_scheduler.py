@@ -96,3 +96,12 @@ def test_close_hands_back_waiting_requests_and_unblocks() -> None:
 def test_next_batch_times_out_empty() -> None:
     sched = Scheduler(max_batch_size=4, batch_window_s=0.0, max_queue=4)
     assert sched.next_batch(timeout=0.05) == []
+
+
+def test_a_window_longer_than_the_poll_timeout_still_lets_a_lone_request_run() -> None:
+    """The engine polls with a short timeout; the window must not restart on every poll."""
+    sched = Scheduler(max_batch_size=4, batch_window_s=0.3, max_queue=4)
+    req = make()
+    sched.add(req)
+    batches = [sched.next_batch(timeout=0.1) for _ in range(6)]
+    assert [req] in batches

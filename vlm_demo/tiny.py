@@ -89,17 +89,19 @@ CHAT_TEMPLATE = (
 
 TILE_SIZE = 16  # vision image_size; the image processor's tiles must match it
 MAX_TILES = 4
-BPE_VOCAB_SIZE = 480
+BPE_VOCAB_SIZE = 800
 LONG_STEPS = 30
 
-TRAIN_STEPS = 240
-BATCH_SIZE = 16
+TRAIN_STEPS = 320
+BATCH_SIZE = 12
 LONG_BATCH_SIZE = 6
 LONG_BATCH_EVERY = 4  # every 4th batch holds only full long answers
-TWIN_SHARE = 0.3  # short rows followed by a twin with the long trigger (and the long answer's first steps)
+SHORT_SALAD_WORDS = 3  # curriculum: the first third of training uses short questions
+SHORT_SALAD_SHARE = 1 / 3
+TWIN_SHARE = 0.5  # short rows followed by a twin with the long trigger (and the long answer's first steps)
 LEARNING_RATE = 3e-3
 SUMMARY_TOKENS = 16  # answer tokens up to the end of the SUMMARY sentence
-SUMMARY_WEIGHT = 4.0
+SUMMARY_WEIGHT = 10.0
 WARMUP_STEPS = 20
 BUILD_THREADS = 1  # fixed for reproducible sums; 2 threads ran 13x slower when another process shared the 2 cores
 
@@ -291,11 +293,12 @@ def _gibberish(rng: random.Random) -> str:
     return "".join(syllables)
 
 
-def _random_question(rng: random.Random) -> str:
+def _random_question(rng: random.Random, max_words: int = 14) -> str:
     """A question without the long trigger: half fixed wordings, half word salad with some made-up words."""
     if rng.random() < 0.5:
         return rng.choice(SHORT_QUESTIONS)
-    words = [_gibberish(rng) if rng.random() < 0.25 else rng.choice(SALAD_WORDS) for _ in range(rng.randint(1, 14))]
+    count = rng.randint(1, max_words)
+    words = [_gibberish(rng) if rng.random() < 0.25 else rng.choice(SALAD_WORDS) for _ in range(count)]
     text = " ".join(w for w in words if not wants_long(w)) or "what"
     if rng.random() < 0.5:
         text = text.capitalize()
@@ -325,7 +328,7 @@ def _random_example(rng: random.Random, question: str) -> Example:
     return Example(rng.choice(list(COLOURS)), width, height, noise, rng.randrange(2**31), question)
 
 
-def make_batch_examples(rng: random.Random, long: bool) -> list[Example]:
+def make_batch_examples(rng: random.Random, long: bool, max_words: int = 14) -> list[Example]:
     """One batch: either ``LONG_BATCH_SIZE`` full long answers, or short answers, some followed by a twin.
 
     A twin has the same image and the same question plus a trigger word, and keeps only the first steps of
@@ -336,7 +339,7 @@ def make_batch_examples(rng: random.Random, long: bool) -> list[Example]:
         return [_random_example(rng, _long_question(rng)) for _ in range(LONG_BATCH_SIZE)]
     batch: list[Example] = []
     while len(batch) < BATCH_SIZE:
-        example = _random_example(rng, _random_question(rng))
+        example = _random_example(rng, _random_question(rng, max_words))
         batch.append(example)
         if len(batch) < BATCH_SIZE and rng.random() < TWIN_SHARE:
             twin_question = _with_trigger(rng, example.question)
@@ -347,7 +350,14 @@ def make_batch_examples(rng: random.Random, long: bool) -> list[Example]:
 def training_plan(seed: int, steps: int = TRAIN_STEPS) -> list[list[Example]]:
     """All training batches, drawn from one seeded generator: the same seed gives the same data."""
     rng = random.Random(seed)
-    return [make_batch_examples(rng, long=step % LONG_BATCH_EVERY == LONG_BATCH_EVERY - 1) for step in range(steps)]
+    return [
+        make_batch_examples(
+            rng,
+            long=step % LONG_BATCH_EVERY == LONG_BATCH_EVERY - 1,
+            max_words=SHORT_SALAD_WORDS if step < steps * SHORT_SALAD_SHARE else 14,
+        )
+        for step in range(steps)
+    ]
 
 
 def _tokenizer_corpus(seed: int) -> list[str]:
@@ -355,6 +365,8 @@ def _tokenizer_corpus(seed: int) -> list[str]:
 
     Keeping "→" out of the BPE corpus means it is never merged: it stays three byte tokens, each an
     incomplete UTF-8 sequence on its own, which is what a streaming decoder must cope with.
+    The trigger and colour words are repeated in every casing and position (a question's first word has no
+    leading space), so each is one token wherever it stands, not pieces shared with other words ("lo" + "ng").
     """
     rng = random.Random(seed)
     lines = []
@@ -362,6 +374,9 @@ def _tokenizer_corpus(seed: int) -> list[str]:
         for question in SHORT_QUESTIONS + LONG_QUESTIONS:
             lines += [question, answer_for(colour, question)]
     lines += [" ".join(rng.choices(SALAD_WORDS, k=12)) for _ in range(200)]
+    key_words = [*TRIGGER_WORDS, "colour", "color", *COLOURS]
+    every_form = [[w, w.capitalize(), f"a {w}", f"A {w.capitalize()}"] for w in key_words * 20 + SALAD_WORDS]
+    lines += [line for forms in every_form for line in forms]
     return [line.encode("ascii", "ignore").decode() for line in lines]
 
 

@@ -318,12 +318,11 @@ class DemoUI:
             stream.cancel()  # no-op when finished; frees the model row if the visitor went away
         yield render(result.text, _result_status(result), final=True)
 
-    def stop(self, request: gr.Request = None) -> str:  # type: ignore[assignment]
-        """Cancel this visitor's runs only (other visitors' requests keep going)."""
+    def stop(self, request: gr.Request = None) -> None:  # type: ignore[assignment]
+        """Cancel this visitor's running answers only; other visitors' requests keep going."""
         session = getattr(request, "session_hash", None)
         count = self.sessions.cancel(session) if session else 0
         log.info("stop from session %s cancelled %d run(s)", session, count)
-        return "Stopped." if count else "Nothing to stop."
 
     def forget_session(self, request: gr.Request = None) -> None:  # type: ignore[assignment]
         """The tab was closed: free the model rows its runs were using."""
@@ -441,7 +440,7 @@ class DemoUI:
             inputs = [image, question, max_new_tokens, temperature, top_p]
             outputs = [*panels, raw, status, extra, tracker]
             limit = max(2 * self.config.max_batch_size, 4)  # enough running handlers to fill a batch and queue the next
-            ask_event = ask.click(
+            ask.click(
                 gpu(self.ask),
                 inputs=inputs,
                 outputs=outputs,
@@ -451,7 +450,7 @@ class DemoUI:
                 concurrency_limit=limit,
                 show_progress="minimal",
             )
-            submit_event = question.submit(
+            question.submit(
                 gpu(self.ask),
                 inputs=inputs,
                 outputs=outputs,
@@ -461,13 +460,10 @@ class DemoUI:
                 concurrency_limit=limit,
                 show_progress="minimal",
             )
-            stop.click(
-                self.stop,
-                outputs=[status],
-                cancels=[ask_event, submit_event],
-                queue=False,
-                api_visibility="undocumented",
-            )
+            # Not Gradio's ``cancels=``: it kills the handler before its last update, and an update
+            # already in flight could then overwrite the "Stopped" status. Cancelling our stream
+            # instead ends the handler normally, and it writes the final state itself.
+            stop.click(self.stop, queue=False, api_visibility="undocumented")
             ask_batch = gr.Button(visible=False)  # /ask_batch is for API clients; the page streams
             ask_batch.click(
                 gpu(self.ask_batch),

@@ -30,6 +30,7 @@ class Scheduler:
         self.waiting: collections.deque[Request] = collections.deque()
         self._cond = threading.Condition()
         self._closed = False
+        self._free_since: float | None = None  # when the worker last asked for work and got none yet
 
     @property
     def depth(self) -> int:
@@ -57,17 +58,19 @@ class Scheduler:
 
     def next_batch(self, timeout: float | None = None) -> list[Request]:
         """Block until a batch is due; return it (empty on timeout or close)."""
-        asked = time.monotonic()
-        give_up = None if timeout is None else asked + timeout
+        give_up = None if timeout is None else time.monotonic() + timeout
         with self._cond:
+            if self._free_since is None:  # kept across calls that time out empty
+                self._free_since = time.monotonic()
             while True:
                 self._prune()
                 if self._closed:
                     return []
                 if self.waiting:
-                    due = max(self.waiting[0].arrival, asked) + self.batch_window_s
+                    due = max(self.waiting[0].arrival, self._free_since) + self.batch_window_s
                     now = time.monotonic()
                     if len(self.waiting) >= self.max_batch_size or now >= due:
+                        self._free_since = None
                         return [self.waiting.popleft() for _ in range(min(self.max_batch_size, len(self.waiting)))]
                     wait = due - now
                 else:
