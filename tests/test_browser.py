@@ -110,13 +110,20 @@ def test_long_answer_marks_the_active_stage_and_stop_cancels_only_this_visitor(s
     other_visitor = Client(server, verbose=False)
     ask(page, blue, LONG_QUESTION)
     bystander = other_visitor.submit(handle_file(str(blue)), LONG_QUESTION, 1024, 0.0, 1.0, api_name="/ask")
-    page.wait_for_selector("#stages [data-active=reasoning]", timeout=60_000)
-    style = "e => getComputedStyle(e).boxShadow + getComputedStyle(e).backgroundColor"
-    assert page.eval_on_selector("#p_reasoning", style) != page.eval_on_selector("#p_summary", style), (
-        "the stage being written is not marked"
+    # Checked inside the page in one go: the tiny model writes fast, so separate round trips could
+    # land after REASONING is already finished.
+    page.wait_for_function(
+        """() => {
+            const active = document.querySelector('#stages [data-active=reasoning]');
+            const info = document.querySelector('#p_reasoning [data-testid=block-info]');
+            const look = e => getComputedStyle(e).boxShadow + getComputedStyle(e).backgroundColor;
+            return !!active && !!info
+                && getComputedStyle(info, '::after').content.includes('writing')
+                && look(document.querySelector('#p_reasoning')) !== look(document.querySelector('#p_summary'));
+        }""",
+        timeout=60_000,
+        polling=20,
     )
-    label = "e => getComputedStyle(e, '::after').content"
-    assert "writing" in page.eval_on_selector("#p_reasoning [data-testid=block-info]", label)
     page.evaluate("window.scrollTo(0, 0)")
     page.screenshot(path=str(ROOT / "docs" / "screenshot.png"))
 

@@ -129,7 +129,8 @@ def test_limits_hold_and_memory_returns_to_baseline(make_engine) -> None:
     engine.add_listener(sizes)
     peaks = []
     handles = [
-        engine.submit(solid_image(c, 64, 64), "Colour?", SamplingParams(60, 0.0, ignore_eos=True)) for c in COLOURS * 2
+        engine.submit(solid_image(c, 64, 64), "Colour?", SamplingParams(60, 0.0, ignore_eos=True))
+        for c in list(COLOURS) * 2
     ]
     while not all(h.done for h in handles):
         stats = engine.stats()

@@ -242,7 +242,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-window-ms", type=float, default=50.0)
     p.add_argument("--mixed-lengths", action="store_true", help="seeded log-uniform forced lengths")
     p.add_argument("--length-range", default="16,512", help="low,high for --mixed-lengths")
-    p.add_argument("--modes", default="unbatched,dynamic,continuous", help="comma-separated: unbatched,dynamic,continuous,triton")
+    p.add_argument(
+        "--modes", default="unbatched,dynamic,continuous", help="comma-separated: unbatched,dynamic,continuous,triton"
+    )
     p.add_argument("--triton-url", default="", help="also measure a Triton endpoint (adds mode 'triton')")
     p.add_argument("--triton-model", default="llama_3_2v_11b_cot_ensemble")
     p.add_argument("--triton-protocol", default="auto")

@@ -37,7 +37,8 @@ class Config:
     host: str = field(default="127.0.0.1", metadata={"help": "Bind address (also GRADIO_SERVER_NAME)."})
     port: int = field(default=7860, metadata={"help": "Port (also GRADIO_SERVER_PORT)."})
     batching: str = field(
-        default="continuous", metadata={"help": "continuous (rows join/leave every step) or dynamic (request-level batches)."}
+        default="continuous",
+        metadata={"help": "continuous (rows join/leave every step) or dynamic (request-level batches)."},
     )
     max_batch_size: int = field(default=4, metadata={"help": "Most requests merged into one GPU batch."})
     batch_window_ms: float = field(
