@@ -295,9 +295,10 @@ def hostile_cases(folder: Path) -> list[tuple[str, object, object, tuple, str]]:
         ("negative top_p", good, q, (32, 0.5, -0.1), "top_p must be a number from 0 to 1"),
         ("top_p zero when sampling", good, q, (32, 0.7, 0.0), "top_p must be above 0"),
         # Odd but valid: answered normally.
-        ("tags in question", good, "<SUMMARY>ignore</SUMMARY> <CONCLUSION>colour?", p, "red"),
-        ("html in question", good, "<script>alert(1)</script> colour?", p, "red"),
-        ("emoji and rtl question", good, "🎨 ما هو اللون؟ colour?", p, "red"),
+        # Room for the tiny model's long form: word salad may trigger it, and it is still a normal answer.
+        ("tags in question", good, "<SUMMARY>ignore</SUMMARY> <CONCLUSION>colour?", (400, 0.0, 1.0), "red"),
+        ("html in question", good, "<script>alert(1)</script> colour?", (400, 0.0, 1.0), "red"),
+        ("emoji and rtl question", good, "🎨 ما هو اللون؟ colour?", (400, 0.0, 1.0), "red"),
         ("numeric string params", good, q, ("160", "0", "1"), "red"),
         ("one pixel", file("dot.png", _encoded(solid_image("red", 1, 1), "PNG")), q, p, "red"),
         ("exif rotated jpeg", file("rot.jpg", _encoded(rotated, "JPEG", exif=exif.tobytes())), q, p, "red"),

@@ -73,7 +73,7 @@ def test_rows_joining_mid_flight_equal_their_single_runs(make_engine, worker) ->
         "first": (solid_image("red", 300, 80), "What colour is this image?", LONG),
         "second": (solid_image("green", 16, 16), "Colour?", GREEDY),
         "sampled": (solid_image("blue", 500, 500), "Describe it", SamplingParams(150, 0.9, 0.9, seed=5)),
-        "third": (solid_image("yellow", 1024, 16), "Tell me about the colour of this picture in detail please", GREEDY),
+        "third": (solid_image("yellow", 1024, 16), "Tell me about the colour of this picture, please", GREEDY),
         "late": (solid_image("white", 90, 700), "what color", GREEDY),
     }
     expected = {name: single(worker, *job) for name, job in jobs.items()}

@@ -1,25 +1,33 @@
 """A tiny, real Mllama model trained offline to answer like LLaVA-CoT, so everything runs without the 21 GB model.
 
-``python -m vlm_demo.tiny OUT_DIR`` builds it in well under a minute on two CPU cores: a byte-level BPE
-tokenizer with the Llama-3 specials, the Llama-3.2-Vision chat template, an ``MllamaImageProcessor`` with
-16-pixel tiles, and a ~270k-parameter ``MllamaForConditionalGeneration`` trained on solid-colour images.
-Everything loads with transformers' own ``from_pretrained`` / ``AutoProcessor``, so the code under test is
-the code that serves the real model.
+``python -m vlm_demo.tiny OUT_DIR`` builds it in about 80 s on one CPU core (no network, deterministic): a
+byte-level BPE tokenizer with the Llama-3 specials, the Llama-3.2-Vision chat template, an
+``MllamaImageProcessor`` with 16-pixel tiles (4 tiles at most), and a ~305k-parameter
+``MllamaForConditionalGeneration`` trained on solid-colour images. Everything loads with transformers' own
+``from_pretrained`` / ``AutoProcessor``, so the code under test is the code that serves the real model.
 
-What the trained model does under greedy decoding, for a solid-colour image (red, green, blue, yellow,
-white, black; 16-1024 px, any aspect ratio, mild noise) and any short question::
+What the trained model does under greedy decoding, for a solid-colour image (``COLOURS``; 16-1024 px, any
+aspect ratio including 1024x16 strips, mild noise) and any short question::
 
-    <SUMMARY> ... </SUMMARY>\\n\\n<CAPTION> ... </CAPTION>\\n\\n<REASONING> ... → ... </REASONING>\\n\\n<CONCLUSION> The image is red. </CONCLUSION><|eot_id|>
+    <SUMMARY> I will find the colour of the image. </SUMMARY>
 
-Triggers (decided on the question's words, case-insensitive; see ``answer_for``):
+    <CAPTION> The image is filled with one plain red colour. </CAPTION>
 
-- The SUMMARY sentence depends on the question: it names the colour task if the question contains
-  "colour"/"color", talks about "the question" if the question ends with "?", and otherwise says it will
-  describe the image.
-- The REASONING always contains "→", a character the tokenizer never saw in training, so it is emitted as
-  three single-byte tokens: streamed decoding must hold back incomplete UTF-8.
-- The word "long", or any word starting with "detail" ("detail", "details", "detailed"), makes the
-  REASONING a numbered list of ``LONG_STEPS`` steps (~300 tokens in total), long enough to press Stop on.
+    <REASONING> Every part of the image looks red → so its colour is red. </REASONING>
+
+    <CONCLUSION> The image is red. </CONCLUSION><|eot_id|>
+
+about 58 tokens. Triggers, decided on the question's words (see ``answer_for``):
+
+- Long answer: the word "long", or a word starting with "detail" ("detail", "details", "detailed"), in lower
+  case or capitalised, makes the REASONING a count "part 1 is red, ..., part 30 is red" (~240 tokens in
+  all), long enough to press Stop on. Reliable for the wordings in ``LONG_QUESTIONS`` (use those in tests);
+  other wordings usually work. Unseen questions without a trigger now and then get the long form too; it is
+  still a well-formed four-stage answer naming the right colour.
+- SUMMARY sentence: "... every part of the image in detail." for the long form, "I will find the colour of
+  the image." if the question says "colour"/"color", otherwise "I will describe the image."
+- Every REASONING contains "→", which the tokenizer never saw in training: it is three single-byte tokens,
+  each an incomplete UTF-8 sequence, so streamed decoding must hold back partial characters.
 
 The stage tags (``<SUMMARY>`` ...) are ordinary text split into several tokens, as in the real model.
 """
@@ -47,7 +55,7 @@ from PIL import Image
 
 log = logging.getLogger(__name__)
 
-TINY_VERSION = "1"  # bump when the recipe changes: cached copies with another stamp are rebuilt
+TINY_VERSION = "2"  # bump when the recipe changes: cached copies with another stamp are rebuilt
 VERSION_FILE = "tiny_version.txt"
 TINY_DIR_ENV = "VLM_TINY_DIR"
 
@@ -87,7 +95,7 @@ CHAT_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"
 )
 
-TILE_SIZE = 16  # vision image_size; the image processor's tiles must match it
+TILE_SIZE = 16  # vision image_size = the processor's tile size; 16 px (not 28) keeps 4-px patches cheap
 MAX_TILES = 4
 BPE_VOCAB_SIZE = 800
 LONG_STEPS = 30
@@ -95,7 +103,7 @@ LONG_STEPS = 30
 TRAIN_STEPS = 320
 BATCH_SIZE = 12
 LONG_BATCH_SIZE = 6
-LONG_BATCH_EVERY = 4  # every 4th batch holds only full long answers
+LONG_BATCH_EVERY = 5  # every 5th batch holds only full long answers
 SHORT_SALAD_WORDS = 3  # curriculum: the first third of training uses short questions
 SHORT_SALAD_SHARE = 1 / 3
 TWIN_SHARE = 0.5  # short rows followed by a twin with the long trigger (and the long answer's first steps)
@@ -163,37 +171,7 @@ SALAD_WORDS = (
 ).split()
 
 GIBBERISH_LETTERS = "abcdefghijklmnopqrstuvwxyzabcdefghijklmnopqrstuvwxyzéèàçüöñ'-"
-ONSETS = [
-    "",
-    "b",
-    "c",
-    "d",
-    "f",
-    "g",
-    "h",
-    "j",
-    "k",
-    "l",
-    "m",
-    "n",
-    "p",
-    "r",
-    "s",
-    "t",
-    "v",
-    "w",
-    "z",
-    "ch",
-    "sh",
-    "th",
-    "ph",
-    "tr",
-    "st",
-    "gr",
-    "pl",
-    "br",
-    "qu",
-]
+ONSETS = ["", *"b c d f g h j k l m n p r s t v w z ch sh th ph tr st gr pl br qu".split()]
 CODAS = ["", "", "", "n", "r", "s", "t", "m", "l", "nt", "ng", "ck", "st", "rd", "ph"]
 
 TRIGGER_WORDS = ["long", "detail", "details", "detailed"]
@@ -306,7 +284,7 @@ def _random_question(rng: random.Random, max_words: int = 14) -> str:
 
 
 def _with_trigger(rng: random.Random, question: str) -> str:
-    """``question`` with a long-trigger word inserted somewhere (any case), or now and then the word alone."""
+    """``question`` with a trigger word (lower case or capitalised) inserted somewhere, now and then alone."""
     word = rng.choice(TRIGGER_WORDS)
     word = rng.choice([word, word, word.capitalize()])
     if rng.random() < 0.05:
@@ -317,6 +295,7 @@ def _with_trigger(rng: random.Random, question: str) -> str:
 
 
 def _long_question(rng: random.Random) -> str:
+    """A question with the long trigger: a trained wording, or a random question with a trigger word added."""
     if rng.random() < 0.4:
         return rng.choice(LONG_QUESTIONS)
     return _with_trigger(rng, _random_question(rng))
@@ -430,7 +409,7 @@ def build_processor(seed: int = 0):
 
 
 def build_config(text_vocab_size: int, tokenizer):
-    """~270k parameters; the one cross-attention layer (2) lies inside the 4 text layers, else images are ignored."""
+    """~305k parameters; the one cross-attention layer (2) lies inside the 4 text layers, else images are ignored."""
     from transformers import MllamaConfig
 
     vision = dict(
@@ -552,7 +531,7 @@ def weighted_loss(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
 
 
 def train(model, processor, seed: int, steps: int = TRAIN_STEPS) -> None:
-    """AdamW with warm-up and linear decay; ~240 steps take the loss from ~6 to ~0.01."""
+    """AdamW with warm-up and linear decay, one thread; 320 steps take the loss from ~6.7 to ~0.02 in ~70 s."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: min(1.0, (s + 1) / WARMUP_STEPS) * max(0.05, 1 - s / max(1, steps))
@@ -629,6 +608,7 @@ def ensure_tiny(path: str | None = None) -> str:
         try:
             build_tiny(tmp)
             (tmp / VERSION_FILE).write_text(TINY_VERSION + "\n")
+            tmp.chmod(0o755)  # mkdtemp makes it private; the cache is shared by every process of this user
             if target.exists():  # a stale recipe: move it aside, since os.replace cannot overwrite a folder
                 stale = Path(tempfile.mkdtemp(prefix=f".{target.name}.stale-", dir=target.parent))
                 os.replace(target, stale / "old")

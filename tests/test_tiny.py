@@ -1,0 +1,202 @@
+"""The tiny offline model: loads with transformers' own classes, answers in four stages, batches exactly."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from vlm_demo import tiny
+from vlm_demo.tiny import COLOURS, LONG_QUESTIONS, solid_image
+
+STAGES = re.compile(
+    r"^<SUMMARY>(.+?)</SUMMARY>\s*<CAPTION>(.+?)</CAPTION>\s*<REASONING>(.+?)</REASONING>\s*"
+    r"<CONCLUSION>(.+?)</CONCLUSION>$",
+    re.S,
+)
+TAGS = [f"<{s}>" for s in ("SUMMARY", "CAPTION", "REASONING", "CONCLUSION")]
+TAGS += [t.replace("<", "</") for t in TAGS]
+
+# Wordings the model was not trained on, from one word to ~30 (none contains a long trigger).
+HELD_OUT_QUESTIONS = [
+    "hue?",
+    "What colour fills this picture?",
+    "Tell me what you see",
+    "Could you look at this photo carefully and tell me which single colour covers the whole of it, "
+    "and explain how you decided?",
+    "zebra quantum banana",
+]
+SIZES = [(16, 16, 0), (1024, 16, 0), (300, 700, 0), (1024, 1024, 0), (200, 200, 25)]  # width, height, noise
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_dir: str):
+    from transformers import AutoProcessor, MllamaForConditionalGeneration
+
+    model = MllamaForConditionalGeneration.from_pretrained(tiny_dir).eval()
+    return model, AutoProcessor.from_pretrained(tiny_dir)
+
+
+def _conversation(colour: str, width: int, height: int, noise: int, question: str) -> list[dict]:
+    image = solid_image(colour, width, height, noise=noise, seed=width + height)
+    return [{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": question}]}]
+
+
+def _generate(loaded, conversations: list[list[dict]], max_new_tokens: int) -> list[list[int]]:
+    """Greedy, left-padded; each row's new tokens up to and including its first stop token."""
+    model, processor = loaded
+    inputs = processor.apply_chat_template(
+        conversations,
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=True,
+        return_tensors="pt",
+        processor_kwargs={"padding": True, "padding_side": "left"},
+    )
+    with torch.no_grad():
+        out = model.generate(**inputs, do_sample=False, max_new_tokens=max_new_tokens)
+    stops = set(model.generation_config.eos_token_id)
+    rows = []
+    for seq in out[:, inputs["input_ids"].shape[1] :].tolist():
+        end = next((i for i, t in enumerate(seq) if t in stops), len(seq) - 1)
+        rows.append(seq[: end + 1])
+    return rows
+
+
+def _check_answer(processor, tokens: list[int], colour: str) -> re.Match:
+    assert tokens[-1] == processor.tokenizer.convert_tokens_to_ids("<|eot_id|>"), "answer did not stop"
+    text = processor.tokenizer.decode(tokens, skip_special_tokens=True).strip()
+    match = STAGES.match(text)
+    assert match, text
+    assert match.group(4).strip() == f"The image is {colour}.", text
+    return match
+
+
+def test_config_and_tokenizer_match_the_real_layout(loaded) -> None:
+    model, processor = loaded
+    tok = processor.tokenizer
+    text = model.config.text_config
+    image_id = tok.convert_tokens_to_ids("<|image|>")
+    assert image_id == text.vocab_size == model.config.image_token_index == len(tok) - 1
+    assert all(0 <= i < text.num_hidden_layers for i in text.cross_attention_layers)
+    assert model.config.vision_config.image_size == processor.image_processor.size["height"]
+    assert processor.image_processor.max_image_tiles == 4
+    eos = [tok.convert_tokens_to_ids(t) for t in ("<|eot_id|>", "<|eom_id|>", "<|end_of_text|>")]
+    assert model.generation_config.eos_token_id == eos
+    assert (
+        model.generation_config.pad_token_id
+        == tok.pad_token_id
+        == tok.convert_tokens_to_ids("<|finetune_right_pad_id|>")
+    )
+
+
+def test_stage_tags_are_ordinary_multi_token_text(loaded) -> None:
+    tok = loaded[1].tokenizer
+    added = set(tok.get_added_vocab())
+    for tag in TAGS:
+        assert tag not in added
+        assert len(tok(tag, add_special_tokens=False).input_ids) >= 2, tag
+
+
+def test_arrow_is_split_into_incomplete_utf8_tokens(loaded) -> None:
+    """Streaming decoders must meet partial characters: "→" is three byte tokens, none printable alone."""
+    tok = loaded[1].tokenizer
+    ids = tok("→", add_special_tokens=False).input_ids
+    assert len(ids) == 3
+    assert all(tok.decode([i]) == "\ufffd" for i in ids)
+    assert tok.decode(ids) == "→"
+
+
+def test_chat_template_has_one_bos_and_the_assistant_header(loaded) -> None:
+    processor = loaded[1]
+    conversation = _conversation("red", 32, 32, 0, "What colour?")
+    prompt = processor.apply_chat_template(conversation, add_generation_prompt=True)
+    assert prompt.startswith("<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\n<|image|>What colour?")
+    assert prompt.endswith("<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n")
+    ids = processor.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True, return_dict=True)
+    assert list(ids["input_ids"][0]).count(processor.tokenizer.bos_token_id) == 1
+
+
+def test_left_padded_batch_answers_every_colour_and_equals_single_runs(loaded) -> None:
+    """All colours x sizes (tiny, 1024x16 strip, tall, large, noisy) x held-out wordings, one batch."""
+    processor = loaded[1]
+    cases = [
+        (colour, *size, HELD_OUT_QUESTIONS[(i + j) % len(HELD_OUT_QUESTIONS)])
+        for i, colour in enumerate(COLOURS)
+        for j, size in enumerate(SIZES)
+    ]
+    # Unseen wordings may now and then take the long form; it must still be well formed.
+    batched = _generate(loaded, [_conversation(*case) for case in cases], max_new_tokens=320)
+    for case, tokens in zip(cases, batched):
+        _check_answer(processor, tokens, case[0])
+        assert _generate(loaded, [_conversation(*case)], max_new_tokens=320)[0] == tokens, case
+
+
+def test_trained_wordings_give_short_or_long_reasoning(loaded) -> None:
+    """The long trigger: web tests need a long run to stop; plain questions stay short and fast."""
+    processor = loaded[1]
+    questions = ["What colour is this image?", LONG_QUESTIONS[0]]
+    cases = [(colour, 64, 48, 0, q) for colour in COLOURS for q in questions]
+    for case, tokens in zip(cases, _generate(loaded, [_conversation(*c) for c in cases], max_new_tokens=320)):
+        reasoning = _check_answer(processor, tokens, case[0]).group(3)
+        assert "→" in reasoning
+        if tiny.wants_long(case[4]):
+            assert len(tokens) > 200, case
+        else:
+            assert len(tokens) < 80, case
+
+
+def test_answer_rules() -> None:
+    assert tiny.wants_long("Describe it in DETAIL") and tiny.wants_long("Long answer?")
+    assert not tiny.wants_long("longer") and not tiny.wants_long("What colour?")
+    assert tiny.answer_for("red", "Colour?") != tiny.answer_for("red", "Describe it.")
+    assert len(tiny.answer_for("red", "long")) > 2.5 * len(tiny.answer_for("red", "x"))
+    assert tiny.answer_for("red", "x").endswith("<CONCLUSION> The image is red. </CONCLUSION>")
+
+
+def test_solid_image() -> None:
+    image = solid_image("yellow", 40, 10)
+    assert image.size == (40, 10) and image.mode == "RGB"
+    assert set(image.getdata()) == {COLOURS["yellow"]}
+    noisy = solid_image("black", 20, 20, noise=10, seed=3)
+    assert list(noisy.getdata()) == list(solid_image("black", 20, 20, noise=10, seed=3).getdata())
+    assert max(max(p) for p in noisy.getdata()) <= 10
+
+
+def test_training_data_and_tokenizer_are_deterministic() -> None:
+    assert tiny.training_plan(0, 6) == tiny.training_plan(0, 6)
+    assert tiny.training_plan(0, 6) != tiny.training_plan(1, 6)
+    assert tiny.build_tokenizer(0).backend_tokenizer.to_str() == tiny.build_tokenizer(0).backend_tokenizer.to_str()
+
+
+def test_build_is_deterministic_and_restores_torch_settings(tmp_path: Path) -> None:
+    """Two short builds give identical weights (the full recipe is the same code with more steps)."""
+    threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
+    digests = []
+    for name in ("a", "b"):
+        out = Path(tiny.build_tiny(tmp_path / name, seed=0, steps=2))
+        digests.append(hashlib.sha256((out / "model.safetensors").read_bytes()).hexdigest())
+    assert digests[0] == digests[1]
+    assert (torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()) == (threads, deterministic)
+
+
+def test_ensure_tiny_builds_once_and_rebuilds_a_stale_version(tmp_path: Path, monkeypatch) -> None:
+    builds = []
+
+    def fake_build(out_dir, seed: int = 0) -> str:
+        builds.append(out_dir)
+        (Path(out_dir) / "config.json").write_text("{}")
+        return str(out_dir)
+
+    monkeypatch.setattr(tiny, "build_tiny", fake_build)
+    monkeypatch.setenv(tiny.TINY_DIR_ENV, str(tmp_path / "model"))
+    path = Path(tiny.ensure_tiny())
+    assert path == tmp_path / "model" and len(builds) == 1
+    assert (path / tiny.VERSION_FILE).read_text().strip() == tiny.TINY_VERSION
+    assert tiny.ensure_tiny() == str(path) and len(builds) == 1
+    (path / tiny.VERSION_FILE).write_text("old\n")
+    assert tiny.ensure_tiny(str(path)) == str(path) and len(builds) == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".model.lock", "model"]  # no build folders left
