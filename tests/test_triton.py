@@ -44,7 +44,7 @@ from vlm_demo.errors import (
     QueueFullError,
     RequestCancelledError,
 )
-from vlm_demo.tiny import solid_image
+from vlm_demo.tiny import LONG_QUESTIONS, solid_image
 from vlm_demo.triton_serve import (
     config_from_model_config,
     decode_generate_request,
@@ -317,17 +317,17 @@ def test_unknown_model_is_named_at_start_and_at_run_time(server):
 )
 def test_timeout_gives_a_typed_error_within_the_timeout(server, scheme, model):
     backend = backend_for(server, scheme, model)
-    backend.config.triton_timeout = 0.3  # far shorter than any answer takes on this CPU
+    backend.config.triton_timeout = 0.3  # far shorter than the tiny model's long answer (~240 tokens)
     started = time.monotonic()
     with pytest.raises(BackendTimeoutError, match="0.3 s"):
-        backend.submit(solid_image("red", 20, 20), QUESTION, GREEDY).result(5)
+        backend.submit(solid_image("red", 20, 20), LONG_QUESTIONS[0], SamplingParams(1000, 0.0)).result(5)
     assert time.monotonic() - started < 1.5
 
 
 @pytest.mark.slow
 def test_cancel_stops_a_remote_stream(server):
     backend = backend_for(server, "grpc", GENERATE_MODEL)
-    stream = backend.submit(solid_image("green", 20, 20), QUESTION, GREEDY)
+    stream = backend.submit(solid_image("green", 20, 20), LONG_QUESTIONS[0], SamplingParams(1000, 0.0))
     pieces = stream.stream(timeout=30)
     next(pieces)
     stream.cancel()

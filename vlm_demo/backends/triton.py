@@ -147,7 +147,7 @@ def to_demo_error(exc: BaseException, endpoint: Endpoint, model: str, timeout: f
             f"Triton at {endpoint.url} is unreachable ({_short(text)}). Is the server running?"
         )
     lowered = text.lower()
-    if "unknown model" in lowered or "not found" in lowered or "not ready" in lowered or "unavailable" in lowered:
+    if any(word in lowered for word in ("unknown model", "not found", "not ready", "unavailable", "is stopping")):
         return BackendUnavailableError(f"Triton model '{model}' is not available at {endpoint.url}: {_short(text)}")
     return GenerationError(f"Triton model '{model}' failed: {_short(text)}")
 
