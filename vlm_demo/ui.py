@@ -34,7 +34,7 @@ import gradio as gr
 from vlm_demo.backends.base import Backend, Stream
 from vlm_demo.config import Config
 from vlm_demo.cot import STAGES, Stages, parse_stages
-from vlm_demo.engine.request import GenerationResult, SamplingParams
+from vlm_demo.engine.request import GenerationResult, SamplingParams, validate_question
 from vlm_demo.errors import DemoError, GenerationError, InvalidRequestError, RequestCancelledError
 from vlm_demo.images import load_image
 from vlm_demo.metrics import Metrics
@@ -256,13 +256,7 @@ class DemoUI:
         """Validate everything before the backend sees it; cheap checks first, image decoding last."""
         if image is None or image == "" or (isinstance(image, dict) and not (image.get("path") or image.get("url"))):
             raise InvalidRequestError("Please upload an image first.")
-        if not isinstance(question, str):
-            raise InvalidRequestError("The question must be text.")
-        if not question.strip():
-            raise InvalidRequestError("Please type a question about the image.")
-        limit = self.config.max_question_chars
-        if len(question) > limit:
-            raise InvalidRequestError(f"The question is too long ({len(question)} characters; the limit is {limit}).")
+        question = validate_question(question, self.config.max_question_chars)
         if "\x00" in question:
             raise InvalidRequestError("The question contains a NUL character; please send plain text.")
         params = SamplingParams(
@@ -271,7 +265,7 @@ class DemoUI:
             top_p=_number("top_p", top_p),
         ).validated(self.config.max_new_tokens)
         picture = load_image(image, max_pixels=self.config.max_image_pixels)
-        return Admitted(picture, question.strip(), params)
+        return Admitted(picture, question, params)
 
     def _refuse(self, error: DemoError) -> gr.Error:
         self.metrics.rejected(error.code)

@@ -34,7 +34,7 @@ from urllib.parse import urlparse
 import numpy as np
 
 from vlm_demo.config import Config
-from vlm_demo.engine.request import SamplingParams
+from vlm_demo.engine.request import SamplingParams, validate_question
 from vlm_demo.errors import (
     BackendTimeoutError,
     BackendUnavailableError,
@@ -341,13 +341,7 @@ class TritonBackend:
     def _validate(self, image: Any, question: str, params: SamplingParams) -> tuple[Any, str, SamplingParams]:
         from vlm_demo.images import load_image
 
-        if not isinstance(question, str) or not question.strip():
-            raise InvalidRequestError("Please enter a question.")
-        question = question.strip()
-        if len(question) > self.config.max_question_chars:
-            raise InvalidRequestError(
-                f"The question is too long ({len(question)} characters; the limit is {self.config.max_question_chars})."
-            )
+        question = validate_question(question, self.config.max_question_chars)
         image = load_image(image, self.config.max_image_pixels)
         return image, question, params.validated(self.config.max_new_tokens)
 

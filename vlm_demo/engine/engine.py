@@ -14,7 +14,7 @@ from typing import Any, Protocol
 import torch
 
 from vlm_demo.config import Config
-from vlm_demo.engine.request import GenerationResult, Request, SamplingParams
+from vlm_demo.engine.request import GenerationResult, Request, SamplingParams, validate_question
 from vlm_demo.engine.scheduler import Scheduler
 from vlm_demo.engine.worker import Worker
 from vlm_demo.errors import (
@@ -106,16 +106,11 @@ class Engine:
             raise InvalidRequestError("Please provide an image.")
         if not hasattr(image, "mode") or not hasattr(image, "size"):
             raise InvalidRequestError("The image must be a decoded picture (PIL image).")
-        if not isinstance(question, str) or not question.strip():
-            raise InvalidRequestError("Please type a question about the image.")
-        if len(question) > self.max_question_chars:
-            raise InvalidRequestError(
-                f"The question is too long ({len(question)} characters; the limit is {self.max_question_chars})."
-            )
+        question = validate_question(question, self.max_question_chars)
         params = (params or SamplingParams()).validated(self.max_new_tokens_cap)
         if image.mode != "RGB":
             image = image.convert("RGB")
-        request = Request(image=image, question=question.strip(), params=params)
+        request = Request(image=image, question=question, params=params)
         request.inputs = self.worker.prepare(image, request.question)
         return request
 

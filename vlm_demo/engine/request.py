@@ -17,7 +17,7 @@ from typing import Any
 from vlm_demo.errors import InvalidRequestError, RequestCancelledError
 from vlm_demo.stream import GenerationResult, OutputStream
 
-__all__ = ["GenerationResult", "Request", "SamplingParams"]
+__all__ = ["GenerationResult", "Request", "SamplingParams", "validate_question"]
 
 DEFAULT_MAX_NEW_TOKENS = 1024
 
@@ -51,6 +51,17 @@ class SamplingParams:
         return SamplingParams(
             int(self.max_new_tokens), float(self.temperature), float(self.top_p), self.ignore_eos, seed
         )
+
+
+def validate_question(question: Any, max_chars: int) -> str:
+    """The door check every backend shares: text, not blank, within the cap; returns it stripped."""
+    if not isinstance(question, str):
+        raise InvalidRequestError("The question must be text.")
+    if not question.strip():
+        raise InvalidRequestError("Please type a question about the image.")
+    if len(question) > max_chars:
+        raise InvalidRequestError(f"The question is too long ({len(question)} characters; the limit is {max_chars}).")
+    return question.strip()
 
 
 _ids = itertools.count(1)
