@@ -28,11 +28,10 @@ from typing import Any
 from vlm_demo.config import Config
 from vlm_demo.engine import Engine, SamplingParams
 from vlm_demo.engine.worker import Worker
-from vlm_demo.tiny import solid_image
+from vlm_demo.tiny import COLOURS, solid_image
 
 log = logging.getLogger("vlm_demo.bench")
 
-COLOURS = ("red", "green", "blue", "yellow", "white", "black")
 SIZES = ((64, 64), (300, 120), (120, 300), (560, 560), (1024, 64), (40, 40))
 QUESTIONS = (
     "What colour is this image?",
@@ -89,9 +88,10 @@ def forced_lengths(n: int, mixed: bool, max_new_tokens: int, low: int, high: int
 def make_workload(n: int, lengths: list[int]) -> list[tuple[Any, str, SamplingParams]]:
     """Solid-colour images of several sizes and questions; greedy; forced length per request."""
     items = []
+    colours = list(COLOURS)  # same order as the tiny model's table
     for i in range(n):
         width, height = SIZES[i % len(SIZES)]
-        image = solid_image(COLOURS[i % len(COLOURS)], width, height)
+        image = solid_image(colours[i % len(colours)], width, height)
         params = SamplingParams(max_new_tokens=lengths[i], temperature=0.0, ignore_eos=True)
         items.append((image, QUESTIONS[i % len(QUESTIONS)], params))
     return items

@@ -434,26 +434,16 @@ class DemoUI:
             inputs = [image, question, max_new_tokens, temperature, top_p]
             outputs = [*panels, raw, status, extra, tracker]
             limit = max(2 * self.config.max_batch_size, 4)  # enough running handlers to fill a batch and queue the next
-            ask.click(
-                gpu(self.ask),
+            streaming = dict(  # the Ask button and Enter in the question box run the same handler
                 inputs=inputs,
                 outputs=outputs,
-                api_name="ask",
                 preprocess=False,  # our own caps and messages for the image, not PIL's (see images.py)
                 concurrency_id=CONCURRENCY_ID,
                 concurrency_limit=limit,
                 show_progress="minimal",
             )
-            question.submit(
-                gpu(self.ask),
-                inputs=inputs,
-                outputs=outputs,
-                api_visibility="private",
-                preprocess=False,
-                concurrency_id=CONCURRENCY_ID,
-                concurrency_limit=limit,
-                show_progress="minimal",
-            )
+            ask.click(gpu(self.ask), api_name="ask", **streaming)
+            question.submit(gpu(self.ask), api_visibility="private", **streaming)
             # Not Gradio's ``cancels=``: it kills the handler before its last update, and an update
             # already in flight could then overwrite the "Stopped" status. Cancelling our stream
             # instead ends the handler normally, and it writes the final state itself.
