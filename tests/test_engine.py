@@ -135,14 +135,18 @@ def test_streamed_deltas_concatenate_to_the_final_text(make_engine) -> None:
         assert text.endswith(STOP_TEXT)
 
 
-def test_row_streamer_holds_back_partial_utf8_and_split_tags(worker) -> None:
-    """Feed a real tokenisation one token at a time: every prefix sent is valid text."""
+@pytest.mark.parametrize("native", [True, False], ids=["DecodeStream", "python-window"])
+def test_row_streamer_holds_back_partial_utf8_and_split_tags(worker, native: bool) -> None:
+    """Feed a real tokenisation one token at a time: every prefix sent is valid text (with the
+    native incremental decoder and with the fallback for tokenizers without a Rust backend)."""
     from vlm_demo.engine.request import Request
 
     text = "<SUMMARY>ok</SUMMARY> 🙂 é → <CONCLUSION>red</CONCLUSION> trailing"
     ids = worker.tokenizer.encode(text, add_special_tokens=False)
     request = Request(image=None, question="q", params=SamplingParams(max_new_tokens=500, temperature=0))
     row = RowStreamer(worker.tokenizer, request, worker.eos_ids)
+    if not native:
+        row._stream = None
     for token in ids:
         if row.feed(token):
             break

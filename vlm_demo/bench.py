@@ -248,6 +248,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--triton-url", default="", help="also measure a Triton endpoint (adds mode 'triton')")
     p.add_argument("--triton-model", default="llama_3_2v_11b_cot_ensemble")
     p.add_argument("--triton-protocol", default="auto")
+    p.add_argument(
+        "--stock-decode",
+        action="store_true",
+        help="ablation: continuous steps go through the stock text-model forward, not the written-out step",
+    )
     p.add_argument("--repeats", type=int, default=1, help="interleaved repeats; medians are reported")
     p.add_argument("--json", dest="json_path", default="", help="write the runs as a JSON list")
     p.add_argument("--plot", dest="plot_path", default="", help="write a PNG of throughput and p95 latency")
@@ -265,6 +270,8 @@ def backend_factories(args: argparse.Namespace) -> dict[str, tuple[int, Callable
     worker: Worker | None = None
     if any(m != "triton" for m in modes):
         worker = Worker.load(args.model, args.device, args.dtype, cpu_threads=args.cpu_threads)
+        if args.stock_decode:
+            worker.decode_step = None
 
     def local(max_batch: int, batching: str) -> Callable[[], Any]:
         def make() -> Any:

@@ -116,7 +116,7 @@ class ContinuousEngine(Engine):
             row,
             cache,
             request.prompt_tokens,
-            request.inputs["cross_attention_mask"][:, -1:].to(self.worker.device),
+            self.worker.cross_attention_masks(request.inputs["cross_attention_mask"]),
             token,
         )
 

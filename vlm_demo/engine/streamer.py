@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from tokenizers.decoders import DecodeStream
 from transformers import StoppingCriteria
 
 from vlm_demo.engine.request import Request
@@ -25,7 +26,9 @@ class RowStreamer:
 
     Decoding the whole sequence every step is quadratic; decoding only the newest token breaks
     multi-byte characters and merges. So, as TGI does, decode a short window twice and emit the
-    difference, holding back text that ends in an incomplete UTF-8 character ("\\ufffd").
+    difference, holding back text that ends in an incomplete UTF-8 character ("\\ufffd"). With a
+    Rust-backed tokenizer, ``tokenizers``' ``DecodeStream`` does exactly that in one native call per
+    token; it runs for every row on every step, so the Python version is only the fallback.
     """
 
     def __init__(self, tokenizer: Any, request: Request, eos_ids: Sequence[int]) -> None:
@@ -37,9 +40,22 @@ class RowStreamer:
         self.prefix_offset = 0
         self.read_offset = 0
         self.done = False
+        self._backend = getattr(tokenizer, "backend_tokenizer", None)
+        self._stream = DecodeStream(skip_special_tokens=True) if self._backend is not None else None
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    def _next_text(self) -> str:
+        """The text the newest token completes ("" while a character is still partial)."""
+        if self._stream is not None:
+            return self._stream.step(self._backend, self.ids[-1]) or ""
+        prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        window = self._decode(self.ids[self.prefix_offset :])
+        if len(window) <= len(prefix) or window.endswith("\ufffd"):
+            return ""
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        return window[len(prefix) :]
 
     def feed(self, token_id: int) -> bool:
         """Take the row's next token; return True once the row has finished."""
@@ -53,12 +69,10 @@ class RowStreamer:
             return self._stop("stop")
         self.ids.append(token_id)
         request.token_ids.append(token_id)
-        prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
-        window = self._decode(self.ids[self.prefix_offset :])
-        if len(window) > len(prefix) and not window.endswith("\ufffd"):
-            self.text += window[len(prefix) :]
-            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-            end = self.text.find(STOP_TEXT, max(0, len(self.text) - len(window) - len(STOP_TEXT)))
+        new = self._next_text()
+        if new:
+            self.text += new
+            end = self.text.find(STOP_TEXT, max(0, len(self.text) - len(new) - len(STOP_TEXT)))
             if end >= 0 and not params.ignore_eos:
                 self.text = self.text[: end + len(STOP_TEXT)]
                 request.push_text(self.text)

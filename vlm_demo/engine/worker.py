@@ -19,7 +19,9 @@ from transformers import (
     MllamaForConditionalGeneration,
     StoppingCriteriaList,
 )
+from transformers.models.mllama.modeling_mllama import _prepare_cross_attention_mask
 
+from vlm_demo.engine.decode_step import TextDecodeStep, single_device
 from vlm_demo.engine.request import Request
 from vlm_demo.engine.sampler import RowSampler
 from vlm_demo.engine.streamer import BatchStreamer, RowStreamer
@@ -94,6 +96,7 @@ class Worker:
         self.dtype = next(model.parameters()).dtype
         self.pad_id = self._pad_id()
         self.eos_ids = self._eos_ids()
+        self.decode_step = TextDecodeStep(model) if single_device(model) else None
 
     @classmethod
     def load(
@@ -189,10 +192,30 @@ class Worker:
         out = self.model(**self.to_device(dict(request.inputs)), use_cache=True, logits_to_keep=1)
         return out.cache, out.logits[:, -1].float()
 
+    def cross_attention_masks(self, cross_attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Continuous mode: a row's decode-step cross-attention masks, built once when it joins.
+
+        Uses the model's own preparation (so values match ``generate`` bit for bit) on the row's
+        last mask position, which every generated token repeats.
+        """
+        return _prepare_cross_attention_mask(
+            cross_attention_mask[:, -1:].to(self.device),
+            num_vision_tokens=self.model.model.vision_model.num_patches,
+            dtype=self.dtype,
+        )
+
     @torch.inference_mode()
     def decode(self, inputs: dict[str, Any]) -> torch.Tensor:
-        """Continuous mode: one decode step for every running row; returns ``[B, vocab]`` logits."""
-        return self.model(**inputs, logits_to_keep=1).logits[:, -1].float()
+        """Continuous mode: one decode step for every running row; returns ``[B, vocab]`` logits.
+
+        ``inputs`` come from ``RunningBatch.step_inputs`` (masks already in the layers' form). The
+        written-out step skips the stock forward's per-call machinery; a model spread over several
+        devices goes through the text model's own forward instead.
+        """
+        if self.decode_step is not None:
+            return self.decode_step(**inputs)
+        hidden = self.model.model.language_model(**inputs, use_cache=True).last_hidden_state
+        return self.model.lm_head(hidden[:, -1]).float()
 
     @torch.inference_mode()
     def run(self, batch: list[Request]) -> None:
