@@ -19,6 +19,7 @@ import time
 import zlib
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -72,11 +73,11 @@ def stop_server(proc: subprocess.Popen) -> str:
     return out or ""
 
 
-@pytest.fixture(scope="module")
-def server(tiny_dir: str) -> Iterator[str]:
-    """One tiny-model server for this module (default batching mode, batches of up to 8)."""
+@contextmanager
+def running_server(*extra: str) -> Iterator[str]:
+    """A tiny-model ``app.py`` on a free loopback port; on exit, its log must hold no traceback."""
     port = free_port()
-    proc = start_server(port, "--max-batch-size", "8", "--max-queue", "256")
+    proc = start_server(port, *extra)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_ready(proc, url)
@@ -84,6 +85,13 @@ def server(tiny_dir: str) -> Iterator[str]:
     finally:
         serving_log = stop_server(proc).split("Shutting down")[0]  # open SSE streams may be cut at exit
         assert "Traceback" not in serving_log, serving_log[-4000:]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_dir: str) -> Iterator[str]:
+    """One tiny-model server for this module (default batching mode, batches of up to 8)."""
+    with running_server("--max-batch-size", "8", "--max-queue", "256") as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

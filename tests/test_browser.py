@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from gradio_client import Client, handle_file
-from test_app import free_port, start_server, stop_server, wait_ready
+from test_app import running_server
 
 pytestmark = pytest.mark.slow
 
@@ -34,17 +34,10 @@ LONG_QUESTION = "Describe this picture in detail."  # "detail" makes the tiny mo
 
 @pytest.fixture(scope="module")
 def server(tiny_dir: str) -> Iterator[str]:
-    port = free_port()
     # Continuous batching lets a second visitor's request join the browser's running batch, so Stop is
     # tested on one row of a live batch.
-    proc = start_server(port, "--max-batch-size", "4", "--batching", "continuous")
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_ready(proc, url)
+    with running_server("--max-batch-size", "4", "--batching", "continuous") as url:
         yield url
-    finally:
-        serving_log = stop_server(proc).split("Shutting down")[0]
-        assert "Traceback" not in serving_log, serving_log[-4000:]
 
 
 @pytest.fixture(scope="module")
