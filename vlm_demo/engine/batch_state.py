@@ -5,8 +5,9 @@ The running batch keeps, per layer, self-attention keys/values of shape ``[B, he
 ``[B, heads, vision_tokens, dim]``, plus the 2-D attention mask, each row's next position, its
 next input token and its cross-attention masks (prepared once, when the row joins, in the form
 the text model's layers take: the model would rebuild them from raw masks on every step). A
-joining row (prefilled alone) is padded to ``T`` (or the batch is padded to the row's length); leaving rows are dropped with ``index_select``
-and columns that became padding for every row are trimmed, so memory follows the live rows.
+joining row (prefilled alone) is padded to ``T`` (or the batch is padded to the row's length);
+leaving rows are dropped with ``index_select`` and columns that became padding for every row are
+trimmed, so memory follows the live rows.
 """
 
 from __future__ import annotations

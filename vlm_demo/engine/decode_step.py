@@ -40,7 +40,6 @@ class TextDecodeStep:
                 if index in self.cross_layers
             }
 
-    @torch.inference_mode()
     def __call__(
         self,
         input_ids: torch.Tensor,
@@ -50,7 +49,10 @@ class TextDecodeStep:
         full_text_row_masked_out_mask: torch.Tensor,
         cache: Any,
     ) -> torch.Tensor:
-        """``[B, 1]`` tokens at ``[B, 1]`` positions -> ``[B, vocab]`` float32 logits; extends ``cache``."""
+        """``[B, 1]`` tokens at ``[B, 1]`` positions -> ``[B, vocab]`` float32 logits; extends ``cache``.
+
+        Run it under ``torch.inference_mode`` (``Worker.decode`` does), as any forward pass.
+        """
         hidden = self.text.embed_tokens(input_ids)
         cos, sin = self.text.rotary_emb(hidden, position_ids)
         for index, layer in enumerate(self.text.layers):
