@@ -8,7 +8,9 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from support import door
 
+from vlm_demo.config import Config
 from vlm_demo.engine import Engine, SamplingParams
 from vlm_demo.engine.continuous import ContinuousEngine
 from vlm_demo.errors import RequestCancelledError
@@ -43,7 +45,7 @@ def make_engine(worker) -> Iterator:
 
     def make(**kwargs) -> ContinuousEngine:
         engine = ContinuousEngine(
-            worker, **{"max_batch_size": 4, "batch_window_ms": 0.0, "max_new_tokens_cap": 5000, **kwargs}
+            worker, Config(**{"batching": "continuous", "max_batch_size": 4, "batch_window_ms": 0.0, **kwargs})
         )
         engines.append(engine)
         return engine
@@ -54,9 +56,9 @@ def make_engine(worker) -> Iterator:
 
 
 def single(worker, image, question, params) -> str:
-    engine = Engine(worker, max_batch_size=1, batch_window_ms=0)
+    engine = Engine(worker, Config(max_batch_size=1, batch_window_ms=0.0))
     try:
-        return engine.generate(image, question, params).text
+        return engine.generate(door(image, question, params)).text
     finally:
         engine.shutdown()
 
@@ -80,17 +82,17 @@ def test_rows_joining_mid_flight_equal_their_single_runs(make_engine, worker) ->
     sizes = Sizes()
     engine = make_engine(max_batch_size=4)
     engine.add_listener(sizes)
-    handles = {"first": engine.submit(*jobs["first"])}
+    handles = {"first": engine.submit(door(*jobs["first"]))}
     wait_tokens(handles["first"], 5)
-    handles["second"] = engine.submit(*jobs["second"])
-    victim = engine.submit(solid_image("black", 64, 64), "q", SamplingParams(4000, 0.0, ignore_eos=True))
+    handles["second"] = engine.submit(door(*jobs["second"]))
+    victim = engine.submit(door(solid_image("black", 64, 64), "q", SamplingParams(4000, 0.0, ignore_eos=True)))
     wait_tokens(handles["second"], 3)
-    handles["sampled"] = engine.submit(*jobs["sampled"])
+    handles["sampled"] = engine.submit(door(*jobs["sampled"]))
     wait_tokens(victim, 10)
     victim.cancel()  # leaves mid-flight; its neighbours must not notice
-    handles["third"] = engine.submit(*jobs["third"])
+    handles["third"] = engine.submit(door(*jobs["third"]))
     wait_tokens(handles["third"], 20)
-    handles["late"] = engine.submit(*jobs["late"])
+    handles["late"] = engine.submit(door(*jobs["late"]))
     results = {name: h.result(timeout=120) for name, h in handles.items()}
     for name, result in results.items():
         assert result.text == expected[name], name
@@ -115,7 +117,10 @@ def test_colours_never_cross_under_staggered_load(make_engine) -> None:
     handles = []
     for i, colour in enumerate(COLOURS):
         handles.append(
-            (colour, engine.submit(solid_image(colour, 40 + 90 * i, 200, noise=6, seed=i), "Which colour?", GREEDY))
+            (
+                colour,
+                engine.submit(door(solid_image(colour, 40 + 90 * i, 200, noise=6, seed=i), "Which colour?", GREEDY)),
+            )
         )
         time.sleep(0.03 * i)
     for colour, handle in handles:
@@ -129,7 +134,7 @@ def test_limits_hold_and_memory_returns_to_baseline(make_engine) -> None:
     engine.add_listener(sizes)
     peaks = []
     handles = [
-        engine.submit(solid_image(c, 64, 64), "Colour?", SamplingParams(60, 0.0, ignore_eos=True))
+        engine.submit(door(solid_image(c, 64, 64), "Colour?", SamplingParams(60, 0.0, ignore_eos=True)))
         for c in list(COLOURS) * 2
     ]
     while not all(h.done for h in handles):
@@ -168,11 +173,11 @@ class FakeOOMWorker:
 
 def test_out_of_memory_step_requeues_rows_and_everyone_finishes(worker) -> None:
     fake = FakeOOMWorker(worker, max_rows=2)
-    engine = ContinuousEngine(fake, max_batch_size=4, batch_window_ms=0)
+    engine = ContinuousEngine(fake, Config(batching="continuous", max_batch_size=4, batch_window_ms=0.0))
     try:
         jobs = [(solid_image(c, 70, 70), "Colour?", GREEDY) for c in ("red", "green", "blue", "yellow")]
         expected = [single(worker, *job) for job in jobs]
-        handles = [engine.submit(*job) for job in jobs]
+        handles = [engine.submit(door(*job)) for job in jobs]
         streamed = [list(h.stream(timeout=120)) for h in handles]
         for job_expected, handle, deltas in zip(expected, handles, streamed):
             assert handle.result().text == job_expected

@@ -11,7 +11,9 @@ from collections.abc import Iterator
 import pytest
 import torch
 from PIL import Image
+from support import door
 
+from vlm_demo.config import Config
 from vlm_demo.engine import Engine, SamplingParams
 from vlm_demo.engine.streamer import STOP_TEXT, RowStreamer
 from vlm_demo.errors import (
@@ -56,7 +58,7 @@ def make_engine(worker) -> Iterator:
     engines: list[Engine] = []
 
     def make(**kwargs) -> Engine:
-        engine = Engine(worker, **{"max_batch_size": 8, "batch_window_ms": 300.0, **kwargs})
+        engine = Engine(worker, Config(**{"max_batch_size": 8, "batch_window_ms": 300.0, **kwargs}))
         engines.append(engine)
         return engine
 
@@ -68,14 +70,14 @@ def make_engine(worker) -> Iterator:
 @pytest.fixture(scope="module")
 def singles(worker) -> dict[tuple, str]:
     """Each case run alone (batch of one): the reference every batched row must equal."""
-    engine = Engine(worker, max_batch_size=1, batch_window_ms=0)
+    engine = Engine(worker, Config(max_batch_size=1, batch_window_ms=0.0))
     try:
         out = {}
         for colour, w, h, q in CASES:
-            out[(colour, w, h, q)] = engine.generate(solid_image(colour, w, h), q, GREEDY).text
+            out[(colour, w, h, q)] = engine.generate(door(solid_image(colour, w, h), q, GREEDY)).text
         for seed in (11, 12):
             params = SamplingParams(max_new_tokens=160, temperature=0.9, top_p=0.9, seed=seed)
-            out[("sampled", seed)] = engine.generate(solid_image("red", 64, 64), "Colour?", params).text
+            out[("sampled", seed)] = engine.generate(door(solid_image("red", 64, 64), "Colour?", params)).text
         return out
     finally:
         engine.shutdown()
@@ -83,7 +85,7 @@ def singles(worker) -> dict[tuple, str]:
 
 def submit_all(engine: Engine, jobs: list[tuple]) -> list:
     """Submit together so they land in one batch."""
-    return [engine.submit(img, q, p) for img, q, p in jobs]
+    return [engine.submit(door(img, q, p)) for img, q, p in jobs]
 
 
 def test_greedy_batch_rows_equal_single_runs_next_to_sampled_rows(make_engine, singles) -> None:
@@ -123,8 +125,8 @@ def test_six_colours_in_one_batch_each_get_their_own_colour(make_engine) -> None
 
 def test_streamed_deltas_concatenate_to_the_final_text(make_engine) -> None:
     engine = make_engine(max_batch_size=2, batch_window_ms=200)
-    a = engine.submit(solid_image("blue", 64, 64), "Give the colour.", GREEDY)
-    b = engine.submit(solid_image("yellow", 80, 40), "Describe the image.", GREEDY)
+    a = engine.submit(door(solid_image("blue", 64, 64), "Give the colour.", GREEDY))
+    b = engine.submit(door(solid_image("yellow", 80, 40), "Describe the image.", GREEDY))
     for handle in (a, b):
         deltas = list(handle.stream(timeout=120))
         text = handle.result().text
@@ -171,11 +173,11 @@ def test_each_row_stops_on_its_own(make_engine) -> None:
 
 
 def test_cancel_stops_the_stream_at_once_and_frees_the_batch(make_engine) -> None:
-    engine = make_engine(max_batch_size=2, batch_window_ms=200, max_new_tokens_cap=5000)
+    engine = make_engine(max_batch_size=2, batch_window_ms=200, max_new_tokens=5000)
     long = engine.submit(
-        solid_image("red", 60, 60), "q", SamplingParams(max_new_tokens=5000, temperature=0, ignore_eos=True)
+        door(solid_image("red", 60, 60), "q", SamplingParams(max_new_tokens=5000, temperature=0, ignore_eos=True))
     )
-    short = engine.submit(solid_image("blue", 60, 60), "Colour?", GREEDY)
+    short = engine.submit(door(solid_image("blue", 60, 60), "Colour?", GREEDY))
     stream = long.stream(timeout=60)
     next(stream)
     threading.Timer(0.2, long.cancel).start()
@@ -195,8 +197,8 @@ def test_cancel_stops_the_stream_at_once_and_frees_the_batch(make_engine) -> Non
 
 def test_cancelled_waiting_request_never_runs(make_engine) -> None:
     engine = make_engine(max_batch_size=1, batch_window_ms=0)
-    first = engine.submit(solid_image("red", 60, 60), "Colour?", GREEDY)
-    waiting = engine.submit(solid_image("green", 60, 60), "Colour?", GREEDY)
+    first = engine.submit(door(solid_image("red", 60, 60), "Colour?", GREEDY))
+    waiting = engine.submit(door(solid_image("green", 60, 60), "Colour?", GREEDY))
     waiting.cancel()
     first.result(timeout=60)
     time.sleep(0.2)
@@ -227,7 +229,7 @@ class FakeOOMWorker:
 
 def test_oom_batch_is_split_and_retried_until_requests_succeed(worker, singles) -> None:
     fake = FakeOOMWorker(worker, fails=lambda batch: len(batch) > 2)
-    engine = Engine(fake, max_batch_size=6, batch_window_ms=300)
+    engine = Engine(fake, Config(max_batch_size=6, batch_window_ms=300.0))
     try:
         handles = submit_all(engine, [(solid_image(c, w, h), q, GREEDY) for c, w, h, q in CASES])
         results = [h.result(timeout=120) for h in handles]
@@ -240,7 +242,7 @@ def test_oom_batch_is_split_and_retried_until_requests_succeed(worker, singles) 
 
 def test_request_that_fails_alone_gets_a_specific_error_and_others_go_on(worker) -> None:
     fake = FakeOOMWorker(worker, fails=lambda batch: any(r.question == "poison" for r in batch))
-    engine = Engine(fake, max_batch_size=4, batch_window_ms=300)
+    engine = Engine(fake, Config(max_batch_size=4, batch_window_ms=300.0))
     try:
         handles = submit_all(
             engine,
@@ -256,7 +258,7 @@ def test_request_that_fails_alone_gets_a_specific_error_and_others_go_on(worker)
             else:
                 assert colour in conclusion(handle.result(timeout=120).text)
         # The worker thread survived: the next request is served.
-        assert "black" in conclusion(engine.generate(solid_image("black", 30, 30), "Colour?", GREEDY).text)
+        assert "black" in conclusion(engine.generate(door(solid_image("black", 30, 30), "Colour?", GREEDY)).text)
     finally:
         engine.shutdown()
 
@@ -266,9 +268,9 @@ def test_undecodable_image_fails_before_batching(make_engine) -> None:
     buf = io.BytesIO()
     solid_image("red", 200, 200).save(buf, format="PNG")
     broken = Image.open(io.BytesIO(buf.getvalue()[:120]))  # header fine, pixel data cut off
-    good = engine.submit(solid_image("green", 64, 64), "Colour?", GREEDY)
+    good = engine.submit(door(solid_image("green", 64, 64), "Colour?", GREEDY))
     with pytest.raises(InvalidRequestError, match="image"):
-        engine.submit(broken, "Colour?", GREEDY)
+        engine.submit(door(broken, "Colour?", GREEDY))
     assert "green" in conclusion(good.result(timeout=60).text)
 
 
@@ -286,16 +288,16 @@ def test_undecodable_image_fails_before_batching(make_engine) -> None:
 def test_bad_requests_get_specific_errors(make_engine, question, params, message) -> None:
     engine = make_engine()
     with pytest.raises(InvalidRequestError, match=message):
-        engine.submit(solid_image("red", 20, 20), question, params)
+        engine.submit(door(solid_image("red", 20, 20), question, params))
 
 
 def test_queue_full_refuses_at_once(make_engine) -> None:
     engine = make_engine(max_batch_size=1, batch_window_ms=0, max_queue=1)
     long = SamplingParams(max_new_tokens=400, temperature=0, ignore_eos=True)
-    running = engine.submit(solid_image("red", 20, 20), "q", long)
+    running = engine.submit(door(solid_image("red", 20, 20), "q", long))
     while running.started is None:
         time.sleep(0.01)
-    engine.submit(solid_image("red", 20, 20), "q", long)
+    engine.submit(door(solid_image("red", 20, 20), "q", long))
     with pytest.raises(QueueFullError, match="busy"):
-        engine.submit(solid_image("red", 20, 20), "q", long)
+        engine.submit(door(solid_image("red", 20, 20), "q", long))
     running.cancel()

@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import requests
+from support import door
 
 from vlm_demo.backends.triton import (
     ENSEMBLE_MODEL,
@@ -44,6 +45,7 @@ from vlm_demo.errors import (
     QueueFullError,
     RequestCancelledError,
 )
+from vlm_demo.schema import Limits
 from vlm_demo.tiny import LONG_QUESTIONS, solid_image
 from vlm_demo.triton_serve import (
     config_from_model_config,
@@ -188,10 +190,12 @@ def test_infer_request_decoding_keeps_a_bad_row_apart():
         "temperature": np.array([[0.0], [0.5]], dtype=np.float32),
         "max_new_tokens": np.array([[7], [9]], dtype=np.int32),
     }
-    rows = decode_infer_request(inputs, max_pixels=1000, default_max_tokens=100)
+    rows = decode_infer_request(inputs, Limits(max_image_pixels=1000), default_max_tokens=100)
     assert [r.question for r in rows] == ["first?", "second?"]
     assert [(r.params.temperature, r.params.max_new_tokens) for r in rows] == [(0.0, 7), (0.5, 9)]
-    too_big = decode_infer_request({**inputs, "IMAGE": np.zeros((2, 40, 40, 3), np.uint8)}, 1000, 100)
+    too_big = decode_infer_request(
+        {**inputs, "IMAGE": np.zeros((2, 40, 40, 3), np.uint8)}, Limits(max_image_pixels=1000), 100
+    )
     assert all(isinstance(r, InvalidRequestError) and "megapixels" in str(r) for r in too_big)
     out = infer_outputs([InvalidRequestError("no"), _result("ok")])
     assert out["ANSWER"].shape == (2, 1) and out["ANSWER"][1, 0] == b"ok" and out["ANSWER"][0, 0] == b""
@@ -217,20 +221,26 @@ def test_generate_request_decoding_follows_vllm():
         "sampling_parameters": np.array([json.dumps({"temperature": 0, "max_tokens": 12}).encode()], dtype=np.object_),
         "stream": np.array([True]),
     }
-    call = decode_generate_request(inputs, None, 10_000, 100)
-    assert (call.question, call.params.temperature, call.params.max_new_tokens) == ("Hi?", 0, 12)
+    call = decode_generate_request(inputs, None, Limits(max_image_pixels=10_000), 100)
+    assert (call.request.question, call.request.params.temperature, call.request.params.max_new_tokens) == (
+        "Hi?",
+        0,
+        12,
+    )
     assert call.stream and not call.prepend_prompt  # vLLM: no prompt echo when streaming by default
     plain = decode_generate_request(
         {k: v for k, v in inputs.items() if k not in ("sampling_parameters", "stream")},
         {"temperature": 0.2, "stream": False},
-        10_000,
+        Limits(max_image_pixels=10_000),
         100,
     )
-    assert plain.params.temperature == 0.2 and not plain.stream and plain.prepend_prompt
+    assert plain.request.params.temperature == 0.2 and not plain.stream and plain.prepend_prompt
     with pytest.raises(InvalidRequestError, match="base64"):
-        decode_generate_request({**inputs, "image": np.array([b"%%%"], dtype=np.object_)}, None, 10_000, 100)
+        decode_generate_request(
+            {**inputs, "image": np.array([b"%%%"], dtype=np.object_)}, None, Limits(max_image_pixels=10_000), 100
+        )
     with pytest.raises(InvalidRequestError, match="exactly one image"):
-        decode_generate_request({"text_input": inputs["text_input"]}, None, 10_000, 100)
+        decode_generate_request({"text_input": inputs["text_input"]}, None, Limits(max_image_pixels=10_000), 100)
 
 
 def test_model_repository_settings_precedence():
@@ -258,8 +268,8 @@ def test_triton_answers_equal_the_local_engine(server, engine, scheme, model):
     backend = backend_for(server, scheme, model)
     assert backend.info.protocol == ("infer" if model == ENSEMBLE_MODEL else "generate")  # auto, from metadata
     image = solid_image("blue", 96, 40)
-    expected = engine.generate(image, QUESTION, GREEDY).text
-    stream = backend.submit(image, QUESTION, GREEDY)
+    expected = engine.generate(door(image, QUESTION, GREEDY)).text
+    stream = backend.submit(door(image, QUESTION, GREEDY))
     pieces, text = collect(stream)
     assert text == expected == "".join(pieces)
     stages = parse_stages(text, final=True)
@@ -276,7 +286,7 @@ def test_dynamic_batching_forms_batches_and_every_row_is_right(server, engine):
     """Concurrent same-size requests: Triton batches them (statistics) and each row matches its local answer."""
     backend = backend_for(server, "http", ENSEMBLE_MODEL, triton_timeout=180.0)  # 2 shared cores can be slow
     colours = ["red", "green", "yellow", "white", "black", "blue"]
-    items = [(solid_image(c, 32, 32), f"What colour is it, {i}?", GREEDY) for i, c in enumerate(colours)]
+    items = [door(solid_image(c, 32, 32), f"What colour is it, {i}?", GREEDY) for i, c in enumerate(colours)]
     results = backend.run_batch(items)
     expected = engine.run_batch(items)
     assert [r.text for r in results] == [e.text for e in expected]
@@ -293,7 +303,9 @@ def test_server_side_errors_arrive_typed(server, scheme, model):
     Over HTTP ``generate_stream`` this error arrives inside the event stream with status 200.
     """
     backend = backend_for(server, scheme, model, max_new_tokens=5000)
-    stream = backend.submit(solid_image("red", 20, 20), QUESTION, SamplingParams(max_new_tokens=3000, temperature=0))
+    stream = backend.submit(
+        door(solid_image("red", 20, 20), QUESTION, SamplingParams(max_new_tokens=3000, temperature=0))
+    )
     with pytest.raises(InvalidRequestError, match="max_new_tokens must be a whole number from 1 to 2048"):
         list(stream.stream(timeout=30))
 
@@ -305,7 +317,7 @@ def test_unknown_model_is_named_at_start_and_at_run_time(server):
     backend = backend_for(server, "grpc", ENSEMBLE_MODEL)
     backend.config.triton_model = "no_such_model"  # as if the model were unloaded after start-up
     with pytest.raises(BackendUnavailableError, match="no_such_model"):
-        backend.submit(solid_image("red", 20, 20), QUESTION, GREEDY).result(10)
+        backend.submit(door(solid_image("red", 20, 20), QUESTION, GREEDY)).result(10)
     health = backend.health()
     assert health["ready"] is False and "no_such_model" in health["error"]
 
@@ -320,14 +332,14 @@ def test_timeout_gives_a_typed_error_within_the_timeout(server, scheme, model):
     backend.config.triton_timeout = 0.3  # far shorter than the tiny model's long answer (~240 tokens)
     started = time.monotonic()
     with pytest.raises(BackendTimeoutError, match="0.3 s"):
-        backend.submit(solid_image("red", 20, 20), LONG_QUESTIONS[0], SamplingParams(1000, 0.0)).result(5)
+        backend.submit(door(solid_image("red", 20, 20), LONG_QUESTIONS[0], SamplingParams(1000, 0.0))).result(5)
     assert time.monotonic() - started < 1.5
 
 
 @pytest.mark.slow
 def test_cancel_stops_a_remote_stream(server):
     backend = backend_for(server, "grpc", GENERATE_MODEL)
-    stream = backend.submit(solid_image("green", 20, 20), LONG_QUESTIONS[0], SamplingParams(1000, 0.0))
+    stream = backend.submit(door(solid_image("green", 20, 20), LONG_QUESTIONS[0], SamplingParams(1000, 0.0)))
     pieces = stream.stream(timeout=30)
     next(pieces)
     stream.cancel()
@@ -345,7 +357,7 @@ def test_stopped_server_gives_a_clear_error_quickly(server):
         started = time.monotonic()
         # "unreachable" once the port is closed; "not available" while tritonserver is still draining.
         with pytest.raises(BackendUnavailableError, match="unreachable|not available"):
-            backend.submit(solid_image("red", 20, 20), QUESTION, GREEDY).result(10)
+            backend.submit(door(solid_image("red", 20, 20), QUESTION, GREEDY)).result(10)
         assert time.monotonic() - started < 5
         assert backend.health()["ready"] is False
     with pytest.raises(SystemExit, match="unreachable"):
@@ -364,9 +376,9 @@ def test_many_waiting_requests_are_refused_not_queued_forever():
     info = ModelInfo("infer", {"IMAGE": [-1, -1, -1, 3], "QUESTION": [-1, 1]}, ["ANSWER"], True, False)
     backend = TritonBackend(config, Endpoint.parse(url), info)
     image = solid_image("red", 8, 8)
-    waiting = [backend.submit(image, QUESTION, GREEDY) for _ in range(2)]
+    waiting = [backend.submit(door(image, QUESTION, GREEDY)) for _ in range(2)]
     with pytest.raises(QueueFullError):
-        backend.submit(image, QUESTION, GREEDY)
+        backend.submit(door(image, QUESTION, GREEDY))
     for stream in waiting:
         with pytest.raises(DemoError):
             stream.result(5)

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from support import door
 from test_triton import start_server, stop_server
 
 from vlm_demo.backends.triton import (
@@ -128,7 +129,7 @@ def test_ensemble_model_py_answers_a_batch_and_isolates_a_bad_request(engine):
     assert len(responses) == 3
     assert isinstance(error_from_text(responses[1].outputs["ERROR"][0, 0].decode()), InvalidRequestError)
     for (colour, question), response in zip(good, [responses[0], responses[2]], strict=True):
-        expected = engine.generate(solid_image(colour, 24, 24), question, GREEDY).text
+        expected = engine.generate(door(solid_image(colour, 24, 24), question, GREEDY)).text
         assert response.outputs["ANSWER"][0, 0].decode() == expected and response.outputs["ERROR"][0, 0] == b""
 
 
@@ -147,7 +148,7 @@ def _generate_request(question: str, **extra) -> dict[str, np.ndarray]:
 def test_generate_model_py_streams_stops_on_cancel_and_reports_errors(engine):
     module, model = load_model_py(GENERATE_MODEL, engine)
     model.setup(engine, Config(max_image_pixels=10_000, max_new_tokens=160))
-    expected = engine.generate(solid_image("green", 30, 20), "Colour?", GREEDY).text
+    expected = engine.generate(door(solid_image("green", 30, 20), "Colour?", GREEDY)).text
 
     full = StandInRequest(_generate_request("Colour?", return_finish_reason=np.array([True])))
     model.respond(full)
@@ -174,9 +175,9 @@ def test_real_tritonserver_serves_the_repository(tiny_dir, tmp_path, engine):
     proc, http, grpc = start_server(args, [ENSEMBLE_MODEL, GENERATE_MODEL], tmp_path / "repo.log")
     try:
         image = solid_image("white", 40, 64)
-        expected = engine.generate(image, "What colour is it?", GREEDY).text
+        expected = engine.generate(door(image, "What colour is it?", GREEDY)).text
         for url, model in ((f"http://127.0.0.1:{http}", ENSEMBLE_MODEL), (f"grpc://127.0.0.1:{grpc}", GENERATE_MODEL)):
             backend = TritonBackend.from_config(Config(triton_url=url, triton_model=model, triton_timeout=60))
-            assert backend.submit(image, "What colour is it?", GREEDY).result(90).text == expected
+            assert backend.submit(door(image, "What colour is it?", GREEDY)).result(90).text == expected
     finally:
         stop_server(proc, http)

@@ -26,13 +26,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from vlm_demo.config import Config
-from vlm_demo.engine import Engine, SamplingParams
+from vlm_demo.engine import Engine
 from vlm_demo.engine.worker import Worker
+from vlm_demo.schema import Limits, SamplingParams, ValidRequest, validate_request
 from vlm_demo.tiny import COLOURS, solid_image
 
 log = logging.getLogger("vlm_demo.bench")
 
 SIZES = ((64, 64), (300, 120), (120, 300), (560, 560), (1024, 64), (40, 40))
+BENCH_LIMITS = Limits(max_new_tokens=100_000)
 QUESTIONS = (
     "What colour is this image?",
     "Describe the picture.",
@@ -85,7 +87,7 @@ def forced_lengths(n: int, mixed: bool, max_new_tokens: int, low: int, high: int
     return [int(round(math.exp(rng.uniform(math.log(low), math.log(high))))) for _ in range(n)]
 
 
-def make_workload(n: int, lengths: list[int]) -> list[tuple[Any, str, SamplingParams]]:
+def make_workload(n: int, lengths: list[int]) -> list[ValidRequest]:
     """Solid-colour images of several sizes and questions; greedy; forced length per request."""
     items = []
     colours = list(COLOURS)  # same order as the tiny model's table
@@ -93,7 +95,7 @@ def make_workload(n: int, lengths: list[int]) -> list[tuple[Any, str, SamplingPa
         width, height = SIZES[i % len(SIZES)]
         image = solid_image(colours[i % len(colours)], width, height)
         params = SamplingParams(max_new_tokens=lengths[i], temperature=0.0, ignore_eos=True)
-        items.append((image, QUESTIONS[i % len(QUESTIONS)], params))
+        items.append(validate_request(image, QUESTIONS[i % len(QUESTIONS)], params, BENCH_LIMITS))
     return items
 
 
@@ -110,9 +112,7 @@ class BatchCounter:
         pass
 
 
-def run_load(
-    backend: Any, workload: list[tuple[Any, str, SamplingParams]], concurrency: int
-) -> tuple[list[Sample], float]:
+def run_load(backend: Any, workload: list[ValidRequest], concurrency: int) -> tuple[list[Sample], float]:
     """Closed loop: ``concurrency`` threads each keep one request in flight until all are served."""
     samples: list[Sample] = []
     lock = threading.Lock()
@@ -124,11 +124,10 @@ def run_load(
                 index = next(cursor, None)
             if index is None:
                 return
-            image, question, params = workload[index]
             start = time.monotonic()
             first = None
             try:
-                handle = backend.submit(image, question, params)
+                handle = backend.submit(workload[index])
                 for _ in handle.stream(timeout=600):
                     if first is None:
                         first = time.monotonic()
@@ -275,14 +274,15 @@ def backend_factories(args: argparse.Namespace) -> dict[str, tuple[int, Callable
 
     def local(max_batch: int, batching: str) -> Callable[[], Any]:
         def make() -> Any:
-            engine = Engine.create(
-                worker,
+            config = Config(
+                model=args.model,
                 batching=batching,
                 max_batch_size=max_batch,
                 batch_window_ms=args.batch_window_ms,
                 max_queue=max(1024, args.requests),
-                max_new_tokens_cap=100_000,
+                max_new_tokens=100_000,
             )
+            engine = Engine.create(worker, config)
             return LocalBackend(engine, args.model)
 
         return make
@@ -323,7 +323,7 @@ def main(argv: list[str] | None = None) -> list[RunResult]:
                 counter = BatchCounter()
                 backend.add_listener(counter)
                 warm = make_workload(1, [min(8, lengths[0])])[0]
-                backend.submit(*warm).result(timeout=600)  # warm-up: first-call overheads are not load
+                backend.submit(warm).result(timeout=600)  # warm-up: first-call overheads are not load
                 counter.sizes.clear()
                 samples, wall = run_load(backend, workload, level)
                 backend.close()

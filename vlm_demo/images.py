@@ -37,7 +37,7 @@ def load_image(source: Any, max_pixels: int = DEFAULT_MAX_PIXELS, max_bytes: int
     """
     if isinstance(source, Image.Image):
         _check_pixels(source.size, max_pixels)
-        return normalise(source)
+        return _decode(source)
     data = _read_bytes(source, max_bytes)
     try:
         with warnings.catch_warnings():
@@ -54,6 +54,11 @@ def load_image(source: Any, max_pixels: int = DEFAULT_MAX_PIXELS, max_bytes: int
         log.info("image header unreadable: %r", err)
         raise InvalidRequestError("The image file is corrupt (its header cannot be read).") from None
     _check_pixels(image.size, max_pixels)
+    return _decode(image)
+
+
+def _decode(image: Image.Image) -> Image.Image:
+    """Decode the pixels (a lazily opened image may be truncated) and normalise."""
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")

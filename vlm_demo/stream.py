@@ -11,33 +11,14 @@ import logging
 import queue
 import threading
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 from vlm_demo.errors import BackendTimeoutError, DemoError
+from vlm_demo.schema import GenerationResult
 
 log = logging.getLogger(__name__)
 
 _END = object()
-
-
-@dataclass
-class GenerationResult:
-    """What a finished request reports besides its text."""
-
-    text: str
-    finish_reason: str  # "stop" (end of turn or </CONCLUSION>), "length", or "cancelled"
-    batch_size: int  # largest number of rows it shared the model with (0: unknown, remote)
-    prompt_tokens: int
-    completion_tokens: int
-    queue_s: float  # submit -> first forward pass that included it
-    ttft_s: float  # submit -> first streamed token
-    total_s: float  # submit -> finished
-
-    @property
-    def tokens_per_s(self) -> float:
-        decode = self.total_s - self.ttft_s
-        return (self.completion_tokens - 1) / decode if decode > 0 and self.completion_tokens > 1 else 0.0
 
 
 class OutputStream:
@@ -76,6 +57,25 @@ class OutputStream:
                     raise self._error
                 return
             yield item
+
+    def drain(self) -> tuple[str, bool]:
+        """Everything that arrived so far, without waiting: ``(text, ended)``.
+
+        For readers that poll on their own schedule (the page's async handlers coalesce a visitor's
+        updates this way, with no thread per stream). Raises the request's typed error once ended.
+        """
+        pieces: list[str] = []
+        while True:
+            try:
+                item = self._events.get_nowait()
+            except queue.Empty:
+                return "".join(pieces), False
+            if item is _END:
+                self._events.put(_END)
+                if self._error is not None and not pieces:
+                    raise self._error
+                return "".join(pieces), self._error is None
+            pieces.append(item)
 
     def result(self, timeout: float | None = None) -> GenerationResult:
         """Block until finished; return the result or raise the request's typed error."""

@@ -38,9 +38,15 @@ from PIL import Image
 
 from vlm_demo.backends.triton import ENSEMBLE_MODEL, GENERATE_MODEL, error_text, question_from_prompt
 from vlm_demo.config import Config, build_parser, config_from_namespace
-from vlm_demo.engine.request import DEFAULT_MAX_NEW_TOKENS, GenerationResult, SamplingParams
 from vlm_demo.errors import DemoError, InvalidRequestError
-from vlm_demo.images import load_image
+from vlm_demo.schema import (
+    DEFAULT_MAX_NEW_TOKENS,
+    GenerationResult,
+    Limits,
+    SamplingParams,
+    ValidRequest,
+    validate_request,
+)
 
 log = logging.getLogger(__name__)
 
@@ -70,18 +76,9 @@ def _bytes_item(value: Any) -> str:
 # ---- the infer (ensemble) contract -------------------------------------------------------------------
 
 
-@dataclass
-class InferItem:
-    """One row of an infer-contract request, decoded."""
-
-    image: Image.Image
-    question: str
-    params: SamplingParams
-
-
 def decode_infer_request(
-    inputs: dict[str, np.ndarray], max_pixels: int, default_max_tokens: int
-) -> list[InferItem | DemoError]:
+    inputs: dict[str, np.ndarray], limits: Limits, default_max_tokens: int
+) -> list[ValidRequest | DemoError]:
     """One entry per batch row of a (batched) infer request; a bad row becomes its error, not an exception."""
     image = inputs.get("IMAGE")
     question = inputs.get("QUESTION")
@@ -91,10 +88,10 @@ def decode_infer_request(
         image = image[None]
         question = question.reshape(1, -1)
     rows = image.shape[0]
-    items: list[InferItem | DemoError] = []
+    items: list[ValidRequest | DemoError] = []
     for row in range(rows):
         try:
-            items.append(_decode_infer_row(inputs, image[row], question[row], row, max_pixels, default_max_tokens))
+            items.append(_decode_infer_row(inputs, image[row], question[row], row, limits, default_max_tokens))
         except DemoError as exc:
             items.append(exc)
     return items
@@ -105,19 +102,19 @@ def _decode_infer_row(
     pixels: np.ndarray,
     question: np.ndarray,
     row: int,
-    max_pixels: int,
+    limits: Limits,
     default_max_tokens: int,
-) -> InferItem:
+) -> ValidRequest:
     if pixels.dtype != np.uint8 or pixels.ndim != 3 or pixels.shape[-1] != 3:
         raise InvalidRequestError(f"IMAGE must be UINT8 [H,W,3]; got {pixels.dtype} {list(pixels.shape)}.")
-    image = load_image(Image.fromarray(np.ascontiguousarray(pixels), mode="RGB"), max_pixels)
+    image = Image.fromarray(np.ascontiguousarray(pixels), mode="RGB")
     text = " ".join(_bytes_item(v) for v in np.ravel(question))
     values: dict[str, Any] = {"max_new_tokens": default_max_tokens}
     for name, (_, field_name) in SAMPLING_INPUTS.items():
         if name in inputs:
             value = np.ravel(inputs[name])[row] if inputs[name].ndim > 1 else np.ravel(inputs[name])[0]
             values[field_name] = value.item()
-    return InferItem(image, text, SamplingParams(**values))
+    return validate_request(image, text, SamplingParams(**values), limits)
 
 
 def infer_outputs(results: Sequence[GenerationResult | DemoError]) -> dict[str, np.ndarray]:
@@ -149,18 +146,18 @@ def infer_outputs(results: Sequence[GenerationResult | DemoError]) -> dict[str, 
 class EnsembleHandler:
     """Runs one Triton batch (a list of requests, each maybe several rows) as one engine batch."""
 
-    def __init__(self, engine: Any, max_pixels: int, default_max_tokens: int) -> None:
+    def __init__(self, engine: Any, limits: Limits, default_max_tokens: int) -> None:
         self.engine = engine
-        self.max_pixels = max_pixels
+        self.limits = limits
         self.default_max_tokens = default_max_tokens
 
     def __call__(self, requests: Sequence[dict[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:
-        decoded = [decode_infer_request(dict(r), self.max_pixels, self.default_max_tokens) for r in requests]
-        runnable = [item for rows in decoded for item in rows if isinstance(item, InferItem)]
-        outcomes = iter(self.engine.run_batch([(i.image, i.question, i.params) for i in runnable]) if runnable else [])
+        decoded = [decode_infer_request(dict(r), self.limits, self.default_max_tokens) for r in requests]
+        runnable = [item for rows in decoded for item in rows if isinstance(item, ValidRequest)]
+        outcomes = iter(self.engine.run_batch(runnable) if runnable else [])
         responses = []
         for rows in decoded:
-            results = [next(outcomes) if isinstance(item, InferItem) else item for item in rows]
+            results = [next(outcomes) if isinstance(item, ValidRequest) else item for item in rows]
             responses.append(infer_outputs(results))
         log.debug("ran a Triton batch of %d request(s), %d row(s)", len(requests), len(runnable))
         return responses
@@ -173,10 +170,8 @@ class EnsembleHandler:
 class GenerateCall:
     """A decoded generate-contract request."""
 
-    image: Image.Image
-    question: str
+    request: ValidRequest
     prompt: str
-    params: SamplingParams
     stream: bool
     prepend_prompt: bool
     return_finish_reason: bool
@@ -194,7 +189,7 @@ def _flag(inputs: dict[str, np.ndarray], parameters: dict[str, Any], name: str) 
 
 
 def decode_generate_request(
-    inputs: dict[str, np.ndarray], parameters: dict[str, Any] | None, max_pixels: int, default_max_tokens: int
+    inputs: dict[str, np.ndarray], parameters: dict[str, Any] | None, limits: Limits, default_max_tokens: int
 ) -> GenerateCall:
     """Decode as Triton's vLLM backend does; the question is read back out of the chat-templated prompt.
 
@@ -214,7 +209,6 @@ def decode_generate_request(
         data = base64.b64decode(raw if isinstance(raw, (bytes, np.bytes_)) else str(raw), validate=True)
     except (binascii.Error, ValueError):
         raise InvalidRequestError("image is not valid base64.") from None
-    image = load_image(data, max_pixels)
     sampling: dict[str, Any] = {}
     if "sampling_parameters" in inputs:
         text = _bytes_item(np.ravel(inputs["sampling_parameters"])[0])
@@ -237,10 +231,8 @@ def decode_generate_request(
     stream = _flag(inputs, parameters, "stream")
     exclude = _flag(inputs, parameters, "exclude_input_in_output")
     return GenerateCall(
-        image=image,
-        question=question,
+        request=validate_request(data, question, params, limits),
         prompt=prompt,
-        params=params,
         stream=bool(stream),
         # vLLM's rule: the prompt is prepended unless excluded, and never when streaming by default.
         prepend_prompt=(not exclude) if exclude is not None else not stream,
@@ -259,7 +251,7 @@ def generate_responses(engine: Any, call: GenerateCall) -> Iterator[dict[str, np
 
     Closing the iterator early (client gone) cancels the engine request so its batch row is freed.
     """
-    request = engine.submit(call.image, call.question, call.params)
+    request = engine.submit(call.request)
     try:
         if call.stream:
             first = True
@@ -332,9 +324,9 @@ class _GenerateModel:
     pieces to the loop.
     """
 
-    def __init__(self, engine: Any, max_pixels: int, default_max_tokens: int) -> None:
+    def __init__(self, engine: Any, limits: Limits, default_max_tokens: int) -> None:
         self.engine = engine
-        self.max_pixels = max_pixels
+        self.limits = limits
         self.default_max_tokens = default_max_tokens
 
     async def __call__(self, requests: list[Any]) -> Any:
@@ -363,7 +355,7 @@ class _GenerateModel:
 
         responses: Iterator[dict[str, np.ndarray]] | None = None
         try:
-            call = decode_generate_request(dict(request), request.parameters, self.max_pixels, self.default_max_tokens)
+            call = decode_generate_request(dict(request), request.parameters, self.limits, self.default_max_tokens)
             responses = generate_responses(self.engine, call)
             for response in responses:
                 if stop.is_set():
@@ -394,7 +386,7 @@ def bind_models(triton: Any, engine: Any, config: Config) -> None:
     from pytriton.model_config import DynamicBatcher, ModelConfig, Tensor
 
     default_tokens = min(DEFAULT_MAX_NEW_TOKENS, config.max_new_tokens)
-    handler = EnsembleHandler(engine, config.max_image_pixels, default_tokens)
+    handler = EnsembleHandler(engine, Limits.from_config(config), default_tokens)
     triton.bind(
         model_name=ENSEMBLE_MODEL,
         infer_func=_ensemble_fn(handler),
@@ -419,7 +411,7 @@ def bind_models(triton: Any, engine: Any, config: Config) -> None:
     )
     triton.bind(
         model_name=GENERATE_MODEL,
-        infer_func=_GenerateModel(engine, config.max_image_pixels, default_tokens),
+        infer_func=_GenerateModel(engine, Limits.from_config(config), default_tokens),
         inputs=[
             Tensor(name="text_input", dtype=bytes, shape=(1,)),
             Tensor(name="image", dtype=bytes, shape=(-1,), optional=True),

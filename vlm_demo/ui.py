@@ -1,15 +1,12 @@
 """The Gradio page: upload, question, four live chain-of-thought panels, and the two API endpoints.
 
-This module builds components and wires events; it validates input at the door and talks to a
-:class:`~vlm_demo.backends.base.Backend`, and holds no model logic.
+This module builds components and wires events to :mod:`vlm_demo.handlers` (which validate at the
+door and talk to a :class:`~vlm_demo.backends.base.Backend`); it holds no model logic.
 
-- ``/ask`` streams: a generator that submits one request to the backend and turns the text as it
-  grows into four panel values (via :func:`vlm_demo.cot.parse_stages`, so raw tags never reach a
-  renderer). Gradio cannot batch generators, so batching happens in *our* engine: the handler's
-  ``concurrency_limit`` lets several visitors' requests reach the engine at once.
-- ``/ask_batch`` is Gradio's own batch mode (``batch=True``): the whole Gradio batch goes to
-  ``backend.run_batch`` in one call, and a bad item gets its error text in its own outputs, because
-  raising would fail every user in the batch and returning fewer items would hang some of them.
+- ``/ask`` streams the four stages into their panels (raw tags never reach a renderer). Gradio
+  cannot batch generators, so batching happens in *our* engine: the handler's ``concurrency_limit``
+  lets several visitors' requests reach the engine at once.
+- ``/ask_batch`` is Gradio's own batch mode (``batch=True``) for API clients that want final answers.
 
 Both take ``(image, question, max_new_tokens, temperature, top_p)`` and return plain strings
 ``(summary, caption, reasoning, conclusion, raw, status, extra, stages_html)``: ``extra`` is text
@@ -18,27 +15,16 @@ the model wrote outside the four tags, ``stages_html`` the stage strip that mark
 
 from __future__ import annotations
 
-import html
 import logging
-import math
 import os
-import threading
-import time
-from collections import defaultdict
-from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import Any
 
 import gradio as gr
 
-from vlm_demo.backends.base import Backend, Stream
+from vlm_demo.backends.base import Backend
 from vlm_demo.config import Config
-from vlm_demo.cot import STAGES, Stages, parse_stages
-from vlm_demo.engine.request import GenerationResult, SamplingParams, validate_question
-from vlm_demo.errors import DemoError, GenerationError, InvalidRequestError, RequestCancelledError
-from vlm_demo.images import load_image
+from vlm_demo.cot import STAGES, parse_stages
+from vlm_demo.handlers import Handlers, tracker_html
 from vlm_demo.metrics import Metrics
-from vlm_demo.spaces_compat import gpu
 
 log = logging.getLogger(__name__)
 
@@ -61,15 +47,6 @@ TINY_EXAMPLES = [
     ("tiny/blue.png", "Describe this picture in detail."),  # "detail" makes the tiny model answer at length
     ("tiny/yellow.png", "What do you see?"),
 ]
-
-ERROR_TITLES = {
-    "invalid_request": "Invalid input",
-    "server_busy": "Server busy",
-    "out_of_memory": "Out of GPU memory",
-    "cancelled": "Stopped",
-    "backend_unavailable": "Backend unavailable",
-    "backend_timeout": "Backend timeout",
-}
 
 THEME = gr.themes.Soft(primary_hue="indigo")
 CSS = (
@@ -96,271 +73,14 @@ CSS = (
 )
 
 
-class Sessions:
-    """Which streams each visitor has running, so Stop cancels only that visitor's runs."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._streams: dict[str, set[Stream]] = defaultdict(set)
-
-    def add(self, session: str, stream: Stream) -> None:
-        with self._lock:
-            self._streams[session].add(stream)
-
-    def discard(self, session: str, stream: Stream) -> None:
-        with self._lock:
-            streams = self._streams.get(session)
-            if streams is not None:
-                streams.discard(stream)
-                if not streams:
-                    del self._streams[session]
-
-    def cancel(self, session: str) -> int:
-        with self._lock:
-            streams = list(self._streams.pop(session, ()))
-        for stream in streams:
-            stream.cancel()
-        return len(streams)
-
-
-class _Pump:
-    """Drains a stream on its own thread so the reader can take everything that arrived at once."""
-
-    def __init__(self, stream: Stream, timeout: float) -> None:
-        self.cond = threading.Condition()
-        self.pending: list[str] = []
-        self.done = False
-        self.error: BaseException | None = None
-        self._stream, self._timeout = stream, timeout
-        threading.Thread(target=self._run, name="vlm-ui-stream", daemon=True).start()
-
-    def _run(self) -> None:
-        try:
-            for delta in self._stream.stream(timeout=self._timeout):
-                with self.cond:
-                    self.pending.append(delta)
-                    self.cond.notify()
-        except BaseException as err:  # handed to the reader, which re-raises it
-            self.error = err
-        finally:
-            with self.cond:
-                self.done = True
-                self.cond.notify()
-
-
-def coalesced(stream: Stream, timeout: float, interval: float = UPDATE_INTERVAL_S) -> Iterator[str]:
-    """The stream's text in chunks at most every ``interval`` seconds; re-raises the stream's error.
-
-    Yielding per token would send one page update per token to every visitor (hundreds a second
-    with batching), which starves Gradio's event loop; humans cannot see faster than ~20 updates/s.
-    """
-    pump = _Pump(stream, timeout)
-    while True:
-        with pump.cond:
-            pump.cond.wait_for(lambda: pump.pending or pump.done)
-            text, done = "".join(pump.pending), pump.done
-            pump.pending.clear()
-        if text:
-            yield text
-        if done:
-            break
-        time.sleep(interval)
-    if pump.error is not None:
-        raise pump.error
-
-
-@dataclass(frozen=True)
-class Admitted:
-    """A request that passed the door: a decoded RGB image, a clean question, checked parameters."""
-
-    image: Any
-    question: str
-    params: SamplingParams
-
-
-def _number(name: str, value: Any) -> float:
-    """Accept numbers (or numeric strings from loose API clients); reject bool, None, NaN, inf."""
-    if isinstance(value, str):
-        try:
-            value = float(value.strip())
-        except ValueError:
-            raise InvalidRequestError(f"{name} must be a number, not {value[:20]!r}.") from None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise InvalidRequestError(f"{name} must be a finite number.")
-    return value
-
-
-def tracker_html(stages: Stages, active: str | None) -> str:
-    """The stage strip above the panels; page CSS keys on ``data-active``/``data-done`` to mark the panels.
-
-    Marking panels through this one HTML output keeps the panels' API values plain strings (a
-    ``gr.update`` with CSS classes would reach API clients as a dict).
-    """
-    done = [s for s in stages.seen if s != active]
-    steps = []
-    for stage in STAGES:
-        state = "active" if stage == active else "done" if stage in done else "todo"
-        mark = {"active": " ●", "done": " ✓", "todo": ""}[state]
-        steps.append(f'<span class="step {state}">{stage.upper()}{mark}</span>')
-    body = ' <span class="arrow">→</span> '.join(steps)
-    extra = ""
-    if stages.extra:
-        extra = (
-            '<div class="extra"><b>Text outside the four stages:</b><pre>' + html.escape(stages.extra) + "</pre></div>"
-        )
-    return f'<div class="cot-tracker" data-active="{active or ""}" data-done="{" ".join(done)}">{body}</div>{extra}'
-
-
-def _result_status(result: GenerationResult) -> str:
-    """The status line for a finished answer: how it ran (batch size) and how fast."""
-    parts = [
-        "Done" if result.finish_reason != "length" else "Stopped at the max new tokens limit",
-        f"batch of {result.batch_size}",
-        f"{result.completion_tokens} tokens",
-        f"{result.tokens_per_s:.1f} tokens/s",
-        f"{result.total_s:.2f} s",
-    ]
-    if result.queue_s >= 0.05:
-        parts.append(f"waited {result.queue_s:.2f} s")
-    return " · ".join(parts)
-
-
-def _error_status(error: DemoError) -> str:
-    return f"Error ({error.code}): {error}"
-
-
-def render(raw: str, status: str, final: bool = False) -> tuple[str, ...]:
-    """All outputs for one moment of an answer, as plain strings (what API clients receive too).
-
-    Order: summary, caption, reasoning, conclusion, raw, status, text outside the stages, stage strip.
-    """
-    stages = parse_stages(raw, final=final)
-    active = None if final else stages.active
-    if final and raw.strip() and not stages.seen:
-        status += " · the answer did not use the four stages (shown above the panels)"
-    return (*stages.as_tuple(), raw, status, stages.extra, tracker_html(stages, active))
-
-
 class DemoUI:
     """The page and its handlers, bound to one backend."""
 
     def __init__(self, backend: Backend, config: Config, metrics: Metrics, notice: str | None = None) -> None:
         self.backend = backend
         self.config = config
-        self.metrics = metrics
         self.notice = notice
-        self.sessions = Sessions()
-
-    # ---- the door -------------------------------------------------------------------------------
-    def admit(self, image: Any, question: Any, max_new_tokens: Any, temperature: Any, top_p: Any) -> Admitted:
-        """Validate everything before the backend sees it; cheap checks first, image decoding last."""
-        if image is None or image == "" or (isinstance(image, dict) and not (image.get("path") or image.get("url"))):
-            raise InvalidRequestError("Please upload an image first.")
-        question = validate_question(question, self.config.max_question_chars)
-        if "\x00" in question:
-            raise InvalidRequestError("The question contains a NUL character; please send plain text.")
-        params = SamplingParams(
-            max_new_tokens=_number("max_new_tokens", max_new_tokens),
-            temperature=_number("temperature", temperature),
-            top_p=_number("top_p", top_p),
-        ).validated(self.config.max_new_tokens)
-        picture = load_image(image, max_pixels=self.config.max_image_pixels)
-        return Admitted(picture, question, params)
-
-    def _refuse(self, error: DemoError) -> gr.Error:
-        self.metrics.rejected(error.code)
-        return _gr_error(error)
-
-    # ---- /ask: one streaming request --------------------------------------------------------------
-    def ask(
-        self,
-        image: Any,
-        question: Any,
-        max_new_tokens: Any,
-        temperature: Any,
-        top_p: Any,
-        request: gr.Request = None,  # type: ignore[assignment]  # Gradio injects it
-    ) -> Iterator[tuple[Any, ...]]:
-        """Stream the four stages of one answer into the panels as tokens arrive."""
-        try:
-            admitted = self.admit(image, question, max_new_tokens, temperature, top_p)
-            stream = self.backend.submit(admitted.image, admitted.question, admitted.params)
-        except DemoError as err:
-            raise self._refuse(err) from None
-        session = getattr(request, "session_hash", None) or f"anonymous-{id(stream)}"
-        self.sessions.add(session, stream)
-        started = time.monotonic()
-        raw = ""
-        try:
-            yield render(raw, "Waiting for the model…")
-            for delta in coalesced(stream, TOKEN_TIMEOUT_S):
-                raw += delta
-                writing = parse_stages(raw).active
-                where = f"writing {writing.upper()}" if writing else "writing"
-                yield render(raw, f"Generating · {where} · {time.monotonic() - started:.1f} s")
-            result = stream.result(timeout=TOKEN_TIMEOUT_S)
-        except RequestCancelledError:
-            yield render(raw, f"Stopped after {time.monotonic() - started:.1f} s.", final=True)
-            return
-        except TimeoutError:
-            stream.cancel()
-            raise gr.Error(f"The model sent nothing for {TOKEN_TIMEOUT_S:.0f} s; please try again.") from None
-        except DemoError as err:  # failed mid-answer: what was streamed stays in the panels
-            raise _gr_error(err) from None
-        finally:
-            self.sessions.discard(session, stream)
-            stream.cancel()  # no-op when finished; frees the model row if the visitor went away
-        yield render(result.text, _result_status(result), final=True)
-
-    def stop(self, request: gr.Request = None) -> None:  # type: ignore[assignment]
-        """Cancel this visitor's running answers only; other visitors' requests keep going."""
-        session = getattr(request, "session_hash", None)
-        count = self.sessions.cancel(session) if session else 0
-        log.info("stop from session %s cancelled %d run(s)", session, count)
-
-    def forget_session(self, request: gr.Request = None) -> None:  # type: ignore[assignment]
-        """The tab was closed: free the model rows its runs were using."""
-        if request is not None and request.session_hash:
-            self.sessions.cancel(request.session_hash)
-
-    # ---- /ask_batch: Gradio batch mode ------------------------------------------------------------
-    def ask_batch(
-        self,
-        images: list[Any],
-        questions: list[Any],
-        max_new_tokens: list[Any],
-        temperatures: list[Any],
-        top_ps: list[Any],
-    ) -> tuple[list[str], ...]:
-        """Answer a whole Gradio batch with one backend call; never raises, always one row per item."""
-        rows: list[list[str]] = [[]] * len(images)
-        admitted: list[tuple[int, Admitted]] = []
-        for i, args in enumerate(zip(images, questions, max_new_tokens, temperatures, top_ps, strict=True)):
-            try:
-                admitted.append((i, self.admit(*args)))
-            except DemoError as err:
-                self.metrics.rejected(err.code)
-                rows[i] = list(render("", _error_status(err), final=True))
-            except Exception:  # never let one item fail the batch
-                log.exception("unexpected error validating batch item %d", i)
-                rows[i] = list(
-                    render("", _error_status(GenerationError("Internal error reading this request.")), final=True)
-                )
-        if admitted:
-            items = [(a.image, a.question, a.params) for _, a in admitted]
-            try:
-                results: list[Any] = list(self.backend.run_batch(items))
-            except Exception as exc:  # the backend promises not to raise; guard the promise anyway
-                log.exception("run_batch raised")
-                results = [GenerationError(f"Generation failed: {type(exc).__name__}")] * len(items)
-            missing = [GenerationError("The backend returned no result for this item.")] * len(items)
-            results = (results + missing)[: len(items)]
-            for (i, _), result in zip(admitted, results, strict=True):
-                if isinstance(result, DemoError):
-                    rows[i] = list(render("", _error_status(result), final=True))
-                else:
-                    rows[i] = list(render(result.text, _result_status(result), final=True))
-        return tuple(list(column) for column in zip(*rows, strict=True))
+        self.handlers = Handlers(backend, config, metrics)
 
     # ---- the page -----------------------------------------------------------------------------------
     def build(self) -> gr.Blocks:
@@ -442,15 +162,15 @@ class DemoUI:
                 concurrency_limit=limit,
                 show_progress="minimal",
             )
-            ask.click(gpu(self.ask), api_name="ask", **streaming)
-            question.submit(gpu(self.ask), api_visibility="private", **streaming)
+            ask.click(self.handlers.ask, api_name="ask", **streaming)
+            question.submit(self.handlers.ask, api_visibility="private", **streaming)
             # Not Gradio's ``cancels=``: it kills the handler before its last update, and an update
             # already in flight could then overwrite the "Stopped" status. Cancelling our stream
             # instead ends the handler normally, and it writes the final state itself.
-            stop.click(self.stop, queue=False, api_visibility="undocumented")
+            stop.click(self.handlers.stop, queue=False, api_visibility="undocumented")
             ask_batch = gr.Button(visible=False)  # /ask_batch is for API clients; the page streams
             ask_batch.click(
-                gpu(self.ask_batch),
+                self.handlers.ask_batch,
                 inputs=inputs,
                 outputs=outputs,
                 api_name="ask_batch",
@@ -460,11 +180,6 @@ class DemoUI:
                 concurrency_id=CONCURRENCY_ID,
                 concurrency_limit=limit,
             )
-            demo.unload(self.forget_session)
+            demo.unload(self.handlers.forget_session)
         demo.queue(max_size=self.config.max_queue, default_concurrency_limit=limit)
         return demo
-
-
-def _gr_error(error: DemoError) -> gr.Error:
-    quiet = error.code in ("invalid_request", "server_busy", "cancelled")
-    return gr.Error(str(error), title=ERROR_TITLES.get(error.code, "Error"), print_exception=not quiet)

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any, Protocol
 
-from vlm_demo.engine.request import GenerationResult, SamplingParams
 from vlm_demo.errors import DemoError
+from vlm_demo.schema import GenerationResult, ValidRequest
 
 
 class Stream(Protocol):
@@ -23,11 +23,11 @@ class Backend(Protocol):
     name: str  # "local" or "triton"
     model: str  # what the page and /health show
 
-    def submit(self, image: Any, question: str, params: SamplingParams) -> Stream:
-        """Validate and enqueue; raise a :class:`DemoError` at once for bad input or a full queue."""
+    def submit(self, request: ValidRequest) -> Stream:
+        """Enqueue a request that passed the door; raise a :class:`DemoError` at once when it cannot be taken."""
         ...
 
-    def run_batch(self, items: list[tuple[Any, str, SamplingParams]]) -> list[GenerationResult | DemoError]:
+    def run_batch(self, items: list[ValidRequest]) -> list[GenerationResult | DemoError]:
         """Run many requests together; one item's failure is returned in its slot, never raised."""
         ...
 

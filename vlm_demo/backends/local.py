@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from vlm_demo.config import Config
-from vlm_demo.engine import Engine, GenerationResult, Request, SamplingParams
+from vlm_demo.engine import Engine, GenerationResult, Request, ValidRequest
 from vlm_demo.errors import DemoError
 
 
@@ -22,10 +22,10 @@ class LocalBackend:
     def from_config(cls, config: Config) -> LocalBackend:
         return cls(Engine.from_config(config), config.model)
 
-    def submit(self, image: Any, question: str, params: SamplingParams) -> Request:
-        return self.engine.submit(image, question, params)
+    def submit(self, request: ValidRequest) -> Request:
+        return self.engine.submit(request)
 
-    def run_batch(self, items: list[tuple[Any, str, SamplingParams]]) -> list[GenerationResult | DemoError]:
+    def run_batch(self, items: list[ValidRequest]) -> list[GenerationResult | DemoError]:
         return self.engine.run_batch(items)
 
     def health(self) -> dict[str, Any]:

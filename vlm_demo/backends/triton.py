@@ -34,7 +34,6 @@ from urllib.parse import urlparse
 import numpy as np
 
 from vlm_demo.config import Config
-from vlm_demo.engine.request import SamplingParams, validate_question
 from vlm_demo.errors import (
     BackendTimeoutError,
     BackendUnavailableError,
@@ -46,7 +45,8 @@ from vlm_demo.errors import (
     QueueFullError,
     RequestCancelledError,
 )
-from vlm_demo.stream import GenerationResult, OutputStream, run_all
+from vlm_demo.schema import GenerationResult, SamplingParams, ValidRequest
+from vlm_demo.stream import OutputStream, run_all
 
 log = logging.getLogger(__name__)
 
@@ -297,11 +297,13 @@ class TritonBackend:
         return cls(config, endpoint, info)
 
     # ---- Backend interface ----
-    def submit(self, image: Any, question: str, params: SamplingParams) -> TritonStream:
-        """Validate here (same rules and messages as the local engine), then send in a background thread."""
+    def submit(self, request: ValidRequest) -> TritonStream:
+        """Send a request that passed the door, in a background thread."""
         if self._closed:
             raise EngineStoppedError("The Triton backend is shut down.")
-        image, question, params = self._validate(image, question, params)
+        if not isinstance(request, ValidRequest):
+            raise TypeError(f"the Triton backend takes a ValidRequest, not {type(request)}")
+        image, question, params = request.image, request.question, request.params
         with self._lock:
             if self._in_flight >= self.config.max_queue:
                 raise QueueFullError(f"Server busy: {self._in_flight} requests already waiting. Try again shortly.")
@@ -311,9 +313,9 @@ class TritonBackend:
         threading.Thread(target=self._guarded, args=(target, stream, image, question, params), daemon=True).start()
         return stream
 
-    def run_batch(self, items: list[tuple[Any, str, SamplingParams]]) -> list[GenerationResult | DemoError]:
+    def run_batch(self, items: list[ValidRequest]) -> list[GenerationResult | DemoError]:
         """Send all items at once, so the remote's dynamic batcher can group them; errors stay in their slot."""
-        return run_all(self.submit, items, self.config.triton_timeout + 5)
+        return run_all(self.submit, [(item,) for item in items], self.config.triton_timeout + 5)
 
     def health(self) -> dict[str, Any]:
         """The remote's readiness (server and model), checked now with a short timeout."""
@@ -338,13 +340,6 @@ class TritonBackend:
         self._closed = True
 
     # ---- internals ----
-    def _validate(self, image: Any, question: str, params: SamplingParams) -> tuple[Any, str, SamplingParams]:
-        from vlm_demo.images import load_image
-
-        question = validate_question(question, self.config.max_question_chars)
-        image = load_image(image, self.config.max_image_pixels)
-        return image, question, params.validated(self.config.max_new_tokens)
-
     def _request_done(self, stream: TritonStream) -> None:
         with self._lock:
             self._in_flight -= 1

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from vlm_demo.config import Config
 from vlm_demo.engine.batch_state import Row, RunningBatch
 from vlm_demo.engine.engine import Engine, error_for, is_out_of_memory
 from vlm_demo.engine.request import Request
@@ -34,13 +35,14 @@ RECOVERY_STEPS = 256
 
 
 class ContinuousEngine(Engine):
-    def __init__(self, worker: Any, kv_token_budget: int = 0, **kwargs: Any) -> None:
-        self.kv_token_budget = kv_token_budget
+    def __init__(self, worker: Any, config: Config | None = None) -> None:
+        config = config or Config(batching="continuous")
+        self.kv_token_budget = config.kv_token_budget
         self.batch = RunningBatch(cross_layers=worker.cross_attention_layers)
-        self.row_limit = kwargs.get("max_batch_size", 4)
+        self.row_limit = config.max_batch_size
         self.good_steps = 0
         self.steps_run = 0
-        super().__init__(worker, **kwargs)
+        super().__init__(worker, config)
 
     # ---- observation -------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:

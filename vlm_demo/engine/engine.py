@@ -14,14 +14,13 @@ from typing import Any, Protocol
 import torch
 
 from vlm_demo.config import Config
-from vlm_demo.engine.request import GenerationResult, Request, SamplingParams, validate_question
+from vlm_demo.engine.request import GenerationResult, Request, ValidRequest
 from vlm_demo.engine.scheduler import Scheduler
 from vlm_demo.engine.worker import Worker
 from vlm_demo.errors import (
     DemoError,
     EngineStoppedError,
     GenerationError,
-    InvalidRequestError,
     OutOfMemoryError,
 )
 from vlm_demo.stream import run_all
@@ -54,20 +53,11 @@ def error_for(exc: Exception) -> DemoError:
 class Engine:
     """Dynamic batching over one :class:`Worker`. Thread-safe ``submit``; one engine thread."""
 
-    def __init__(
-        self,
-        worker: Worker,
-        max_batch_size: int = 4,
-        batch_window_ms: float = 50.0,
-        max_queue: int = 128,
-        max_new_tokens_cap: int = 2048,
-        max_question_chars: int = 2000,
-    ) -> None:
+    def __init__(self, worker: Worker, config: Config | None = None) -> None:
         self.worker = worker
-        self.max_batch_size = max_batch_size
-        self.max_new_tokens_cap = max_new_tokens_cap
-        self.max_question_chars = max_question_chars
-        self.scheduler = Scheduler(max_batch_size, batch_window_ms / 1000.0, max_queue)
+        self.config = config or Config()
+        self.max_batch_size = self.config.max_batch_size
+        self.scheduler = Scheduler(self.max_batch_size, self.config.batch_window_ms / 1000.0, self.config.max_queue)
         self.listeners: list[Listener] = []
         self.running: list[Request] = []
         self.batches_run = 0
@@ -76,59 +66,45 @@ class Engine:
         self._thread.start()
 
     @staticmethod
-    def create(worker: Worker, batching: str = "dynamic", **kwargs: Any) -> Engine:
-        """An engine of the requested batching kind over ``worker``."""
-        if batching == "continuous":
+    def create(worker: Worker, config: Config | None = None) -> Engine:
+        """An engine of the configured batching kind (``config.batching``) over ``worker``."""
+        config = config or Config()
+        if config.batching == "continuous":
             from vlm_demo.engine.continuous import ContinuousEngine
 
-            return ContinuousEngine(worker, **kwargs)
-        if batching != "dynamic":
-            raise ValueError(f"unknown batching mode {batching!r}")
-        return Engine(worker, **kwargs)
+            return ContinuousEngine(worker, config)
+        if config.batching != "dynamic":
+            raise ValueError(f"unknown batching mode {config.batching!r}")
+        return Engine(worker, config)
 
     @classmethod
     def from_config(cls, config: Config) -> Engine:
-        worker = Worker.load(config.model, config.device, config.dtype, config.resolved_tiny_dir(), config.cpu_threads)
-        return cls.create(
-            worker,
-            batching=config.batching,
-            max_batch_size=config.max_batch_size,
-            batch_window_ms=config.batch_window_ms,
-            max_queue=config.max_queue,
-            max_new_tokens_cap=config.max_new_tokens,
-            max_question_chars=config.max_question_chars,
-        )
+        return cls.create(Worker.from_config(config), config)
 
     # ---- the door ----------------------------------------------------------------------------
-    def make_request(self, image: Any, question: str, params: SamplingParams | None = None) -> Request:
-        """Validate and preprocess on the caller's thread; nothing invalid ever reaches a batch."""
-        if image is None:
-            raise InvalidRequestError("Please provide an image.")
-        if not hasattr(image, "mode") or not hasattr(image, "size"):
-            raise InvalidRequestError("The image must be a decoded picture (PIL image).")
-        question = validate_question(question, self.max_question_chars)
-        params = (params or SamplingParams()).validated(self.max_new_tokens_cap)
-        if image.mode != "RGB":
-            image = image.convert("RGB")
-        request = Request(image=image, question=question, params=params)
-        request.inputs = self.worker.prepare(image, request.question)
+    def make_request(self, valid: ValidRequest) -> Request:
+        """Preprocess on the caller's thread; only requests that passed the door get here."""
+        if not isinstance(valid, ValidRequest):
+            raise TypeError(f"the engine takes a ValidRequest (vlm_demo.schema.validate_request), not {type(valid)}")
+        request = Request(image=valid.image, question=valid.question, params=valid.params)
+        request.inputs = self.worker.prepare(valid.image, valid.question)
         return request
 
-    def submit(self, image: Any, question: str, params: SamplingParams | None = None) -> Request:
+    def submit(self, valid: ValidRequest) -> Request:
         """Queue one request and return its handle (stream / result / cancel)."""
         if self._stop.is_set():
             raise EngineStoppedError("The server is shutting down; please try again shortly.")
-        request = self.make_request(image, question, params)
+        request = self.make_request(valid)
         request.add_done_callback(self._on_done)
         self.scheduler.add(request)
         return request
 
-    def run_batch(self, items: list[tuple[Any, str, SamplingParams | None]]) -> list[GenerationResult | DemoError]:
+    def run_batch(self, items: list[ValidRequest]) -> list[GenerationResult | DemoError]:
         """Submit many at once (they batch together) and wait; errors come back in their slots."""
-        return run_all(self.submit, items)
+        return run_all(self.submit, [(item,) for item in items])
 
-    def generate(self, image: Any, question: str, params: SamplingParams | None = None) -> GenerationResult:
-        return self.submit(image, question, params).result()
+    def generate(self, valid: ValidRequest) -> GenerationResult:
+        return self.submit(valid).result()
 
     # ---- observation -------------------------------------------------------------------------
     def add_listener(self, listener: Listener) -> None:

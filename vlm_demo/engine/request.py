@@ -8,61 +8,16 @@ thread reads from it (``stream`` / ``result``, from :class:`~vlm_demo.stream.Out
 from __future__ import annotations
 
 import itertools
-import random
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from vlm_demo.errors import InvalidRequestError, RequestCancelledError
-from vlm_demo.stream import GenerationResult, OutputStream
+from vlm_demo.errors import RequestCancelledError
+from vlm_demo.schema import DEFAULT_MAX_NEW_TOKENS, GenerationResult, SamplingParams, ValidRequest
+from vlm_demo.stream import OutputStream
 
-__all__ = ["GenerationResult", "Request", "SamplingParams", "validate_question"]
-
-DEFAULT_MAX_NEW_TOKENS = 1024
-
-
-@dataclass
-class SamplingParams:
-    """How one request is decoded. ``temperature == 0`` means greedy."""
-
-    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
-    temperature: float = 0.6
-    top_p: float = 0.9
-    ignore_eos: bool = False  # benchmarks only: force the full length
-    seed: int | None = None  # sampled rows draw from their own generator: same seed, same text
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
-
-    def validated(self, max_new_tokens_cap: int) -> SamplingParams:
-        """Check ranges with messages a person can act on; returns a copy with a seed set."""
-        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, (int, float)):
-            raise InvalidRequestError("max_new_tokens must be a whole number.")
-        if int(self.max_new_tokens) != self.max_new_tokens or not 1 <= self.max_new_tokens <= max_new_tokens_cap:
-            raise InvalidRequestError(f"max_new_tokens must be a whole number from 1 to {max_new_tokens_cap}.")
-        for name, value, low, high in (("temperature", self.temperature, 0.0, 2.0), ("top_p", self.top_p, 0.0, 1.0)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
-                raise InvalidRequestError(f"{name} must be a number from {low:g} to {high:g}.")
-        if self.top_p == 0 and self.temperature != 0:
-            raise InvalidRequestError("top_p must be above 0 when sampling (temperature > 0).")
-        seed = self.seed if self.seed is not None else random.getrandbits(63)
-        return SamplingParams(
-            int(self.max_new_tokens), float(self.temperature), float(self.top_p), self.ignore_eos, seed
-        )
-
-
-def validate_question(question: Any, max_chars: int) -> str:
-    """The door check every backend shares: text, not blank, within the cap; returns it stripped."""
-    if not isinstance(question, str):
-        raise InvalidRequestError("The question must be text.")
-    if not question.strip():
-        raise InvalidRequestError("Please type a question about the image.")
-    if len(question) > max_chars:
-        raise InvalidRequestError(f"The question is too long ({len(question)} characters; the limit is {max_chars}).")
-    return question.strip()
-
+__all__ = ["DEFAULT_MAX_NEW_TOKENS", "GenerationResult", "Request", "SamplingParams", "ValidRequest"]
 
 _ids = itertools.count(1)
 

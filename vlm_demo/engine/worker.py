@@ -21,6 +21,7 @@ from transformers import (
 )
 from transformers.models.mllama.modeling_mllama import _prepare_cross_attention_mask
 
+from vlm_demo.config import Config
 from vlm_demo.engine.decode_step import TextDecodeStep, single_device
 from vlm_demo.engine.request import Request
 from vlm_demo.engine.sampler import RowSampler
@@ -97,6 +98,10 @@ class Worker:
         self.pad_id = self._pad_id()
         self.eos_ids = self._eos_ids()
         self.decode_step = TextDecodeStep(model) if single_device(model) else None
+
+    @classmethod
+    def from_config(cls, config: Config) -> Worker:
+        return cls.load(config.model, config.device, config.dtype, config.resolved_tiny_dir(), config.cpu_threads)
 
     @classmethod
     def load(

@@ -18,7 +18,7 @@ except ImportError:  # unit tests substitute a stand-in
     pb_utils = None
 
 from vlm_demo.config import Config
-from vlm_demo.engine.request import DEFAULT_MAX_NEW_TOKENS
+from vlm_demo.schema import DEFAULT_MAX_NEW_TOKENS, Limits
 from vlm_demo.triton_serve import (
     INFER_OUTPUTS,
     SAMPLING_INPUTS,
@@ -57,7 +57,7 @@ class TritonPythonModel:
         """Attach a loaded engine (separate from ``initialize`` so tests can pass one in)."""
         self.engine = engine
         self.handler = EnsembleHandler(
-            engine, config.max_image_pixels, min(DEFAULT_MAX_NEW_TOKENS, config.max_new_tokens)
+            engine, Limits.from_config(config), min(DEFAULT_MAX_NEW_TOKENS, config.max_new_tokens)
         )
 
     def execute(self, requests: list[Any]) -> list[Any]:

@@ -20,8 +20,8 @@ except ImportError:  # unit tests substitute a stand-in
 
 from vlm_demo.backends.triton import error_text
 from vlm_demo.config import Config
-from vlm_demo.engine.request import DEFAULT_MAX_NEW_TOKENS
 from vlm_demo.errors import DemoError, GenerationError
+from vlm_demo.schema import DEFAULT_MAX_NEW_TOKENS, Limits
 from vlm_demo.triton_serve import (
     GENERATE_FLAGS,
     config_from_model_config,
@@ -67,7 +67,7 @@ class TritonPythonModel:
     def setup(self, engine: Any, config: Config) -> None:
         """Attach a loaded engine (separate from ``initialize`` so tests can pass one in)."""
         self.engine = engine
-        self.max_pixels = config.max_image_pixels
+        self.limits = Limits.from_config(config)
         self.default_tokens = min(DEFAULT_MAX_NEW_TOKENS, config.max_new_tokens)
 
     def execute(self, requests: list[Any]) -> None:
@@ -82,7 +82,7 @@ class TritonPythonModel:
         responses = None
         try:
             call = decode_generate_request(
-                request_arrays(request), request_parameters(request), self.max_pixels, self.default_tokens
+                request_arrays(request), request_parameters(request), self.limits, self.default_tokens
             )
             responses = generate_responses(self.engine, call)
             for outputs in responses:

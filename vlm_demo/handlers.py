@@ -1,0 +1,365 @@
+"""What the page's events do: the door, the streaming ``/ask``, ``/ask_batch``, Stop; no layout, no model.
+
+- ``/ask`` streams. It is an *async* generator: it polls its request's stream on the event loop and
+  sends the visitor whatever arrived since the last update, so there is no thread per visitor and
+  no thread hop per update. Each update parses the answer once and sends only the outputs that
+  changed (``gr.skip()`` for the rest); the update interval grows with the number of live answers so
+  the web process spends a bounded share of a core on page updates however many visitors stream.
+- ``/ask_batch`` is Gradio's batch mode (``batch=True``). Every item of a Gradio batch is submitted
+  to the backend at once and the handler only waits for the results, so items join the engine's
+  running batch as soon as Gradio hands them over, and several Gradio batches can be in flight.
+  A bad item gets its error text in its own outputs (raising would fail every user in the batch).
+
+Both take ``(image, question, max_new_tokens, temperature, top_p)`` and return plain strings
+``(summary, caption, reasoning, conclusion, raw, status, extra, stages_html)``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import html
+import logging
+import threading
+import time
+from collections import defaultdict
+from collections.abc import AsyncIterator
+from typing import Any
+
+import gradio as gr
+
+from vlm_demo.backends.base import Backend, Stream
+from vlm_demo.config import Config
+from vlm_demo.cot import STAGES, Stages, parse_stages
+from vlm_demo.errors import DemoError, GenerationError, RequestCancelledError
+from vlm_demo.images import load_image
+from vlm_demo.metrics import Metrics
+from vlm_demo.schema import (
+    GenerationResult,
+    Limits,
+    ValidRequest,
+    has_image,
+    params_from_inputs,
+    validate_request,
+)
+
+log = logging.getLogger(__name__)
+
+UPDATE_INTERVAL_S = 0.05  # at most ~20 page updates a second per answer; humans see no faster
+UPDATES_PER_S_BUDGET = 120.0  # page updates a second over all live answers (bounds the web process's CPU)
+MAX_UPDATE_INTERVAL_S = 0.5
+TOKEN_TIMEOUT_S = 300.0  # longest silence tolerated from the backend before giving up on a request
+OUTPUTS = ("summary", "caption", "reasoning", "conclusion", "raw", "status", "extra", "stages_html")
+
+ERROR_TITLES = {
+    "invalid_request": "Invalid input",
+    "server_busy": "Server busy",
+    "out_of_memory": "Out of GPU memory",
+    "cancelled": "Stopped",
+    "engine_stopped": "Model restarting",
+    "backend_unavailable": "Backend unavailable",
+    "backend_timeout": "Backend timeout",
+    "generation_failed": "Generation failed",
+}
+
+
+class Sessions:
+    """Which streams each visitor has running, so Stop cancels only that visitor's runs."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._streams: dict[str, set[Stream]] = defaultdict(set)
+
+    def add(self, session: str, stream: Stream) -> None:
+        with self._lock:
+            self._streams[session].add(stream)
+
+    def discard(self, session: str, stream: Stream) -> None:
+        with self._lock:
+            streams = self._streams.get(session)
+            if streams is not None:
+                streams.discard(stream)
+                if not streams:
+                    del self._streams[session]
+
+    def cancel(self, session: str) -> int:
+        with self._lock:
+            streams = list(self._streams.pop(session, ()))
+        for stream in streams:
+            stream.cancel()
+        return len(streams)
+
+    @property
+    def live(self) -> int:
+        with self._lock:
+            return sum(len(s) for s in self._streams.values())
+
+
+def tracker_html(stages: Stages, active: str | None) -> str:
+    """The stage strip above the panels; page CSS keys on ``data-active``/``data-done`` to mark the panels.
+
+    Marking panels through this one HTML output keeps the panels' API values plain strings (a
+    ``gr.update`` with CSS classes would reach API clients as a dict).
+    """
+    done = [s for s in stages.seen if s != active]
+    steps = []
+    for stage in STAGES:
+        state = "active" if stage == active else "done" if stage in done else "todo"
+        mark = {"active": " ●", "done": " ✓", "todo": ""}[state]
+        steps.append(f'<span class="step {state}">{stage.upper()}{mark}</span>')
+    body = ' <span class="arrow">→</span> '.join(steps)
+    extra = ""
+    if stages.extra:
+        extra = (
+            '<div class="extra"><b>Text outside the four stages:</b><pre>' + html.escape(stages.extra) + "</pre></div>"
+        )
+    return f'<div class="cot-tracker" data-active="{active or ""}" data-done="{" ".join(done)}">{body}</div>{extra}'
+
+
+def result_status(result: GenerationResult, stages: Stages | None = None) -> str:
+    """The status line for a finished answer: how it ended, how it ran (batch size) and how fast."""
+    if result.finish_reason == "length":
+        head = "Stopped at the max new tokens limit"
+    elif stages is not None and stages.seen and "conclusion" not in stages.seen:
+        head = "Ended without a CONCLUSION"
+    else:
+        head = "Done"
+    parts = [
+        head,
+        f"batch of {result.batch_size}",
+        f"{result.completion_tokens} tokens",
+        f"{result.tokens_per_s:.1f} tokens/s",
+        f"{result.total_s:.2f} s",
+    ]
+    if result.queue_s >= 0.05:
+        parts.append(f"waited {result.queue_s:.2f} s")
+    return " · ".join(parts)
+
+
+def error_status(error: DemoError) -> str:
+    return f"Error ({error.code}): {error}"
+
+
+def render(raw: str, status: str | None = None, final: bool = False, result: GenerationResult | None = None) -> tuple:
+    """All outputs for one moment of an answer, as plain strings (what API clients receive too).
+
+    Order: summary, caption, reasoning, conclusion, raw, status, text outside the stages, stage strip.
+    With ``result`` the status line is the finished answer's (honest about how it ended).
+    """
+    stages = parse_stages(raw, final=final)
+    active = None if final else stages.active
+    if result is not None:
+        status = result_status(result, stages)
+    status = status or ""
+    if final and raw.strip() and not stages.seen:
+        status += " · the answer did not use the four stages (shown above the panels)"
+    return (*stages.as_tuple(), raw, status, stages.extra, tracker_html(stages, active))
+
+
+class Changes:
+    """Turns successive full output tuples into updates that skip what the browser already shows."""
+
+    def __init__(self) -> None:
+        self._shown: tuple | None = None
+
+    def __call__(self, values: tuple) -> tuple | None:
+        """The update to send, or ``None`` when nothing changed."""
+        previous, self._shown = self._shown, values
+        if previous is None:
+            return values
+        if values == previous:
+            return None
+        return tuple(gr.skip() if new == old else new for new, old in zip(values, previous, strict=True))
+
+
+def gr_error(error: DemoError) -> gr.Error:
+    quiet = error.code in ("invalid_request", "server_busy", "cancelled")
+    return gr.Error(str(error), title=ERROR_TITLES.get(error.code, "Error"), print_exception=not quiet)
+
+
+class Handlers:
+    """The page's event handlers, bound to one backend."""
+
+    def __init__(self, backend: Backend, config: Config, metrics: Metrics) -> None:
+        self.backend = backend
+        self.config = config
+        self.limits = Limits.from_config(config)
+        self.metrics = metrics
+        self.sessions = Sessions()
+
+    # ---- the door -------------------------------------------------------------------------------
+    def admit(self, image: Any, question: Any, max_new_tokens: Any, temperature: Any, top_p: Any) -> ValidRequest:
+        """The shared door (:mod:`vlm_demo.schema`) with the page's loose inputs."""
+        return validate_request(
+            image, question, params_from_inputs(max_new_tokens, temperature, top_p, self.limits), self.limits
+        )
+
+    def update_interval(self) -> float:
+        """Seconds between one visitor's page updates: 50 ms, longer when many answers stream at once."""
+        return min(MAX_UPDATE_INTERVAL_S, max(UPDATE_INTERVAL_S, self.sessions.live / UPDATES_PER_S_BUDGET))
+
+    def check_upload(self, image: Any) -> str:
+        """The page validates an upload as soon as it is chosen: an error message for it, or ""."""
+        if not has_image(image):
+            return ""
+        try:
+            load_image(image, max_pixels=self.limits.max_image_pixels, max_bytes=self.limits.max_image_bytes)
+        except DemoError as err:
+            return str(err)
+        return ""
+
+    @staticmethod
+    def cleared() -> tuple:
+        """Empty panels, status and stage strip (new input, Clear button)."""
+        return render("", "")
+
+    # ---- /ask: one streaming request --------------------------------------------------------------
+    async def ask(
+        self,
+        image: Any,
+        question: Any,
+        max_new_tokens: Any,
+        temperature: Any,
+        top_p: Any,
+        request: gr.Request = None,  # type: ignore[assignment]  # Gradio injects it
+    ) -> AsyncIterator[tuple[Any, ...]]:
+        """Stream the four stages of one answer as tokens arrive; bad input raises an error naming the problem."""
+        async for update in self._ask(image, question, max_new_tokens, temperature, top_p, request):
+            yield update
+
+    async def ask_page(
+        self,
+        image: Any,
+        question: Any,
+        max_new_tokens: Any,
+        temperature: Any,
+        top_p: Any,
+        request: gr.Request = None,  # type: ignore[assignment]
+    ) -> AsyncIterator[tuple[Any, ...]]:
+        """The page's Ask: like ``ask``, but a failure is shown once, in the status line, over cleared panels
+        (what was already streamed stays), instead of an error toast and a red mark on every output."""
+        raw = [""]
+        try:
+            async for update in self._ask(image, question, max_new_tokens, temperature, top_p, request, raw):
+                yield update
+        except gr.Error as err:
+            yield render(raw[0], f"⚠ {err.title}: {err.message}", final=True)
+
+    async def _ask(
+        self,
+        image: Any,
+        question: Any,
+        max_new_tokens: Any,
+        temperature: Any,
+        top_p: Any,
+        request: gr.Request | None,
+        shown: list[str] | None = None,
+    ) -> AsyncIterator[tuple[Any, ...]]:
+        try:
+            valid = self.admit(image, question, max_new_tokens, temperature, top_p)
+            stream = self.backend.submit(valid)
+        except DemoError as err:
+            self.metrics.rejected(err.code)
+            raise gr_error(err) from None
+        session = getattr(request, "session_hash", None) or f"anonymous-{id(stream)}"
+        self.sessions.add(session, stream)
+        started = last = time.monotonic()
+        changes = Changes()
+        raw = ""
+        try:
+            while True:
+                text, ended = stream.drain()
+                now = time.monotonic()
+                if text:
+                    raw += text
+                    last = now
+                    if shown is not None:
+                        shown[0] = raw
+                update = changes(self._progress(raw, stream))
+                if update is not None:
+                    yield update
+                if ended:
+                    break
+                if now - last > TOKEN_TIMEOUT_S:
+                    raise TimeoutError
+                await asyncio.sleep(self.update_interval())
+            result = stream.result(timeout=TOKEN_TIMEOUT_S)
+        except RequestCancelledError:
+            yield render(raw, f"Stopped after {time.monotonic() - started:.1f} s.", final=True)
+            return
+        except TimeoutError:
+            stream.cancel()
+            raise gr.Error(f"The model sent nothing for {TOKEN_TIMEOUT_S:.0f} s; please try again.") from None
+        except DemoError as err:  # failed mid-answer: what was streamed stays in the panels
+            raise gr_error(err) from None
+        finally:
+            self.sessions.discard(session, stream)
+            stream.cancel()  # no-op when finished; frees the model row if the visitor went away
+        yield render(result.text, final=True, result=result)
+
+    def _progress(self, raw: str, stream: Stream) -> tuple:
+        """The outputs while an answer streams (parsed once): the panels, and where the model is."""
+        stages = parse_stages(raw)
+        if raw:
+            status = f"Generating · writing {stages.active.upper()}…" if stages.active else "Generating…"
+        else:
+            status = self._waiting_status(stream)
+        return (*stages.as_tuple(), raw, status, stages.extra, tracker_html(stages, stages.active))
+
+    def _waiting_status(self, stream: Stream) -> str:
+        ahead = getattr(stream, "ahead", None)
+        if callable(ahead):
+            ahead = ahead()
+        if isinstance(ahead, int) and ahead > 0:
+            return f"Waiting for the model… {ahead} ahead of you"
+        return "Waiting for the model…"
+
+    def stop(self, request: gr.Request = None) -> None:  # type: ignore[assignment]
+        """Cancel this visitor's running answers only; other visitors' requests keep going."""
+        session = getattr(request, "session_hash", None)
+        count = self.sessions.cancel(session) if session else 0
+        log.info("stop from session %s cancelled %d run(s)", session, count)
+
+    def forget_session(self, request: gr.Request = None) -> None:  # type: ignore[assignment]
+        """The tab was closed: free the model rows its runs were using."""
+        if request is not None and request.session_hash:
+            self.sessions.cancel(request.session_hash)
+
+    # ---- /ask_batch: Gradio batch mode ------------------------------------------------------------
+    def ask_batch(
+        self,
+        image: list[Any],
+        question: list[Any],
+        max_new_tokens: list[Any],
+        temperature: list[Any],
+        top_p: list[Any],
+    ) -> tuple[list[str], ...]:
+        """Answer without streaming: the same inputs and outputs as /ask, final values only.
+
+        Requests arriving together are batched on the model. A bad request gets its error text in
+        its own status output instead of failing the call.
+        """
+        rows: list[list[str]] = [[]] * len(image)
+        admitted: list[tuple[int, ValidRequest]] = []
+        for i, args in enumerate(zip(image, question, max_new_tokens, temperature, top_p, strict=True)):
+            try:
+                admitted.append((i, self.admit(*args)))
+            except DemoError as err:
+                self.metrics.rejected(err.code)
+                rows[i] = list(render("", error_status(err), final=True))
+            except Exception:  # never let one item fail the batch
+                log.exception("unexpected error validating batch item %d", i)
+                rows[i] = list(render("", error_status(GenerationError("Internal error reading this request.")), True))
+        if admitted:
+            try:
+                results: list[Any] = list(self.backend.run_batch([valid for _, valid in admitted]))
+            except Exception as exc:  # the backend promises not to raise; guard the promise anyway
+                log.exception("run_batch raised")
+                results = [GenerationError(f"Generation failed: {type(exc).__name__}")] * len(admitted)
+            missing = [GenerationError("The backend returned no result for this item.")] * len(admitted)
+            results = (results + missing)[: len(admitted)]
+            for (i, _), result in zip(admitted, results, strict=True):
+                if isinstance(result, DemoError):
+                    rows[i] = list(render("", error_status(result), final=True))
+                else:
+                    rows[i] = list(render(result.text, final=True, result=result))
+        return tuple(list(column) for column in zip(*rows, strict=True))

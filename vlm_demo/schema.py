@@ -1,0 +1,167 @@
+"""The one door every request passes: the shared vocabulary of the UI, the backends and the engine.
+
+Everything here is torch-free on purpose: the web process validates requests before they cross to
+the engine process (or to a remote Triton), and importing the page must not load a deep-learning
+framework. There is one set of rules and messages for all entry points: :func:`validate_request`
+turns loose input (an upload payload or a picture, a question, raw numbers from an API client) into a
+:class:`ValidRequest`, and the engine and both backends accept nothing else.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from vlm_demo.errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    from PIL import Image
+
+    from vlm_demo.config import Config
+
+DEFAULT_MAX_NEW_TOKENS = 1024  # LLaVA-CoT answers run ~300-1000 tokens
+DEFAULT_TEMPERATURE = 0.6  # the authors' defaults
+DEFAULT_TOP_P = 0.9
+MAX_TEMPERATURE = 2.0
+
+
+@dataclass
+class SamplingParams:
+    """How one request is decoded. ``temperature == 0`` means greedy."""
+
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
+    temperature: float = DEFAULT_TEMPERATURE
+    top_p: float = DEFAULT_TOP_P
+    ignore_eos: bool = False  # benchmarks only: force the full length
+    seed: int | None = None  # sampled rows draw from their own generator: same seed, same text
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def validated(self, max_new_tokens_cap: int) -> SamplingParams:
+        """Check ranges with messages a person can act on; returns a copy with a seed set."""
+        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, (int, float)):
+            raise InvalidRequestError("max_new_tokens must be a whole number.")
+        if int(self.max_new_tokens) != self.max_new_tokens or not 1 <= self.max_new_tokens <= max_new_tokens_cap:
+            raise InvalidRequestError(f"max_new_tokens must be a whole number from 1 to {max_new_tokens_cap}.")
+        for name, value, low, high in (
+            ("temperature", self.temperature, 0.0, MAX_TEMPERATURE),
+            ("top_p", self.top_p, 0.0, 1.0),
+        ):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+                raise InvalidRequestError(f"{name} must be a number from {low:g} to {high:g}.")
+        if self.top_p == 0 and self.temperature != 0:
+            raise InvalidRequestError("top_p must be above 0 when sampling (temperature > 0).")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise InvalidRequestError("seed must be a whole number.")
+        seed = self.seed if self.seed is not None else random.getrandbits(63)
+        return SamplingParams(
+            int(self.max_new_tokens), float(self.temperature), float(self.top_p), bool(self.ignore_eos), seed
+        )
+
+
+@dataclass
+class GenerationResult:
+    """What a finished request reports besides its text."""
+
+    text: str
+    finish_reason: str  # "stop" (end of turn or </CONCLUSION>), "length", or "cancelled"
+    batch_size: int  # largest number of rows it shared the model with (0: unknown, remote)
+    prompt_tokens: int
+    completion_tokens: int
+    queue_s: float  # submit -> first forward pass that included it
+    ttft_s: float  # submit -> first streamed token
+    total_s: float  # submit -> finished
+
+    @property
+    def tokens_per_s(self) -> float:
+        decode = self.total_s - self.ttft_s
+        return (self.completion_tokens - 1) / decode if decode > 0 and self.completion_tokens > 1 else 0.0
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The caps a request is checked against (from :class:`~vlm_demo.config.Config`)."""
+
+    max_new_tokens: int = 2048
+    max_question_chars: int = 2000
+    max_image_pixels: int = 40_000_000
+    max_image_bytes: int = 50 * 1024 * 1024
+
+    @classmethod
+    def from_config(cls, config: Config) -> Limits:
+        return cls(config.max_new_tokens, config.max_question_chars, config.max_image_pixels)
+
+
+@dataclass(frozen=True)
+class ValidRequest:
+    """A request that passed the door: a decoded RGB picture, a clean question, checked and seeded parameters."""
+
+    image: Image.Image
+    question: str
+    params: SamplingParams
+
+
+def validate_question(question: Any, max_chars: int) -> str:
+    """Text, not blank, no NUL, within the cap (measured before stripping); returns it stripped."""
+    if not isinstance(question, str):
+        raise InvalidRequestError("The question must be text.")
+    if not question.strip():
+        raise InvalidRequestError("Please type a question about the image.")
+    if len(question) > max_chars:
+        raise InvalidRequestError(f"The question is too long ({len(question)} characters; the limit is {max_chars}).")
+    if "\x00" in question:
+        raise InvalidRequestError("The question contains a NUL character; please send plain text.")
+    return question.strip()
+
+
+def number(name: str, value: Any) -> float:
+    """Accept numbers (or numeric strings from loose API clients); reject bool, None, NaN, inf."""
+    if isinstance(value, str):
+        try:
+            value = float(value.strip())
+        except ValueError:
+            raise InvalidRequestError(f"{name} must be a number, not {value[:20]!r}.") from None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise InvalidRequestError(f"{name} must be a finite number.")
+    return value
+
+
+def params_from_inputs(max_new_tokens: Any, temperature: Any, top_p: Any, limits: Limits) -> SamplingParams:
+    """Sampling parameters from loose inputs (sliders, JSON numbers, numeric strings), checked."""
+    return SamplingParams(
+        max_new_tokens=number("max_new_tokens", max_new_tokens),  # type: ignore[arg-type]
+        temperature=number("temperature", temperature),
+        top_p=number("top_p", top_p),
+    ).validated(limits.max_new_tokens)
+
+
+def has_image(image: Any) -> bool:
+    """Whether an image was given at all (a Gradio payload without a path or URL is an empty upload)."""
+    if image is None or image == "":
+        return False
+    if isinstance(image, dict):
+        return bool(image.get("path") or image.get("url"))
+    return True
+
+
+def validate_request(
+    image: Any, question: Any, params: SamplingParams | None = None, limits: Limits | None = None
+) -> ValidRequest:
+    """Check and normalise one request, cheap checks first and image decoding last.
+
+    ``image`` may be a PIL image, a file path, bytes or a Gradio file payload. Raises
+    :class:`InvalidRequestError` with a message the visitor can act on.
+    """
+    from vlm_demo.images import load_image  # PIL only; kept local so the vocabulary imports fast
+
+    limits = limits or Limits()
+    if not has_image(image):
+        raise InvalidRequestError("Please upload an image first.")
+    question = validate_question(question, limits.max_question_chars)
+    params = (params or SamplingParams()).validated(limits.max_new_tokens)
+    picture = load_image(image, max_pixels=limits.max_image_pixels, max_bytes=limits.max_image_bytes)
+    return ValidRequest(picture, question, params)
