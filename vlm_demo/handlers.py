@@ -2,9 +2,13 @@
 
 - ``/ask`` streams. It is an *async* generator: it polls its request's stream on the event loop and
   sends the visitor whatever arrived since the last update, so there is no thread per visitor and
-  no thread hop per update. Each update parses the answer once and sends only the outputs that
-  changed (``gr.skip()`` for the rest); the update interval grows with the number of live answers so
-  the web process spends a bounded share of a core on page updates however many visitors stream.
+  no thread hop per update; the end of an answer wakes it at once. Each update parses the answer
+  once; the update interval grows with the number of live answers so the web process spends a
+  bounded share of a core on page updates however many visitors stream. Outputs are plain strings
+  sent without Gradio's postprocessing (the events set ``postprocess=False``): Gradio sends each
+  output as a diff against the previous update, so an unchanged output costs nothing on the wire.
+  ``gr.skip()`` is avoided on purpose: Gradio 6.31 rebuilds the whole component for every skipped
+  output of every update, which measured as twice the web process's CPU per answer.
 - ``/ask_batch`` is Gradio's batch mode (``batch=True``). Every item of a Gradio batch is submitted
   to the backend at once and the handler only waits for the results, so items join the engine's
   running batch as soon as Gradio hands them over, and several Gradio batches can be in flight.
@@ -156,24 +160,30 @@ def render(raw: str, status: str | None = None, final: bool = False, result: Gen
 
 
 class Changes:
-    """Turns successive full output tuples into updates that skip what the browser already shows."""
+    """Suppresses an update that would change nothing on the page (e.g. a poll with no new text)."""
 
     def __init__(self) -> None:
         self._shown: tuple | None = None
 
     def __call__(self, values: tuple) -> tuple | None:
         """The update to send, or ``None`` when nothing changed."""
-        previous, self._shown = self._shown, values
-        if previous is None:
-            return values
-        if values == previous:
+        if values == self._shown:
             return None
-        return tuple(gr.skip() if new == old else new for new, old in zip(values, previous, strict=True))
+        self._shown = values
+        return values
+
+
+def _wake(loop: asyncio.AbstractEventLoop, event: asyncio.Event) -> None:
+    """Set an asyncio event from the backend's thread (a no-op once the page's loop has closed)."""
+    try:
+        loop.call_soon_threadsafe(event.set)
+    except RuntimeError:
+        pass
 
 
 def gr_error(error: DemoError) -> gr.Error:
-    quiet = error.code in ("invalid_request", "server_busy", "cancelled")
-    return gr.Error(str(error), title=ERROR_TITLES.get(error.code, "Error"), print_exception=not quiet)
+    expected = error.code != GenerationError.code  # the rest are logged where they happen, or are the visitor's
+    return gr.Error(str(error), title=ERROR_TITLES.get(error.code, "Error"), print_exception=not expected)
 
 
 class Handlers:
@@ -254,14 +264,16 @@ class Handlers:
         request: gr.Request | None,
         shown: list[str] | None = None,
     ) -> AsyncIterator[tuple[Any, ...]]:
-        try:
-            valid = self.admit(image, question, max_new_tokens, temperature, top_p)
-            stream = self.backend.submit(valid)
+        loop = asyncio.get_running_loop()
+        try:  # decoding an upload takes up to ~0.1 s: not on the event loop that serves everyone
+            stream = await loop.run_in_executor(None, self._submit, image, question, max_new_tokens, temperature, top_p)
         except DemoError as err:
             self.metrics.rejected(err.code)
             raise gr_error(err) from None
         session = getattr(request, "session_hash", None) or f"anonymous-{id(stream)}"
         self.sessions.add(session, stream)
+        finished = asyncio.Event()
+        stream.add_done_callback(lambda _: _wake(loop, finished))
         started = last = time.monotonic()
         changes = Changes()
         raw = ""
@@ -281,7 +293,11 @@ class Handlers:
                     break
                 if now - last > TOKEN_TIMEOUT_S:
                     raise TimeoutError
-                await asyncio.sleep(self.update_interval())
+                if not stream.done:
+                    try:
+                        await asyncio.wait_for(finished.wait(), self.update_interval())
+                    except asyncio.TimeoutError:
+                        pass
             result = stream.result(timeout=TOKEN_TIMEOUT_S)
         except RequestCancelledError:
             yield render(raw, f"Stopped after {time.monotonic() - started:.1f} s.", final=True)
@@ -295,6 +311,9 @@ class Handlers:
             self.sessions.discard(session, stream)
             stream.cancel()  # no-op when finished; frees the model row if the visitor went away
         yield render(result.text, final=True, result=result)
+
+    def _submit(self, image: Any, question: Any, max_new_tokens: Any, temperature: Any, top_p: Any) -> Stream:
+        return self.backend.submit(self.admit(image, question, max_new_tokens, temperature, top_p))
 
     def _progress(self, raw: str, stream: Stream) -> tuple:
         """The outputs while an answer streams (parsed once): the panels, and where the model is."""

@@ -9,11 +9,28 @@ __all__ = ["Backend", "Stream", "make_backend"]
 
 
 def make_backend(config: Config) -> Backend:
-    """The Triton backend when ``--triton-url`` is set, else the local batching engine."""
+    """The Triton backend when ``--triton-url`` is set, else the local batching engine: in its own
+    process (the default), or in this one with ``--no-engine-process``.
+
+    Raises ``SystemExit`` with one sentence when the model cannot be loaded at all.
+    """
     if config.triton_url:
         from vlm_demo.backends.triton import TritonBackend
 
         return TritonBackend.from_config(config)
-    from vlm_demo.backends.local import LocalBackend
+    if config.engine_process:
+        from vlm_demo.backends.process import EngineProcessBackend, EngineStartError
 
-    return LocalBackend.from_config(config)
+        try:
+            return EngineProcessBackend.from_config(config)
+        except EngineStartError as err:
+            raise SystemExit(f"Cannot start the model: {err}") from None
+    from vlm_demo.backends.local import LocalBackend
+    from vlm_demo.errors import DemoError
+    from vlm_demo.model_choice import choose_model
+
+    config, notice = choose_model(config)
+    try:
+        return LocalBackend.from_config(config, notice)
+    except DemoError as err:
+        raise SystemExit(f"Cannot start the model: {err}") from None

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 from vlm_demo.errors import DemoError
@@ -12,7 +12,16 @@ from vlm_demo.schema import GenerationResult, ValidRequest
 class Stream(Protocol):
     """A running request: text deltas, then a final result; cancellable from any thread."""
 
+    @property
+    def done(self) -> bool: ...
+
     def stream(self, timeout: float | None = None) -> Iterator[str]: ...
+
+    def drain(self) -> tuple[str, bool]:
+        """Text that arrived so far without waiting, and whether the stream ended (raises its error)."""
+        ...
+
+    def add_done_callback(self, fn: Callable[[Any], None]) -> None: ...
 
     def result(self, timeout: float | None = None) -> GenerationResult: ...
 

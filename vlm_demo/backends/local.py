@@ -1,4 +1,4 @@
-"""The local backend: our batching engine on this machine's GPU (or CPU)."""
+"""The local engine in the web process itself (``--no-engine-process``, the benchmark, Triton's Python backend)."""
 
 from __future__ import annotations
 
@@ -14,13 +14,14 @@ class LocalBackend:
 
     name = "local"
 
-    def __init__(self, engine: Engine, model: str) -> None:
+    def __init__(self, engine: Engine, model: str, notice: str | None = None) -> None:
         self.engine = engine
         self.model = model
+        self.notice = notice  # the page's banner when this is not the real model
 
     @classmethod
-    def from_config(cls, config: Config) -> LocalBackend:
-        return cls(Engine.from_config(config), config.model)
+    def from_config(cls, config: Config, notice: str | None = None) -> LocalBackend:
+        return cls(Engine.from_config(config), config.model, notice)
 
     def submit(self, request: ValidRequest) -> Request:
         return self.engine.submit(request)

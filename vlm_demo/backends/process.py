@@ -1,0 +1,311 @@
+"""The local engine in a process of its own, behind the :class:`~vlm_demo.backends.base.Backend` interface.
+
+The web process keeps the page, the door and the HTTP server; the engine process
+(:mod:`vlm_demo.engine.core`) keeps the model. This module is the thin client and the supervisor:
+
+- ``submit`` sends a :class:`~vlm_demo.schema.ValidRequest` over a pipe and returns a handle whose
+  text arrives with the engine's per-step messages; ``cancel`` ends the handle at once and tells the
+  engine, which drops the row at its next step.
+- One thread reads the pipe and watches the process. If the engine process dies (out-of-memory kill,
+  segfault), every request in flight fails at once with a clear error, ``health()`` turns not-ready,
+  and a new engine process is started; the server keeps serving meanwhile.
+
+Nothing here imports torch: the web process stays light and starts fast.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import multiprocessing
+import signal
+import threading
+import time
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+from vlm_demo.config import Config
+from vlm_demo.errors import (
+    BackendUnavailableError,
+    DemoError,
+    EngineStoppedError,
+    QueueFullError,
+    RequestCancelledError,
+)
+from vlm_demo.ipc import Cancel, Fatal, Ready, Shutdown, Step, Submit
+from vlm_demo.schema import GenerationResult, ValidRequest
+from vlm_demo.stream import OutputStream, run_all
+
+log = logging.getLogger(__name__)
+
+STABLE_S = 60.0  # an engine that lived this long before dying is restarted at once; sooner: back off
+MAX_BACKOFF_S = 30.0
+
+
+class EngineStartError(RuntimeError):
+    """The engine process could not load the model (message written for the operator)."""
+
+
+class RemoteStream(OutputStream):
+    """A request running in the engine process."""
+
+    def __init__(self, rid: int, backend: EngineProcessBackend) -> None:
+        super().__init__()
+        self.rid = rid
+        self._backend = backend
+
+    def cancel(self) -> None:
+        """End the stream now; the engine frees the row at its next step."""
+        if self.fail(RequestCancelledError("Request cancelled.")):
+            self._backend._cancel(self.rid)
+
+    def ahead(self) -> int | None:
+        """Requests ahead of this one in the engine's queue (``None`` once it runs)."""
+        return self._backend._position(self.rid)
+
+
+def _describe_exit(code: int | None) -> str:
+    if code is None:
+        return "no exit code"
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        hint = ", often the out-of-memory killer" if name == "SIGKILL" else ""
+        return f"killed by {name}{hint}"
+    return f"exit code {code}"
+
+
+class EngineProcessBackend:
+    """Starts, feeds and supervises the engine process."""
+
+    name = "local"
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.model = config.model
+        self.notice: str | None = None
+        self.restarts = 0
+        self.messages_received = 0  # engine steps reported (one message each)
+        self._ctx = multiprocessing.get_context("spawn")  # never fork a process that may hold CUDA or threads
+        self._streams: dict[int, RemoteStream] = {}
+        self._positions: dict[int, int] = {}
+        self._stats: dict[str, Any] = {}
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+        self._send_lock = threading.Lock()
+        self._listeners: list[Any] = []
+        self._ready = threading.Event()
+        self._closing = False
+        self._proc: Any = None
+        self._conn: Connection | None = None
+        self._started_at = 0.0
+        self._start()  # raises EngineStartError when the model cannot be loaded at all
+        self._supervisor = threading.Thread(target=self._supervise, name="vlm-engine-supervisor", daemon=True)
+        self._supervisor.start()
+
+    @classmethod
+    def from_config(cls, config: Config) -> EngineProcessBackend:
+        return cls(config)
+
+    # ---- Backend interface ----
+    def submit(self, request: ValidRequest) -> RemoteStream:
+        if not isinstance(request, ValidRequest):
+            raise TypeError(f"the engine takes a ValidRequest (vlm_demo.schema.validate_request), not {type(request)}")
+        if self._closing:
+            raise EngineStoppedError("The server is shutting down; please try again shortly.")
+        if not self._ready.is_set():
+            raise BackendUnavailableError("The model is restarting after a failure; please try again in a minute.")
+        with self._lock:
+            if len(self._streams) >= self.capacity:
+                raise QueueFullError(
+                    f"Server busy: {len(self._streams)} requests are already in the engine. Please try again shortly."
+                )
+            stream = RemoteStream(next(self._ids), self)
+            self._streams[stream.rid] = stream
+        stream.add_done_callback(self._on_done)
+        try:
+            self._send(Submit(stream.rid, request))
+        except (OSError, ValueError):
+            stream.fail(EngineStoppedError("The model process is not reachable; please try again in a minute."))
+        return stream
+
+    def run_batch(self, items: list[ValidRequest]) -> list[GenerationResult | DemoError]:
+        return run_all(self.submit, [(item,) for item in items])
+
+    def health(self) -> dict[str, Any]:
+        stats = {k: v for k, v in self._stats.items() if k != "waiting"}
+        alive = self._proc is not None and self._proc.is_alive()
+        stats.update(
+            ready=self._ready.is_set() and alive and not self._closing,
+            engine_pid=self._proc.pid if self._proc is not None else None,
+            engine_restarts=self.restarts,
+            in_flight=len(self._streams),
+        )
+        stats.setdefault("queue_depth", 0)
+        return stats
+
+    def add_listener(self, listener: Any) -> None:
+        self._listeners.append(listener)
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop the engine process: it fails what is queued and ends the running rows."""
+        self._closing = True
+        self._ready.clear()
+        try:
+            self._send(Shutdown())
+        except (OSError, ValueError):
+            pass
+        if self._proc is not None:
+            self._proc.join(timeout)
+            if self._proc.is_alive():
+                self._proc.kill()
+                self._proc.join(5)
+        self._fail_all(EngineStoppedError("The server shut down before this request finished."))
+
+    @property
+    def capacity(self) -> int:
+        """Requests the engine may hold (running rows plus its queue) before new ones are refused."""
+        return self.config.max_queue + int(self._stats.get("max_batch_size") or self.config.max_batch_size)
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    # ---- the engine process ----
+    def _start(self) -> None:
+        """Spawn the engine process and wait until it has loaded the model (or says why it cannot)."""
+        parent, child = self._ctx.Pipe()
+        from vlm_demo.engine import core  # the spawn target; torch is imported only in the child
+
+        proc = self._ctx.Process(target=core.run, args=(self.config, child), name="vlm-engine", daemon=True)
+        proc.start()
+        child.close()  # the child holds its end: EOF here means it is gone
+        log.info("engine process %d started; loading %s", proc.pid, self.config.model)
+        while True:
+            if parent.poll(0.5):
+                try:
+                    message = parent.recv()
+                except (EOFError, OSError):
+                    message = None
+                if isinstance(message, Ready):
+                    break
+                if isinstance(message, Fatal):
+                    proc.join(10)
+                    raise EngineStartError(message.message)
+                if message is None:
+                    proc.join(10)
+                    raise EngineStartError(
+                        f"The engine process stopped while loading ({_describe_exit(proc.exitcode)})."
+                    )
+            elif not proc.is_alive():
+                raise EngineStartError(f"The engine process stopped while loading ({_describe_exit(proc.exitcode)}).")
+        self.model, self.notice = message.model, message.notice
+        self._stats = dict(message.stats)
+        self._proc, self._conn, self._started_at = proc, parent, time.monotonic()
+        self._ready.set()
+        log.info("engine process %d ready (%s)", proc.pid, self.model)
+
+    def _supervise(self) -> None:
+        """Read the engine's messages; when it dies, fail what was in flight and start a new one."""
+        while not self._closing:
+            conn, proc = self._conn, self._proc
+            assert conn is not None and proc is not None
+            ready = wait([conn, proc.sentinel], timeout=1.0)
+            if conn in ready:
+                try:
+                    message = conn.recv()
+                except (EOFError, OSError):
+                    message = None
+                if message is not None:
+                    self._dispatch(message)
+                    continue
+            if proc.is_alive() and conn not in ready:
+                continue
+            proc.join(5)
+            if self._closing:
+                return
+            self._on_death(proc.exitcode)
+            self._restart()
+
+    def _on_death(self, exitcode: int | None) -> None:
+        self._ready.clear()
+        how = _describe_exit(exitcode)
+        log.error("engine process died (%s); failing %d request(s) in flight and restarting", how, len(self._streams))
+        self._fail_all(
+            EngineStoppedError(
+                f"The model process stopped unexpectedly ({how}); this answer was lost. "
+                "The server is restarting it: please try again in a minute."
+            )
+        )
+
+    def _restart(self) -> None:
+        attempt = 0
+        while not self._closing:
+            crashed_early = time.monotonic() - self._started_at < STABLE_S
+            delay = min(MAX_BACKOFF_S, 2.0**attempt) if (attempt or crashed_early) and self.restarts else 0.0
+            if delay:
+                log.warning("restarting the engine process in %.0f s", delay)
+                time.sleep(delay)
+            self.restarts += 1
+            try:
+                self._start()
+                return
+            except EngineStartError as err:
+                log.error("engine restart failed: %s", err)
+                attempt += 1
+
+    def _dispatch(self, message: Any) -> None:
+        if not isinstance(message, Step):
+            return
+        self.messages_received += 1
+        with self._lock:
+            streams = self._streams
+            for rid, text in message.text:
+                stream = streams.get(rid)
+                if stream is not None:
+                    stream._send(text)
+            ended = [(streams.pop(e.rid, None), e) for e in message.ended]
+            if message.stats is not None:
+                waiting = message.stats.get("waiting") or []
+                self._positions = {rid: i for i, rid in enumerate(waiting)}
+                self._stats = message.stats
+        for stream, end in ended:
+            if stream is not None:
+                stream._end(end.result, end.error)
+        for size in message.batch_sizes:
+            for listener in self._listeners:
+                listener.on_batch(size)
+
+    def _send(self, message: Any) -> None:
+        conn = self._conn
+        if conn is None:
+            raise OSError("no engine process")
+        with self._send_lock:
+            conn.send(message)
+
+    def _cancel(self, rid: int) -> None:
+        with self._lock:
+            self._streams.pop(rid, None)
+        try:
+            self._send(Cancel(rid))
+        except (OSError, ValueError):
+            pass  # the engine is gone; its rows went with it
+
+    def _position(self, rid: int) -> int | None:
+        return self._positions.get(rid)
+
+    def _fail_all(self, error: DemoError) -> None:
+        with self._lock:
+            streams = list(self._streams.values())
+            self._streams.clear()
+        for stream in streams:
+            stream.fail(error)
+
+    def _on_done(self, stream: OutputStream) -> None:
+        for listener in self._listeners:
+            try:
+                listener.on_request_done(stream)
+            except Exception:  # a broken metric must not break serving
+                log.exception("listener %r failed", listener)

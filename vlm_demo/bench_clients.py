@@ -1,0 +1,210 @@
+"""Load-test clients for ``vlm_demo.bench`` that go over HTTP, as visitors and API users do.
+
+Each exposes the slice of the backend interface the benchmark drives (``submit`` → a handle with
+``stream()`` and ``result()``), so the same closed loop measures the engine alone, the running web app
+(``/ask`` streaming and ``/ask_batch`` through ``gradio_client``) and the static-batcher baseline
+(:mod:`vlm_demo.baseline`), each started here as its own server process on a free loopback port.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import os
+import re
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import requests
+
+from vlm_demo.schema import GenerationResult, ValidRequest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """A server command on a free loopback port, up once ``/health`` says ready; stopped with ``close``."""
+
+    def __init__(self, args: list[str], timeout: float = 600.0) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = dict(os.environ, GRADIO_ANALYTICS_ENABLED="False", PYTHONUNBUFFERED="1")
+        self.log = tempfile.TemporaryFile(mode="w+")
+        command = [sys.executable, *args, "--host", "127.0.0.1", "--port", str(self.port)]
+        self.proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                self.log.seek(0)
+                raise RuntimeError(f"{' '.join(args)} exited:\n{self.log.read()[-3000:]}")
+            try:
+                if requests.get(self.url + "/health", timeout=2).json().get("ready"):
+                    return
+            except (requests.RequestException, ValueError):
+                pass
+            time.sleep(0.3)
+        self.close()
+        raise RuntimeError(f"{' '.join(args)} not ready within {timeout:.0f} s")
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        self.log.close()
+
+
+class _ImageFiles:
+    """Each workload image written once to a PNG file, outside the timed loop."""
+
+    def __init__(self) -> None:
+        self._dir = tempfile.TemporaryDirectory()
+        self._paths: dict[int, str] = {}
+        self._bytes: dict[int, bytes] = {}
+        self._lock = threading.Lock()  # client threads ask for files concurrently
+
+    def path(self, valid: ValidRequest) -> str:
+        key = id(valid.image)
+        with self._lock:
+            if key not in self._paths:
+                path = os.path.join(self._dir.name, f"{key}.png")
+                valid.image.save(path)
+                self._paths[key] = path
+            return self._paths[key]
+
+    def data(self, valid: ValidRequest) -> bytes:
+        key = id(valid.image)
+        with self._lock:
+            if key not in self._bytes:
+                buffer = io.BytesIO()
+                valid.image.save(buffer, format="PNG")
+                self._bytes[key] = buffer.getvalue()
+            return self._bytes[key]
+
+    def close(self) -> None:
+        self._dir.cleanup()
+
+
+def _parse_status(status: str, text: str) -> GenerationResult:
+    """A result from the page's status line ("Done · batch of 3 · 240 tokens · …")."""
+    batch = re.search(r"batch of (\d+)", status)
+    tokens = re.search(r"(\d+) tokens", status)
+    return GenerationResult(
+        text=text,
+        finish_reason="length" if "limit" in status else "stop",
+        batch_size=int(batch.group(1)) if batch else 0,
+        prompt_tokens=0,
+        completion_tokens=int(tokens.group(1)) if tokens else 0,
+        queue_s=0.0,
+        ttft_s=0.0,
+        total_s=0.0,
+    )
+
+
+class _Done:
+    """A handle whose answer is already complete (non-streaming calls)."""
+
+    def __init__(self, result: GenerationResult) -> None:
+        self._result = result
+
+    def stream(self, timeout: float | None = None) -> Iterator[str]:
+        yield self._result.text
+
+    def result(self, timeout: float | None = None) -> GenerationResult:
+        return self._result
+
+
+class _GradioJob:
+    """A streaming ``/ask`` job: each page update counts as streamed output."""
+
+    def __init__(self, job: Any) -> None:
+        self._job = job
+        self._last: Any = None
+
+    def stream(self, timeout: float | None = None) -> Iterator[str]:
+        for update in self._job:
+            self._last = update
+            yield ""
+
+    def result(self, timeout: float | None = None) -> GenerationResult:
+        outputs = self._job.result(timeout=timeout)
+        return _parse_status(str(outputs[5]), str(outputs[4]))
+
+
+class AppClient:
+    """The running web app (``python app.py``) driven through ``gradio_client``, ``/ask`` or ``/ask_batch``."""
+
+    name = "app"
+
+    def __init__(self, server: ServerProcess, endpoint: str) -> None:
+        from gradio_client import Client
+
+        self.server = server
+        self.endpoint = endpoint
+        self.client = Client(server.url, verbose=False)
+        self.files = _ImageFiles()
+
+    def submit(self, valid: ValidRequest) -> Any:
+        from gradio_client import handle_file
+
+        p = valid.params
+        args = (handle_file(self.files.path(valid)), valid.question, p.max_new_tokens, p.temperature, p.top_p)
+        if self.endpoint == "/ask":
+            return _GradioJob(self.client.submit(*args, api_name="/ask"))
+        outputs = self.client.predict(*args, api_name="/ask_batch")
+        if str(outputs[5]).startswith("Error"):
+            raise RuntimeError(outputs[5])
+        return _Done(_parse_status(str(outputs[5]), str(outputs[4])))
+
+    def add_listener(self, listener: Any) -> None:
+        pass
+
+    def close(self) -> None:
+        self.files.close()
+        self.server.close()
+
+
+class StaticClient:
+    """The static-batcher baseline (:mod:`vlm_demo.baseline`) over plain HTTP."""
+
+    name = "static"
+
+    def __init__(self, server: ServerProcess) -> None:
+        self.server = server
+        self.session = requests.Session()
+        self.files = _ImageFiles()
+
+    def submit(self, valid: ValidRequest) -> _Done:
+        body = {
+            "image": base64.b64encode(self.files.data(valid)).decode("ascii"),
+            "question": valid.question,
+            "max_new_tokens": valid.params.max_new_tokens,
+            "temperature": valid.params.temperature,
+        }
+        response = self.session.post(self.server.url + "/v1/answer", json=body, timeout=600)
+        response.raise_for_status()
+        data = response.json()
+        return _Done(GenerationResult(data["text"], "stop", data["batch_size"], 0, data["completion_tokens"], 0, 0, 0))
+
+    def add_listener(self, listener: Any) -> None:
+        pass
+
+    def close(self) -> None:
+        self.session.close()
+        self.files.close()
+        self.server.close()

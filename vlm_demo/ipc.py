@@ -1,0 +1,61 @@
+"""The messages between the web process and the engine process (torch-free; both sides import it).
+
+Web → engine: ``Submit`` (a request that passed the door), ``Cancel``, ``Shutdown``.
+Engine → web: ``Ready`` once the model is loaded (or ``Fatal`` if it cannot be), then one ``Step`` per
+engine step carrying every row's new text, the requests that ended, the batch sizes run and the
+engine's stats. Text is sent per step, not per token per row: with 32 rows that is 32× fewer
+messages for the web process to unpickle and dispatch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from vlm_demo.errors import DemoError
+from vlm_demo.schema import GenerationResult, ValidRequest
+
+
+@dataclass
+class Submit:
+    rid: int
+    request: ValidRequest
+
+
+@dataclass
+class Cancel:
+    rid: int
+
+
+@dataclass
+class Shutdown:
+    pass
+
+
+@dataclass
+class Ready:
+    model: str  # what the page shows (the tiny model when the engine fell back to it)
+    notice: str | None  # banner text when not the real model (no GPU, ``--model tiny``)
+    stats: dict[str, Any]
+
+
+@dataclass
+class Fatal:
+    """The engine cannot start (bad model path, no CUDA for ``--device cuda`` …): one sentence for the operator."""
+
+    message: str
+
+
+@dataclass
+class Ended:
+    rid: int
+    result: GenerationResult | None
+    error: DemoError | None = None  # typed errors pickle as they are
+
+
+@dataclass
+class Step:
+    text: list[tuple[int, str]] = field(default_factory=list)  # (rid, new text) in arrival order
+    ended: list[Ended] = field(default_factory=list)  # after their last text
+    batch_sizes: list[int] = field(default_factory=list)  # rows in each model batch/step since the last message
+    stats: dict[str, Any] | None = None  # queue depth, running rows …; ``waiting`` = rids in queue order
