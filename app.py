@@ -1,7 +1,8 @@
 """Start the LLaVA-CoT web demo: ``python app.py [--model tiny] [--port 7860] [--share --auth U:P]``.
 
 Also the ``app_file`` of the Hugging Face Space. It only parses options and launches; see
-``vlm_demo/server.py`` (web server) and ``vlm_demo/ui.py`` (the page).
+``vlm_demo/server.py`` (web server) and ``vlm_demo/ui.py`` (the page). Options are parsed before
+Gradio and torch are imported, so ``--help`` and a mistyped flag answer at once.
 """
 
 from __future__ import annotations
@@ -14,11 +15,13 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # no version-check c
 
 
 def main(argv: list[str] | None = None) -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from vlm_demo.config import load_config
-    from vlm_demo.server import serve
 
-    serve(load_config(argv, description="LLaVA-CoT (Llama-3.2V-11B-cot) web demo"))
+    config = load_config(argv, description="LLaVA-CoT (Llama-3.2V-11B-cot) web demo")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from vlm_demo.server import serve  # imports gradio and torch: seconds
+
+    serve(config)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import os
+import signal
 import socket
 import struct
 import subprocess
@@ -385,3 +386,36 @@ def _cancelled(server: str) -> float:
         return metric(server, 'vlm_requests_total{outcome="cancelled"}')
     except KeyError:
         return 0.0
+
+
+def test_killing_the_engine_process_fails_in_flight_answers_and_the_server_recovers(tmp_path) -> None:
+    """As the out-of-memory killer would: errors at once (not hangs), 503 while it restarts, then answers."""
+    image = save(solid_image("green", 64, 64), tmp_path / "green.png")
+    with running_server("--max-batch-size", "4") as url:
+        client = Client(url, verbose=False)
+        pid = requests.get(url + "/health", timeout=10).json()["details"]["engine_pid"]
+        jobs = [client.submit(handle_file(image), "Describe this picture in detail.", 512, 0, 1, api_name="/ask")]
+        jobs += [
+            client.submit(handle_file(image), "Describe this picture in detail.", 512, 0, 1, api_name="/ask_batch")
+        ]
+        deadline = time.monotonic() + 60
+        while requests.get(url + "/health", timeout=10).json()["details"].get("running", 0) < 2:
+            assert time.monotonic() < deadline, "the two requests never started"
+            time.sleep(0.05)
+        os.kill(pid, signal.SIGKILL)
+        killed = time.monotonic()
+        with pytest.raises(Exception, match="stopped unexpectedly"):
+            jobs[0].result(timeout=30)
+        assert "stopped unexpectedly" in jobs[1].result(timeout=30)[5]  # /ask_batch: the error in its status
+        assert time.monotonic() - killed < 15
+        statuses = []
+        while True:
+            response = requests.get(url + "/health", timeout=10)
+            statuses.append(response.status_code)
+            if response.status_code == 200 and response.json()["details"]["engine_pid"] != pid:
+                break
+            assert time.monotonic() - killed < 60, f"not serving again within 60 s: {statuses[-5:]}"
+            time.sleep(0.2)
+        assert 503 in statuses
+        answer = client.predict(handle_file(image), "What colour is it?", *GREEDY, api_name="/ask")
+        assert colour_of(answer[3]) == "green"

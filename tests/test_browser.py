@@ -1,20 +1,26 @@
-"""A real headless Chromium on the real page: upload, ask, four headed panels fill, Stop, screenshot.
+"""A real headless Chromium on the real page (tiny model), as a new user meets it: light and dark mode,
+desktop and phone widths, upload errors, Enter, Clear, Stop, and the README's API snippet.
 
-Uses Debian's ``/usr/bin/chromium`` through Playwright (never ``playwright install``). The screenshot
-taken mid-answer (banner, headed panels, the stage being written marked) is the README's
-``docs/screenshot.png``.
+Uses Debian's ``/usr/bin/chromium`` through Playwright (never ``playwright install``). One server and
+one browser for the module. Screenshots go to a temporary folder; ``VLM_SCREENSHOT_DIR=docs`` writes
+the README's (``screenshot.png`` light desktop, ``screenshot-dark.png``, ``screenshot-phone.png``)
+instead. The last test checks that the run left the tracked ``docs/`` and ``assets/`` files alone.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
+import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from gradio_client import Client, handle_file
-from test_app import running_server
+from test_app import metric, running_server
 
 pytestmark = pytest.mark.slow
 
@@ -28,12 +34,38 @@ FLAGS = [
     "--disable-component-update",
     "--disable-sync",
 ]
+DESKTOP = {"width": 1360, "height": 1000}
+PHONE = {"width": 390, "height": 844}
 STAGES = ("summary", "caption", "reasoning", "conclusion")
+RED = ROOT / "assets" / "tiny" / "red.png"
+BLUE = ROOT / "assets" / "tiny" / "blue.png"
 LONG_QUESTION = "Describe this picture in detail."  # "detail" makes the tiny model's REASONING long
+GUARDED = ("docs", "assets")  # tracked folders a test could write into by mistake
+
+
+def digests() -> dict[str, str]:
+    return {
+        str(path.relative_to(ROOT)): hashlib.sha256(path.read_bytes()).hexdigest()
+        for folder in GUARDED
+        for path in sorted((ROOT / folder).rglob("*"))
+        if path.is_file()
+    }
 
 
 @pytest.fixture(scope="module")
-def server(tiny_dir: str) -> Iterator[str]:
+def tracked_before() -> dict[str, str]:
+    return digests()
+
+
+@pytest.fixture(scope="module")
+def shots(tmp_path_factory) -> Path:
+    """Where screenshots go: a temporary folder unless ``VLM_SCREENSHOT_DIR`` names one."""
+    folder = os.environ.get("VLM_SCREENSHOT_DIR")
+    return Path(folder) if folder else tmp_path_factory.mktemp("screenshots")
+
+
+@pytest.fixture(scope="module")
+def server(tiny_dir: str, tracked_before) -> Iterator[str]:
     # Continuous batching lets a second visitor's request join the browser's running batch, so Stop is
     # tested on one row of a live batch.
     with running_server("--max-batch-size", "4", "--batching", "continuous") as url:
@@ -41,89 +73,249 @@ def server(tiny_dir: str) -> Iterator[str]:
 
 
 @pytest.fixture(scope="module")
-def page(server: str):
+def browser(server: str):
     sync_api = pytest.importorskip("playwright.sync_api")
     if not os.path.exists(CHROMIUM):
         pytest.skip("Debian chromium is not installed (.ci/run installs it)")
     with sync_api.sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=FLAGS)
-        page = browser.new_page(viewport={"width": 1360, "height": 1000})
-        page.goto(server, wait_until="domcontentloaded")  # never "networkidle": Gradio keeps a stream open
-        page.locator("#p_conclusion").wait_for(timeout=60_000)
-        set_greedy(page)
-        yield page
+        yield browser
         browser.close()
 
 
-def set_greedy(page) -> None:
-    """Temperature 0 under "Advanced", so the tiny model's answers are deterministic."""
+def open_page(browser, server: str, theme: str = "light", viewport: dict[str, int] = DESKTOP):
+    """A fresh visitor (own session) with temperature 0, so the tiny model's answers are deterministic."""
+    page = browser.new_page(viewport=viewport, device_scale_factor=2 if viewport == PHONE else 1)
+    page.goto(f"{server}/?__theme={theme}", wait_until="domcontentloaded")  # never "networkidle": SSE stays open
+    page.locator("#p_conclusion").wait_for(timeout=60_000)
     page.locator("#advanced").get_by_text("Advanced").click()
     temperature = page.locator("#temperature input[type=number]")
     temperature.fill("0")
     temperature.press("Enter")
     temperature.blur()
     page.locator("#advanced").get_by_text("Advanced").click()  # fold it again; the slider keeps its value
+    return page
+
+
+@pytest.fixture(scope="module")
+def page(browser, server: str):
+    page = open_page(browser, server)
+    yield page
+    page.close()
 
 
 def panel_text(page, stage: str) -> str:
     return page.locator(f"#p_{stage} textarea").input_value()
 
 
-def ask(page, image: Path, question: str) -> None:
+def upload(page, image: Path) -> None:
     page.locator("#img input[type=file]").set_input_files(str(image))
     page.locator("#img img").first.wait_for(timeout=20_000)  # the upload finished and shows a preview
+
+
+def ask(page, image: Path, question: str) -> None:
+    upload(page, image)
     page.locator("#q textarea").fill(question)
     page.locator("#ask").click()
 
 
-def test_page_shows_headed_panels_and_the_tiny_model_banner(page) -> None:
+def status_text(page) -> str:
+    """The status line's own text (not the timer of Gradio's progress overlay on it)."""
+    return page.locator("#status [data-testid=markdown]").inner_text().strip()
+
+
+def wait_status(page, text: str, timeout: float = 60_000) -> None:
+    page.wait_for_function(
+        "text => (document.querySelector('#status')?.innerText || '').includes(text)", arg=text, timeout=timeout
+    )
+
+
+# ---- contrast, from the colours the browser rendered ---------------------------------------------------
+
+# For each visible element matching a selector (its ::after, or those with text of their own): the text
+# colour and the background colours of it and each ancestor, as RGBA through a canvas (any CSS colour
+# syntax). Python composites and measures.
+MEASURE_JS = """
+    const ctx = document.createElement('canvas').getContext('2d');
+    const rgba = colour => {
+        ctx.clearRect(0, 0, 1, 1);
+        ctx.fillStyle = colour;
+        ctx.fillRect(0, 0, 1, 1);
+        const d = ctx.getImageData(0, 0, 1, 1).data;
+        return [d[0], d[1], d[2], d[3] / 255];
+    };
+    const measure = (el, pseudo) => {
+        const backgrounds = [];
+        for (let n = el; n; n = n.parentElement) backgrounds.push(rgba(getComputedStyle(n).backgroundColor));
+        return {text: el.innerText.slice(0, 40), fg: rgba(getComputedStyle(el, pseudo).color), backgrounds};
+    };
+    const hasText = el => [...el.childNodes].some(c => c.nodeType === 3 && c.textContent.trim());
+    const measureAll = (selector, pseudo) => [...document.querySelectorAll(selector)]
+        .filter(el => el.offsetParent && (pseudo || hasText(el)))
+        .map(el => measure(el, pseudo));
+"""
+COLOURS_JS = "([selector, pseudo]) => {" + MEASURE_JS + "return measureAll(selector, pseudo); }"
+# While a stage after SUMMARY is written (watched from inside the page, see WATCH_JS): the writing stage's
+# "● writing…" mark, a finished stage's ✓, and the strip's done and active steps.
+STAGE_MARKS_JS = (
+    "() => {"
+    + MEASURE_JS
+    + """
+    const strip = document.querySelector('#stages [data-active]');
+    const active = strip && strip.dataset.active;
+    const done = strip && strip.dataset.done.split(' ').filter(Boolean)[0];
+    if (!active || !done) return false;
+    const info = document.querySelector(`#p_${active} [data-testid=block-info]`);
+    const look = e => getComputedStyle(e).boxShadow + getComputedStyle(e).backgroundColor;
+    const marked = getComputedStyle(info, '::after').content.includes('writing')
+        && look(document.querySelector(`#p_${active}`)) !== look(document.querySelector(`#p_${done}`));
+    if (!marked) return false;
+    return {
+        writing: measureAll(`#p_${active} [data-testid=block-info]`, '::after'),
+        done: measureAll(`#p_${done} [data-testid=block-info]`, '::after'),
+        strip_done: measureAll('#stages .step.done', null),
+        strip_active: measureAll('#stages .step.active', null),
+    };
+}"""
+)
+
+
+def _luminance(rgb: tuple[float, ...]) -> float:
+    def linear(c: float) -> float:
+        c /= 255
+        return c / 12.92 if c <= 0.03928 else ((c + 0.055) / 1.055) ** 2.4
+
+    r, g, b = (linear(c) for c in rgb[:3])
+    return 0.2126 * r + 0.7152 * g + 0.0722 * b
+
+
+def _over(top: list[float], bottom: tuple[float, ...]) -> tuple[float, ...]:
+    alpha = top[3]
+    return tuple(top[i] * alpha + bottom[i] * (1 - alpha) for i in range(3))
+
+
+def contrast(measured: dict[str, Any]) -> float:
+    """WCAG contrast of the text colour over the composited backgrounds (the page's canvas is white)."""
+    background: tuple[float, ...] = (255.0, 255.0, 255.0)
+    for layer in reversed(measured["backgrounds"]):  # outermost first
+        background = _over(layer, background)
+    foreground = _over(measured["fg"], background)
+    light, dark = sorted((_luminance(foreground), _luminance(background)), reverse=True)
+    return (light + 0.05) / (dark + 0.05)
+
+
+def contrasts(page, selector: str, pseudo: str | None = None) -> dict[str, float]:
+    found = page.evaluate(COLOURS_JS, [selector, pseudo])
+    assert found, f"nothing visible matches {selector}{pseudo or ''}"
+    return {m["text"] or selector: round(contrast(m), 2) for m in found}
+
+
+def assert_readable(page, selector: str, pseudo: str | None = None, minimum: float = 4.5) -> None:
+    measured = contrasts(page, selector, pseudo)
+    assert min(measured.values()) >= minimum, measured
+
+
+# Runs ``check`` (a JS function's source) on every change of the page until it returns something truthy,
+# kept in window.__seen. A MutationObserver sees each state the page passes through, however fast the tiny
+# model writes and however late a poll from here would come.
+WATCH_JS = """check => {
+    window.__seen = null;
+    const test = new Function('return (' + check + ')')();
+    const look = () => {
+        const found = !window.__seen && test();
+        if (found) { window.__seen = found; observer.disconnect(); }
+    };
+    const observer = new MutationObserver(look);
+    observer.observe(document.body, {subtree: true, childList: true, attributes: true, characterData: true});
+    look();
+}"""
+
+
+def watch(page, check: str) -> None:
+    """Start watching for ``check`` before the action that leads to it."""
+    page.evaluate(WATCH_JS, check)
+
+
+def seen(page, what: str, timeout: float = 60_000) -> Any:
+    """What the watched check returned when it first held."""
+    try:
+        return page.wait_for_function("() => window.__seen", timeout=timeout, polling=50).json_value()
+    except Exception as err:
+        state = {
+            "status": status_text(page),
+            "strip": page.locator("#stages [data-active]").evaluate("e => e.outerHTML"),
+        }
+        raise AssertionError(f"never saw {what}: {state}") from err
+
+
+def click_when_writing(selector: str, stage: str = "") -> str:
+    """A check that clicks ``selector`` the moment ``stage`` (or any stage) is being written."""
+    active = f"[data-active={stage}]" if stage else "[data-active]:not([data-active=''])"
+    return f"""() => {{
+        if (!document.querySelector({json.dumps("#stages " + active)})) return false;
+        document.querySelector({json.dumps(selector)}).click();
+        return true;
+    }}"""
+
+
+def marks_contrasts(marks: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, float]]:
+    return {name: {m["text"]: round(contrast(m), 2) for m in found} for name, found in marks.items()}
+
+
+def assert_readable_marks(marks: dict[str, dict[str, float]], minimum: float = 4.5) -> None:
+    assert all(marks.values()), f"a mark was not on the page: {marks}"
+    assert min(c for found in marks.values() for c in found.values()) >= minimum, marks
+
+
+# ---- the tests --------------------------------------------------------------------------------------------
+
+
+def test_page_shows_headed_panels_the_tiny_model_banner_and_its_hints(page) -> None:
     for stage in STAGES:
         heading = page.locator(f"#p_{stage} [data-testid=block-info]").inner_text()
         assert heading.strip().startswith(stage.upper())
     banner = page.locator("#banner")
     assert banner.is_visible() and "tiny" in banner.inner_text().lower()
-    assert page.locator("#examples").is_visible()
+    assert "only names a colour" in page.locator("#examples").inner_text()  # the photo examples say why
+    assert "Shift+Enter" in page.locator("#q").inner_text()
+    assert page.locator("#clear").is_visible()
 
 
-def test_upload_ask_and_the_four_panels_fill(page) -> None:
-    ask(page, ROOT / "assets" / "tiny" / "red.png", "What colour is this image?")
+def test_enter_asks_shift_enter_adds_a_line_and_the_four_panels_fill(page) -> None:
+    upload(page, RED)
+    box = page.locator("#q textarea")
+    box.fill("What colour")
+    box.press("Shift+Enter")
+    box.type("is this image?")
+    assert box.input_value() == "What colour\nis this image?"
+    time.sleep(0.5)
+    assert status_text(page) == "" and panel_text(page, "summary") == "", "Shift+Enter must not ask"
+    box.press("Enter")
     page.wait_for_function(
         "() => (document.querySelector('#p_conclusion textarea')?.value || '').includes('red')", timeout=60_000
     )
-    page.wait_for_function("() => document.querySelector('#status')?.innerText.includes('Done')", timeout=30_000)
+    wait_status(page, "Done", 30_000)
     texts = {stage: panel_text(page, stage) for stage in STAGES}
     assert all(texts.values()), texts
     assert "red" in texts["caption"] and "red" in texts["conclusion"]
     assert not any("<" in t for t in texts.values()), texts  # tags never reach a panel
-    assert "batch of" in page.locator("#status").inner_text()
+    assert "batch of" in status_text(page)
 
 
-def test_long_answer_marks_the_active_stage_and_stop_cancels_only_this_visitor(server: str, page) -> None:
-    blue = ROOT / "assets" / "tiny" / "blue.png"
+def test_stop_cancels_only_this_visitor_mid_batch(server: str, page) -> None:
     other_visitor = Client(server, verbose=False)
-    ask(page, blue, LONG_QUESTION)
-    bystander = other_visitor.submit(handle_file(str(blue)), LONG_QUESTION, 1024, 0.0, 1.0, api_name="/ask")
-    # Checked inside the page in one go: the tiny model writes fast, so separate round trips could
-    # land after REASONING is already finished.
-    page.wait_for_function(
-        """() => {
-            const active = document.querySelector('#stages [data-active=reasoning]');
-            const info = document.querySelector('#p_reasoning [data-testid=block-info]');
-            const look = e => getComputedStyle(e).boxShadow + getComputedStyle(e).backgroundColor;
-            return !!active && !!info
-                && getComputedStyle(info, '::after').content.includes('writing')
-                && look(document.querySelector('#p_reasoning')) !== look(document.querySelector('#p_summary'));
-        }""",
-        timeout=60_000,
-        polling=20,
-    )
-    page.evaluate("window.scrollTo(0, 0)")
-    page.screenshot(path=str(ROOT / "docs" / "screenshot.png"))
-
-    page.locator("#stop").click()
-    page.wait_for_function(
-        "() => document.querySelector('#status')?.innerText.includes('Stopped after')", timeout=20_000
-    )
+    upload(page, BLUE)
+    page.locator("#q textarea").fill(LONG_QUESTION)
+    # The other visitor's long answer is already streaming when this page asks, so the page's request
+    # joins its running batch and Stop cancels one row of a live batch.
+    bystander = other_visitor.submit(handle_file(str(BLUE)), LONG_QUESTION, 1024, 0.0, 1.0, api_name="/ask")
+    deadline = time.monotonic() + 60
+    while not bystander.outputs() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    watch(page, click_when_writing("#stop", "reasoning"))
+    page.locator("#ask").click()
+    seen(page, "REASONING start")
+    wait_status(page, "Stopped after", 20_000)
     time.sleep(1.0)
     reasoning = panel_text(page, "reasoning")
     time.sleep(1.0)
@@ -133,3 +325,114 @@ def test_long_answer_marks_the_active_stage_and_stop_cancels_only_this_visitor(s
     out = bystander.result(timeout=120)
     assert "blue" in out[3], "Stop in one browser cancelled another visitor's run"
     assert "batch of 2" in out[5], "the two visitors' requests did not share a batch, so Stop was not tested mid-batch"
+
+
+def test_a_bad_upload_is_named_next_to_the_image_at_once_and_ask_shows_one_message(page, tmp_path) -> None:
+    assert panel_text(page, "summary"), "the previous test should have left an answer on the page"
+    notes = tmp_path / "notes.png"
+    notes.write_text("meeting notes, not pixels")
+    page.locator("#img input[type=file]").set_input_files(str(notes))
+    message = page.locator("#upload_error")
+    message.wait_for(state="visible", timeout=20_000)
+    assert "not an image we can read" in message.inner_text()
+    assert_readable(page, "#upload_error *")
+    for stage in STAGES:
+        assert panel_text(page, stage) == "", "a new image must clear the old answer"
+
+    page.locator("#q textarea").fill("What colour is this image?")
+    page.locator("#ask").click()
+    wait_status(page, "⚠ Invalid input: That file is not an image", 20_000)
+    time.sleep(0.5)  # give stray toasts or error marks time to appear
+    assert page.locator(".toast-body").count() == 0, "the error must not also pop up as a toast"
+    marks = page.evaluate("() => [...document.querySelectorAll('.error')].filter(e => e.offsetParent).length")
+    assert marks == 0, "no red error mark on the outputs: the status line says it once"
+    assert status_text(page).count("⚠") == 1
+
+    upload(page, RED)  # a good image takes the message away
+    message.wait_for(state="hidden", timeout=20_000)
+
+
+def test_clear_stops_the_answer_and_empties_the_page(server: str, page) -> None:
+    cancelled_before = _cancelled(server)
+    watch(page, click_when_writing("#clear"))  # early: the whole answer is still to come
+    ask(page, BLUE, LONG_QUESTION)
+    seen(page, "the answer start")
+    page.wait_for_function(
+        "() => !document.querySelector('#img img') && document.querySelector('#q textarea').value === ''",
+        timeout=20_000,
+    )
+    time.sleep(1.5)  # nothing of the old answer may come back
+    assert all(panel_text(page, stage) == "" for stage in STAGES)
+    assert status_text(page) == ""
+    deadline = time.monotonic() + 10
+    while _cancelled(server) == cancelled_before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _cancelled(server) == cancelled_before + 1, "Clear left the answer running on the model"
+
+
+@pytest.mark.parametrize(("theme", "picture"), [("light", "screenshot.png"), ("dark", "screenshot-dark.png")])
+def test_banner_and_stage_marks_are_readable(browser, server: str, shots, theme: str, picture: str) -> None:
+    page = open_page(browser, server, theme=theme)
+    try:
+        assert page.evaluate("document.body.classList.contains('dark')") == (theme == "dark")
+        assert_readable(page, "#banner *")
+        watch(page, STAGE_MARKS_JS)
+        ask(page, BLUE, LONG_QUESTION)
+        marks = marks_contrasts(seen(page, "a stage being written"))
+        page.evaluate("window.scrollTo(0, 0)")
+        page.screenshot(path=str(shots / picture))  # mid-answer, unless the model was quicker
+        assert_readable_marks(marks)
+        wait_status(page, "tokens/s", 60_000)  # finished: the next test starts on an idle model
+    finally:
+        page.close()
+
+
+def test_on_a_phone_the_answer_comes_into_view_after_ask(browser, server: str, shots) -> None:
+    page = open_page(browser, server, viewport=PHONE)
+    try:
+        top = {el: page.locator(f"#{el}").bounding_box()["y"] for el in ("ask", "stages", "p_conclusion", "examples")}
+        assert top["ask"] < top["stages"] < top["p_conclusion"] < top["examples"], top  # examples come last
+        ask(page, RED, "What colour is this image?")
+        page.wait_for_function(  # the strip came to the top of the screen, the status line under it says something
+            """() => {
+                const strip = document.getElementById('stages').getBoundingClientRect();
+                const status = document.getElementById('status').getBoundingClientRect();
+                return strip.top >= -1 && strip.top < 0.25 * window.innerHeight
+                    && status.bottom <= window.innerHeight
+                    && document.querySelector('#status').innerText.trim() !== '';
+            }""",
+            timeout=20_000,
+        )
+        wait_status(page, "Done", 60_000)
+        box = page.locator("#p_summary").bounding_box()
+        assert box["y"] < PHONE["height"], "the first panel should be in view"
+        time.sleep(0.5)  # let the smooth scroll settle before the picture
+        page.screenshot(path=str(shots / "screenshot-phone.png"))
+    finally:
+        page.close()
+
+
+def test_the_readme_python_snippet_runs_as_written(server: str, monkeypatch) -> None:
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("## Using the API", 1)[1]
+    snippet = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    for path in re.findall(r'handle_file\("([^"]+)"\)', snippet):
+        assert (ROOT / path).is_file(), f"the README's snippet uses {path}, which is not in the repository"
+    assert "http://127.0.0.1:7860" in snippet
+    monkeypatch.chdir(ROOT)
+    namespace: dict[str, Any] = {}
+    exec(compile(snippet.replace("http://127.0.0.1:7860", server), "README.md", "exec"), namespace)  # noqa: S102
+    assert namespace["conclusion"] and namespace["status"].startswith("Done"), namespace["status"]
+
+
+def test_the_browser_tests_left_tracked_files_alone(tracked_before) -> None:
+    if os.environ.get("VLM_SCREENSHOT_DIR"):
+        pytest.skip("VLM_SCREENSHOT_DIR asked for the README's screenshots to be rewritten")
+    assert digests() == tracked_before
+
+
+def _cancelled(server: str) -> float:
+    try:
+        return metric(server, 'vlm_requests_total{outcome="cancelled"}')
+    except KeyError:
+        return 0.0

@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import re
+import threading
 import time
+import weakref
 from collections.abc import Iterator
 
 import pytest
 import torch
 from support import door
 
-from vlm_demo.config import Config
+from vlm_demo.config import Config, load_config
 from vlm_demo.engine import Engine, SamplingParams
 from vlm_demo.engine.continuous import ContinuousEngine
+from vlm_demo.engine.memory import KVShape
+from vlm_demo.engine.worker import Worker
 from vlm_demo.errors import RequestCancelledError
 from vlm_demo.tiny import COLOURS, solid_image
 
@@ -185,3 +189,161 @@ def test_out_of_memory_step_requeues_rows_and_everyone_finishes(worker) -> None:
         assert fake.failures >= 1 and engine.row_limit <= 2
     finally:
         engine.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("flag", "value"),
+    [
+        ("--kv-token-budget", lambda prompt, kv: int(2.5 * prompt)),
+        ("--kv-budget-gb", lambda prompt, kv: 2.5 * kv / 2**30),
+    ],
+    ids=["tokens", "bytes"],
+)
+def test_budget_flags_change_admission_end_to_end(tiny_dir, flag, value) -> None:
+    """From the command line to admission: the same load runs 4 rows at once without a budget, at
+    most 2 with a budget of two and a half rows' cache (prompt tokens, or bytes incl. image states)."""
+
+    def peak_rows(extra: list[str]) -> tuple[int, dict]:
+        argv = ["--model", "tiny", "--tiny-dir", tiny_dir, "--device", "cpu", "--batching", "continuous"]
+        config = load_config([*argv, "--max-batch-size", "4", "--batch-window-ms", "0", *extra])
+        engine = Engine.from_config(config)
+        sizes = Sizes()
+        engine.add_listener(sizes)
+        try:
+            jobs = [(solid_image(c, 64, 64), "Colour?", SamplingParams(40, 0.0, ignore_eos=True)) for c in COLOURS]
+            with engine.scheduler._cond:  # hold the queue: all six arrive at the same step boundary
+                handles = [engine.submit(door(*job)) for job in jobs]
+            assert all(h.result(timeout=120).completion_tokens == 40 for h in handles)
+            return max(sizes.sizes), engine.stats()
+        finally:
+            engine.shutdown()
+
+    rows, stats = peak_rows([])
+    assert rows == 4 and stats["max_batch_size"] == 4
+    prompt = Worker.load(tiny_dir, device="cpu").prepare(solid_image("red", 64, 64), "Colour?")["input_ids"].shape[1]
+    one_row = KVShape(stats["kv_bytes_per_token"], stats["kv_bytes_per_row"]).batch_bytes(1, prompt)
+    limited, stats = peak_rows([flag, str(value(prompt, one_row))])
+    assert limited == 2, (flag, stats)
+
+
+def test_newcomers_arriving_together_are_prefilled_together(make_engine, worker) -> None:
+    jobs = [
+        (solid_image("green", 16, 16), "Colour?", GREEDY),
+        (solid_image("blue", 500, 90), "What colour is this image, please?", SamplingParams(150, 0.9, 0.9, seed=3)),
+        (solid_image("white", 90, 700), "what color", GREEDY),
+    ]
+    expected = [single(worker, *job) for job in jobs]
+    engine = make_engine(max_batch_size=4)
+    first = engine.submit(door(solid_image("red", 300, 80), "What colour is this image?", LONG))
+    wait_tokens(first, 5)
+    with engine.scheduler._cond:  # hold the queue: the three arrive at the same step boundary
+        handles = [engine.submit(door(*job)) for job in jobs]
+    assert [h.result(timeout=120).text for h in handles] == expected
+    first.result(timeout=120)
+    assert engine.stats()["prefills_run"] == 2  # the first request, then the three in one forward pass
+    assert all(h.result().batch_size == 4 for h in handles)
+
+
+class FakeOOMPrefillWorker:
+    """A fake: prefills of more than one newcomer allocate a stand-in for their cache and hit an
+    injected CUDA out-of-memory error (impossible on this CPU box)."""
+
+    def __init__(self, worker) -> None:
+        self.inner = worker
+        self.caches: list[weakref.ref] = []
+        self.alive_at_prefill: list[int] = []
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def prefill(self, requests):
+        self.alive_at_prefill.append(sum(ref() is not None for ref in self.caches))
+        if len(requests) > 1:
+            self._forward(len(requests))
+        return self.inner.prefill(requests)
+
+    def _forward(self, rows: int) -> None:
+        cache = torch.empty(rows, 256, 1024)
+        self.caches.append(weakref.ref(cache))
+        raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+
+
+def test_out_of_memory_group_prefill_is_split_after_its_memory_is_freed(worker) -> None:
+    fake = FakeOOMPrefillWorker(worker)
+    engine = ContinuousEngine(fake, Config(batching="continuous", max_batch_size=4, batch_window_ms=0.0))
+    try:
+        jobs = [(solid_image(c, 70, 70), "Colour?", GREEDY) for c in ("red", "green", "blue", "yellow")]
+        expected = [single(worker, *job) for job in jobs]
+        with engine.scheduler._cond:  # hold the queue: all four arrive together
+            handles = [engine.submit(door(*job)) for job in jobs]
+        assert [h.result(timeout=120).text for h in handles] == expected
+    finally:
+        engine.shutdown()
+    assert len(fake.caches) == 3  # four together, then both pairs; the singles go through
+    assert fake.alive_at_prefill == [0] * 7, fake.alive_at_prefill
+
+
+class HostReads:
+    """Counts reads of device values into Python (``tolist``, ``item``, ``int()``, ``bool()``, ...)
+    made on one thread while ``active``: on a GPU each one waits for the device to catch up."""
+
+    METHODS = ("tolist", "item", "__int__", "__float__", "__bool__", "__index__")
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.active = threading.local()
+        self.saved = {name: getattr(torch.Tensor, name) for name in self.METHODS}
+
+    def __enter__(self) -> HostReads:
+        for name, original in self.saved.items():
+            setattr(torch.Tensor, name, self._counting(original))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for name, original in self.saved.items():
+            setattr(torch.Tensor, name, original)
+
+    def _counting(self, original):
+        def read(tensor, *args, **kwargs):
+            if getattr(self.active, "on", False):
+                self.count += 1
+            return original(tensor, *args, **kwargs)
+
+        return read
+
+
+class CountingEngine(ContinuousEngine):
+    """The real continuous engine, with each decode step's host reads recorded."""
+
+    reads: HostReads
+
+    def _step(self) -> None:
+        before = self.reads.count
+        self.reads.active.on = True
+        try:
+            super()._step()
+        finally:
+            self.reads.active.on = False
+            self.reads_per_step.append(self.reads.count - before)
+
+
+def test_a_decode_step_reads_the_device_once(worker) -> None:
+    """Greedy and sampled rows together: one read per step (the tokens), not one per sampled row,
+    and rows leaving cost none."""
+    jobs = [
+        (solid_image("red", 64, 64), "Colour?", SamplingParams(30, 0.8, 0.9, seed=1, ignore_eos=True)),
+        (solid_image("green", 64, 64), "Colour?", SamplingParams(45, 0.0, ignore_eos=True)),
+        (solid_image("blue", 64, 64), "Colour?", SamplingParams(60, 1.0, 1.0, seed=2, ignore_eos=True)),
+    ]
+    with HostReads() as reads:
+        CountingEngine.reads = reads
+        engine = CountingEngine(worker, Config(batching="continuous", max_batch_size=4, batch_window_ms=0.0))
+        engine.reads_per_step = []
+        try:
+            with engine.scheduler._cond:
+                handles = [engine.submit(door(*job)) for job in jobs]
+            assert [h.result(timeout=120).completion_tokens for h in handles] == [30, 45, 60]
+        finally:
+            engine.shutdown()
+    assert len(engine.reads_per_step) >= 59
+    assert set(engine.reads_per_step) == {1}, engine.reads_per_step

@@ -2,34 +2,41 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from vlm_demo.engine import SamplingParams
 from vlm_demo.engine.batch_state import Row, RunningBatch, SlackLayer
 from vlm_demo.engine.request import Request
+from vlm_demo.engine.sampler import RowSampling
 from vlm_demo.tiny import solid_image
 
 
-def running_batch(worker, jobs) -> RunningBatch:
-    """Prefill each job alone and join it, as the continuous engine does."""
+def running_batch(worker, jobs, group: int = 1) -> RunningBatch:
+    """Prefill the jobs ``group`` at a time and join them, as the continuous engine does."""
     batch = RunningBatch(cross_layers=worker.cross_attention_layers)
+    requests = []
     for image, question in jobs:
         request = Request(image=image, question=question, params=SamplingParams(max_new_tokens=50, temperature=0))
         request.inputs = worker.prepare(image, question)
-        cache, logits = worker.prefill(request)
-        masks = worker.cross_attention_masks(request.inputs["cross_attention_mask"])
-        batch.join(Row(request, None, None), cache, request.prompt_tokens, masks, int(logits.argmax()))
+        requests.append(request)
+    for start in range(0, len(requests), group):
+        chunk = requests[start : start + group]
+        prefill = worker.prefill(chunk)
+        sampling = RowSampling([r.params for r in chunk], prefill.logits.device)
+        batch.join([Row(r, None) for r in chunk], prefill, sampling.sample(prefill.logits), sampling)
     return batch
 
 
-def test_written_out_step_equals_the_stock_forward_bit_for_bit(worker) -> None:
+@pytest.mark.parametrize("group", [1, 3], ids=["joined-one-by-one", "prefilled-together"])
+def test_written_out_step_equals_the_stock_forward_bit_for_bit(worker, group) -> None:
     assert worker.decode_step is not None  # a one-device model takes the written-out step
     jobs = [
         (solid_image("red", 300, 80), "What colour is this image? Describe it in detail."),
         (solid_image("green", 16, 16), "Colour?"),  # shorter prompt: left-padded in the batch
         (solid_image("blue", 500, 500), "Describe it"),  # different tile count
     ]
-    written, stock = running_batch(worker, jobs), running_batch(worker, jobs)
+    written, stock = running_batch(worker, jobs, group), running_batch(worker, jobs, group)
     step = worker.decode_step
     for n in range(90):  # past SlackLayer.MIN_SPARE: the buffers regrow on the way
         if n == 40:  # a row leaves mid-flight; padding columns are trimmed

@@ -6,6 +6,7 @@ import io
 import re
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 
 import pytest
@@ -102,7 +103,7 @@ def test_greedy_batch_rows_equal_single_runs_next_to_sampled_rows(make_engine, s
         assert colour in conclusion(result.text)
         assert four_stages(result.text)
     sampled = [r for r, job in zip(results, jobs, strict=False) if not job[2].greedy]
-    # A sampled row draws from its own seeded generator: same seed, same text, whatever its neighbours.
+    # A sampled row draws from its own seeded random stream: same seed, same text, whatever its neighbours.
     assert [r.text for r in sampled] == [singles[("sampled", 11)], singles[("sampled", 12)]]
 
 
@@ -238,6 +239,46 @@ def test_oom_batch_is_split_and_retried_until_requests_succeed(worker, singles) 
         assert fake.failed[0] == 6 and max(fake.succeeded) <= 2 and sum(fake.succeeded) == 6
     finally:
         engine.shutdown()
+
+
+class FakeOOMAfterAllocWorker:
+    """A fake: a real worker whose multi-row batches allocate a stand-in for their KV cache in a
+    nested frame (as ``generate`` does) and then hit an injected CUDA out-of-memory error."""
+
+    def __init__(self, worker) -> None:
+        self.inner = worker
+        self.caches: list[weakref.ref] = []  # each failed attempt's cache
+        self.alive_at_run: list[int] = []  # per run: how many failed attempts' caches were still alive
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def run(self, batch) -> None:
+        self.alive_at_run.append(sum(ref() is not None for ref in self.caches))
+        if len(batch) > 1:
+            self._generate(len(batch))
+        self.inner.run(batch)
+
+    def _generate(self, rows: int) -> None:
+        kv_cache = torch.empty(rows, 256, 1024)  # what a real attempt holds when it runs out
+        self.caches.append(weakref.ref(kv_cache))
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
+
+
+def test_failed_attempts_memory_is_freed_before_the_retry(worker, singles) -> None:
+    """Retrying while the failed attempt's cache is alive (e.g. inside the ``except`` block, whose
+    traceback holds the attempt's frames) makes one out-of-memory error cascade through every retry."""
+    fake = FakeOOMAfterAllocWorker(worker)
+    engine = Engine(fake, Config(max_batch_size=4, batch_window_ms=300.0))
+    try:
+        handles = submit_all(engine, [(solid_image(c, w, h), q, GREEDY) for c, w, h, q in CASES[:4]])
+        results = [h.result(timeout=120) for h in handles]
+    finally:
+        engine.shutdown()
+    for (colour, w, h, q), result in zip(CASES[:4], results, strict=True):
+        assert result.text == singles[(colour, w, h, q)]
+    assert len(fake.caches) == 3  # 4 rows fail, then both halves of 2
+    assert fake.alive_at_run == [0] * 7, fake.alive_at_run  # 1 + 2 + 4 runs, never beside a dead attempt
 
 
 def test_request_that_fails_alone_gets_a_specific_error_and_others_go_on(worker) -> None:

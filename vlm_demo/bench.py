@@ -8,6 +8,12 @@ ratios between modes are fair even on a noisy machine. ``--repeats`` interleaves
 reports medians.
 
     python -m vlm_demo.bench --model tiny --concurrency 1,2,4,8 --requests 32 --json out.json --plot out.png
+
+``--through-app`` measures what a visitor gets: the same load through the running web app (``/ask``
+streaming and ``/ask_batch``, via ``gradio_client``), next to the engine alone in this process and the
+FastAPI static batcher of the design documents (:mod:`vlm_demo.baseline`), each in one run:
+
+    python -m vlm_demo.bench --model tiny --through-app --json docs/bench_app.json
 """
 
 from __future__ import annotations
@@ -17,7 +23,9 @@ import dataclasses
 import json
 import logging
 import math
+import os
 import random
+import re
 import statistics
 import threading
 import time
@@ -50,6 +58,7 @@ class Sample:
     tokens: int
     batch_size: int
     error: str | None = None
+    wrong: bool = False  # the answer is not the right one (checked when the workload knows it)
 
 
 @dataclass
@@ -68,6 +77,18 @@ class RunResult:
     mean_batch_size: float
     errors: int
     wall_s: float
+    wrong: int = 0  # finished answers that were not right (only workloads that know the answer)
+    cpu_ms_per_request: dict[str, float] = dataclasses.field(default_factory=dict)  # by process, Linux only
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU time (user + system, all threads) a process has used so far; 0 where /proc is missing."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            fields = fh.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -99,6 +120,34 @@ def make_workload(n: int, lengths: list[int]) -> list[ValidRequest]:
     return items
 
 
+MIX_QUESTIONS = ("What colour is this image?", "Describe this picture in detail.")  # short and long answers
+MIX_SIZES = ((64, 64), (300, 120), (120, 300), (560, 560))
+
+
+def mixed_workload(n: int, max_new_tokens: int = 512) -> tuple[list[ValidRequest], list[str]]:
+    """Half short, half long answers at their natural lengths (greedy, no forced length): six colours,
+    four image sizes. Returns the requests and each one's colour, to check the answers."""
+    colours = list(COLOURS)[:6]
+    items, expected = [], []
+    for i in range(n):
+        colour = colours[i % len(colours)]
+        width, height = MIX_SIZES[(i // len(colours)) % len(MIX_SIZES)]
+        params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
+        items.append(validate_request(solid_image(colour, width, height), MIX_QUESTIONS[i % 2], params, BENCH_LIMITS))
+        expected.append(colour)
+    return items, expected
+
+
+def names_colour(expected: list[str]) -> Callable[[int, str], bool]:
+    """Right answer for the tiny model: the CONCLUSION names the image's colour."""
+
+    def check(index: int, text: str) -> bool:
+        match = re.search(r"<CONCLUSION>(.*?)(</CONCLUSION>|$)", text, re.S)
+        return bool(match) and expected[index] in match.group(1).lower()
+
+    return check
+
+
 class BatchCounter:
     """Engine listener that records batch sizes (for ``mean_batch_size``)."""
 
@@ -112,8 +161,16 @@ class BatchCounter:
         pass
 
 
-def run_load(backend: Any, workload: list[ValidRequest], concurrency: int) -> tuple[list[Sample], float]:
-    """Closed loop: ``concurrency`` threads each keep one request in flight until all are served."""
+def run_load(
+    backend: Any,
+    workload: list[ValidRequest],
+    concurrency: int,
+    check: Callable[[int, str], bool] | None = None,
+) -> tuple[list[Sample], float]:
+    """Closed loop: ``concurrency`` threads each keep one request in flight until all are served.
+
+    ``check(index, text)`` says whether request ``index`` got the right answer.
+    """
     samples: list[Sample] = []
     lock = threading.Lock()
     cursor = iter(range(len(workload)))
@@ -134,6 +191,7 @@ def run_load(backend: Any, workload: list[ValidRequest], concurrency: int) -> tu
                 result = handle.result(timeout=600)
                 end = time.monotonic()
                 sample = Sample(end - start, (first or end) - start, result.completion_tokens, result.batch_size)
+                sample.wrong = check is not None and not check(index, result.text)
             except Exception as exc:  # counted, not fatal: the benchmark reports errors
                 sample = Sample(time.monotonic() - start, 0.0, 0, 0, f"{type(exc).__name__}: {exc}")
             with lock:
@@ -170,6 +228,7 @@ def summarise(
         mean_batch_size=round(mean_batch, 3),
         errors=len(samples) - len(ok),
         wall_s=wall_s,
+        wrong=sum(1 for s in ok if s.wrong),
     )
 
 
@@ -182,18 +241,20 @@ def median_run(runs: list[RunResult]) -> RunResult:
         values = [getattr(r, f.name) for r in runs]
         merged[f.name] = statistics.median(values) if isinstance(values[0], float) else values[0]
     merged["errors"] = sum(r.errors for r in runs)
+    merged["wrong"] = sum(r.wrong for r in runs)
     return RunResult(**merged)
 
 
 def print_table(results: list[RunResult]) -> None:
-    header = f"{'mode':<11}{'maxB':>5}{'conc':>5}{'reqs':>5}{'req/s':>9}{'tok/s':>9}{'p50 s':>8}{'p95 s':>8}{'ttft s':>8}{'meanB':>7}{'err':>5}"
+    header = f"{'mode':<11}{'maxB':>5}{'conc':>5}{'reqs':>5}{'req/s':>9}{'tok/s':>9}{'p50 s':>8}{'p95 s':>8}{'ttft s':>8}{'meanB':>7}{'err':>5}{'wrong':>6}"
     print(header)
     print("-" * len(header))
     for r in results:
         print(
             f"{r.mode:<11}{r.max_batch_size:>5}{r.concurrency:>5}{r.requests:>5}{r.throughput_rps:>9.2f}"
             f"{r.tokens_per_s:>9.1f}{r.latency_p50_s:>8.3f}{r.latency_p95_s:>8.3f}{r.ttft_p50_s:>8.3f}"
-            f"{r.mean_batch_size:>7.2f}{r.errors:>5}"
+            f"{r.mean_batch_size:>7.2f}{r.errors:>5}{r.wrong:>6}"
+            + ("   cpu ms/req: " + ", ".join(f"{k} {v:.0f}" for k, v in r.cpu_ms_per_request.items()))
         )
     by_level: dict[int, dict[str, RunResult]] = {}
     for r in results:
@@ -205,6 +266,16 @@ def print_table(results: list[RunResult]) -> None:
                 f"{m} {r.throughput_rps / base.throughput_rps:.2f}x" for m, r in modes.items() if m != "unbatched"
             )
             print(f"concurrency {level}: throughput vs unbatched: {ratios}")
+        for base_name in ("engine", "static"):
+            base = modes.get(base_name)
+            if base and base.throughput_rps > 0:
+                ratios = ", ".join(
+                    f"{m} {r.throughput_rps / base.throughput_rps:.2f}x"
+                    for m, r in modes.items()
+                    if m.startswith("app") or (base_name == "static" and m == "engine")
+                )
+                if ratios:
+                    print(f"concurrency {level}: throughput vs {base_name}: {ratios}")
 
 
 def plot(results: list[RunResult], path: str) -> None:
@@ -242,8 +313,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mixed-lengths", action="store_true", help="seeded log-uniform forced lengths")
     p.add_argument("--length-range", default="16,512", help="low,high for --mixed-lengths")
     p.add_argument(
-        "--modes", default="unbatched,dynamic,continuous", help="comma-separated: unbatched,dynamic,continuous,triton"
+        "--modes",
+        default="unbatched,dynamic,continuous",
+        help="comma-separated: unbatched,dynamic,continuous (in-process engines), engine (in-process, the app's "
+        "batching mode), engine-process (the same engine in its own process, over the pipe), app-ask, app-batch (the running web app via gradio_client), static (FastAPI static "
+        "batcher baseline), triton",
     )
+    p.add_argument(
+        "--workload",
+        choices=("forced", "mix"),
+        default="forced",
+        help="forced: --max-new-tokens or --mixed-lengths forced lengths; mix: half 'What colour is this image?', "
+        "half 'Describe this picture in detail.' at natural lengths (answers checked)",
+    )
+    p.add_argument(
+        "--through-app",
+        action="store_true",
+        help="preset: the engine alone vs the running app (/ask, /ask_batch) vs the static batcher, app defaults, "
+        "--workload mix, 8 clients, 48 requests, max_new_tokens 512",
+    )
+    p.add_argument("--static-window-ms", type=float, default=100.0, help="collector window of the static baseline")
+    p.add_argument("--static-max-batch-size", type=int, default=4, help="batch size of the static baseline")
     p.add_argument("--triton-url", default="", help="also measure a Triton endpoint (adds mode 'triton')")
     p.add_argument("--triton-model", default="llama_3_2v_11b_cot_ensemble")
     p.add_argument("--triton-protocol", default="auto")
@@ -267,7 +357,7 @@ def backend_factories(args: argparse.Namespace) -> dict[str, tuple[int, Callable
         modes.append("triton")
     factories: dict[str, tuple[int, Callable[[], Any]]] = {}
     worker: Worker | None = None
-    if any(m != "triton" for m in modes):
+    if any(m in ("unbatched", "dynamic", "continuous", "engine") for m in modes):
         worker = Worker.load(args.model, args.device, args.dtype, cpu_threads=args.cpu_threads)
         if args.stock_decode:
             worker.decode_step = None
@@ -287,8 +377,46 @@ def backend_factories(args: argparse.Namespace) -> dict[str, tuple[int, Callable
 
         return make
 
+    def app(endpoint: str) -> Callable[[], Any]:
+        def make() -> Any:
+            from vlm_demo.bench_clients import AppClient, ServerProcess
+
+            command = ["app.py", "--model", args.model, "--max-batch-size", str(args.max_batch_size)]
+            command += ["--cpu-threads", str(args.cpu_threads), "--max-new-tokens", str(max(2048, args.max_new_tokens))]
+            return AppClient(ServerProcess(command), endpoint)
+
+        return make
+
+    def static() -> Any:
+        from vlm_demo.bench_clients import ServerProcess, StaticClient
+
+        command = [
+            "-m",
+            "vlm_demo.baseline",
+            "--model",
+            args.model,
+            "--max-batch-size",
+            str(args.static_max_batch_size),
+        ]
+        command += ["--window-ms", str(args.static_window_ms), "--cpu-threads", str(args.cpu_threads)]
+        return StaticClient(ServerProcess(command))
+
+    def engine_process() -> Any:
+        from vlm_demo.backends.process import EngineProcessBackend
+
+        config = Config(model=args.model, model_explicit=True, max_batch_size=args.max_batch_size)
+        return EngineProcessBackend(dataclasses.replace(config, cpu_threads=args.cpu_threads, max_new_tokens=100_000))
+
     for mode in modes:
-        if mode == "unbatched":
+        if mode == "engine-process":
+            factories[mode] = (args.max_batch_size, engine_process)
+        elif mode == "engine":
+            factories[mode] = (args.max_batch_size, local(args.max_batch_size, Config().batching))
+        elif mode in ("app-ask", "app-batch"):
+            factories[mode] = (args.max_batch_size, app("/ask" if mode == "app-ask" else "/ask_batch"))
+        elif mode == "static":
+            factories[mode] = (args.static_max_batch_size, static)
+        elif mode == "unbatched":
             factories[mode] = (1, local(1, "dynamic"))
         elif mode in ("dynamic", "continuous"):
             factories[mode] = (args.max_batch_size, local(args.max_batch_size, mode))
@@ -309,25 +437,49 @@ def backend_factories(args: argparse.Namespace) -> dict[str, tuple[int, Callable
 
 def main(argv: list[str] | None = None) -> list[RunResult]:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.through_app:  # the preset changes defaults only: explicit flags still win
+        parser.set_defaults(
+            modes="engine,app-ask,app-batch,static",
+            workload="mix",
+            concurrency="8",
+            requests=48,
+            max_new_tokens=512,
+            max_batch_size=Config().max_batch_size,  # the app's default (0: the engine sizes it)
+        )
+        args = parser.parse_args(argv)
     levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
     low, high = (int(x) for x in args.length_range.split(","))
     lengths = forced_lengths(args.requests, args.mixed_lengths, args.max_new_tokens, low, high)
-    workload = make_workload(args.requests, lengths)
+    check = None
+    if args.workload == "mix":
+        workload, colours = mixed_workload(args.requests, args.max_new_tokens)
+        check = names_colour(colours)
+    else:
+        workload = make_workload(args.requests, lengths)
     factories = backend_factories(args)
     collected: dict[tuple[str, int], list[RunResult]] = {}
     for repeat in range(args.repeats):
         for level in levels:
             for mode, (max_batch, make) in factories.items():
                 backend = make()
-                counter = BatchCounter()
-                backend.add_listener(counter)
-                warm = make_workload(1, [min(8, lengths[0])])[0]
-                backend.submit(warm).result(timeout=600)  # warm-up: first-call overheads are not load
-                counter.sizes.clear()
-                samples, wall = run_load(backend, workload, level)
-                backend.close()
+                try:
+                    counter = BatchCounter()
+                    backend.add_listener(counter)
+                    warm = make_workload(1, [min(8, lengths[0])])[0]
+                    backend.submit(warm).result(timeout=600)  # warm-up: first-call overheads are not load
+                    counter.sizes.clear()
+                    pids = {"bench": os.getpid(), **(backend.pids() if hasattr(backend, "pids") else {})}
+                    before = {name: cpu_seconds(pid) for name, pid in pids.items()}
+                    samples, wall = run_load(backend, workload, level, check)
+                    cpu = {name: cpu_seconds(pid) - before[name] for name, pid in pids.items()}
+                    sized = backend.health().get("max_batch_size") if hasattr(backend, "health") else None
+                    max_batch = sized if isinstance(sized, int) and sized > 0 else max_batch  # as the engine sized it
+                finally:
+                    backend.close()  # servers started for a mode stop even when the run fails
                 result = summarise(mode, max_batch, level, samples, wall, counter.sizes)
+                result.cpu_ms_per_request = {k: round(1000 * v / max(1, len(samples)), 1) for k, v in cpu.items()}
                 log.info("repeat %d: %s", repeat + 1, result)
                 collected.setdefault((mode, level), []).append(result)
     results = [median_run(runs) for runs in collected.values()]

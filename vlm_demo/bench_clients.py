@@ -174,6 +174,17 @@ class AppClient:
     def add_listener(self, listener: Any) -> None:
         pass
 
+    def health(self) -> dict[str, Any]:
+        return requests.get(self.server.url + "/health", timeout=10).json().get("details", {})
+
+    def pids(self) -> dict[str, int]:
+        """The processes serving this client: the web process and its engine process."""
+        pids = {"web": self.server.proc.pid}
+        engine = self.health().get("engine_pid")
+        if isinstance(engine, int):
+            pids["engine"] = engine
+        return pids
+
     def close(self) -> None:
         self.files.close()
         self.server.close()
@@ -188,6 +199,9 @@ class StaticClient:
         self.server = server
         self.session = requests.Session()
         self.files = _ImageFiles()
+
+    def pids(self) -> dict[str, int]:
+        return {"server": self.server.proc.pid}
 
     def submit(self, valid: ValidRequest) -> _Done:
         body = {

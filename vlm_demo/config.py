@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
-from collections.abc import Sequence
+import re
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 DEFAULT_MODEL = "Xkev/Llama-3.2V-11B-cot"
 TINY = "tiny"
@@ -26,39 +28,85 @@ class Config:
         default=DEFAULT_MODEL,
         metadata={"help": "HF model id, local folder, or 'tiny' (offline test model)."},
     )
-    device: str = field(default="auto", metadata={"help": "auto, cpu, cuda or cuda:N"})
+    device: str = field(
+        default="auto", metadata={"help": "auto, cpu, cuda or cuda:N", "pattern": r"auto|cpu|cuda(:\d+)?"}
+    )
     dtype: str = field(
-        default="auto", metadata={"help": "auto (bf16 on GPU, fp32 on CPU), bfloat16, float16 or float32"}
+        default="auto",
+        metadata={
+            "help": "auto (bf16 on GPU, fp32 on CPU), bfloat16, float16 or float32",
+            "choices": ("auto", "bfloat16", "float16", "float32"),
+        },
     )
     cpu_threads: int = field(
         default=1,
-        metadata={"help": "torch threads when running on CPU (1 is fastest for the tiny model on a busy box)."},
+        metadata={
+            "help": "torch threads when running on CPU (1 is fastest for the tiny model on a busy box).",
+            "min": 1,
+        },
     )
     host: str = field(default="127.0.0.1", metadata={"help": "Bind address (also GRADIO_SERVER_NAME)."})
-    port: int = field(default=7860, metadata={"help": "Port (also GRADIO_SERVER_PORT)."})
+    port: int = field(default=7860, metadata={"help": "Port (also GRADIO_SERVER_PORT).", "min": 0, "max": 65535})
     batching: str = field(
         default="continuous",
-        metadata={"help": "continuous (rows join/leave every step) or dynamic (request-level batches)."},
+        metadata={
+            "help": "continuous (rows join/leave every step) or dynamic (request-level batches).",
+            "choices": ("continuous", "dynamic"),
+        },
     )
-    max_batch_size: int = field(default=4, metadata={"help": "Most requests merged into one GPU batch."})
+    engine_process: bool = field(
+        default=True,
+        metadata={
+            "help": "Run the engine in its own process, supervised and restarted if it dies (off: in the web process)."
+        },
+    )
+    max_batch_size: int = field(
+        default=0,
+        metadata={
+            "help": "Most requests merged into one batch; 0 = sized from memory: on CUDA the rows of "
+            "--max-new-tokens tokens that fit in the GPU memory free after loading (at most 256), 8 on CPU.",
+            "min": 0,
+        },
+    )
     batch_window_ms: float = field(
-        default=50.0, metadata={"help": "How long a short batch waits for more requests (dynamic mode)."}
+        default=50.0, metadata={"help": "How long a short batch waits for more requests (dynamic mode).", "min": 0}
     )
-    max_queue: int = field(default=128, metadata={"help": "Waiting requests beyond this get 'server busy'."})
-    max_new_tokens: int = field(default=2048, metadata={"help": "Cap on tokens a request may ask for."})
+    max_queue: int = field(default=128, metadata={"help": "Waiting requests beyond this get 'server busy'.", "min": 1})
+    max_new_tokens: int = field(default=2048, metadata={"help": "Cap on tokens a request may ask for.", "min": 1})
     kv_token_budget: int = field(
-        default=0, metadata={"help": "Continuous mode: most cached tokens over running rows (0 = no limit)."}
+        default=0,
+        metadata={"help": "Continuous mode: most cached tokens over running rows (0 = no limit).", "min": 0},
     )
-    max_image_pixels: int = field(default=40_000_000, metadata={"help": "Reject larger images (bombs)."})
-    max_question_chars: int = field(default=2000, metadata={"help": "Reject longer questions."})
+    kv_budget_gb: float = field(
+        default=0.0,
+        metadata={
+            "help": "Continuous mode: GiB the KV cache may hold (text keys/values per token + each row's image "
+            "cross-attention states); 0 = on CUDA the memory free after loading minus a reserve, on CPU no limit.",
+            "min": 0,
+        },
+    )
+    prefill_batch_size: int = field(
+        default=8,
+        metadata={"help": "Continuous mode: most newcomers prefilled together in one forward pass.", "min": 1},
+    )
+    max_image_pixels: int = field(default=40_000_000, metadata={"help": "Reject larger images (bombs).", "min": 1})
+    max_question_chars: int = field(default=2000, metadata={"help": "Reject longer questions.", "min": 1})
     share: bool = field(default=False, metadata={"help": "Ask Gradio for a public share link."})
     auth: str = field(default="", metadata={"help": "USER:PASS for the page (recommended with --share)."})
     triton_url: str = field(
         default="", metadata={"help": "Forward to Triton instead of a local model: http://h:p or grpc://h:p."}
     )
     triton_model: str = field(default="llama_3_2v_11b_cot_ensemble", metadata={"help": "Triton model name."})
-    triton_protocol: str = field(default="auto", metadata={"help": "auto (from the model metadata), infer or generate"})
-    triton_timeout: float = field(default=120.0, metadata={"help": "Seconds before a Triton call gives up."})
+    triton_protocol: str = field(
+        default="auto",
+        metadata={
+            "help": "auto (from the model metadata), infer or generate",
+            "choices": ("auto", "infer", "generate"),
+        },
+    )
+    triton_timeout: float = field(
+        default=120.0, metadata={"help": "Seconds before a Triton call gives up.", "min": 0.1}
+    )
     tiny_dir: str = field(
         default="", metadata={"help": "Where the tiny model is built/cached (default ~/.cache/vlm_demo/tiny)."}
     )
@@ -68,62 +116,130 @@ class Config:
         return self.tiny_dir or os.path.join(os.path.expanduser("~"), ".cache", "vlm_demo", "tiny")
 
 
+TRUE_WORDS = ("1", "true", "yes", "on")
+FALSE_WORDS = ("0", "false", "no", "off")
+KIND_NAMES = {int: "a whole number", float: "a number"}
+
+
+class ConfigError(SystemExit):
+    """A bad setting, said in one line that names the flag or the variable.
+
+    A ``SystemExit``, so an entry point that does not catch it still ends with that line and no
+    traceback; :func:`load_config` turns it into argparse's ``error:`` line and exit code 2.
+    """
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (``app.py: error: …``), not the usage block and then it."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}. See {self.prog} --help.\n")
+
+
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def _parse_bool(text: str) -> bool:
-    return text.strip().lower() in {"1", "true", "yes", "on"}
+def env_name(name: str) -> str:
+    return "VLM_" + name.upper()
 
 
-def _convert(f: dataclasses.Field, raw: str) -> Any:
+def settings() -> list[dataclasses.Field]:
+    """The fields a user sets (flags and ``VLM_*`` variables)."""
+    return [f for f in dataclasses.fields(Config) if f.metadata.get("cli") is not False]
+
+
+def check_value(f: dataclasses.Field, value: Any) -> None:
+    """Raise ``ValueError`` saying what is wrong with one setting's value: choices, pattern, range."""
+    choices = f.metadata.get("choices")
+    if choices and value not in choices:
+        raise ValueError(f"invalid choice {value!r} (choose from {', '.join(choices)})")
+    pattern = f.metadata.get("pattern")
+    if pattern and not re.fullmatch(pattern, value):
+        raise ValueError(f"invalid value {value!r} (expected {f.metadata.get('help', pattern)})")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"must be a finite number, not {value}")
+    low, high = f.metadata.get("min"), f.metadata.get("max")
+    if (low is not None and value < low) or (high is not None and value > high):
+        bounds = f"from {low} to {high}" if high is not None else f"at least {low}"
+        raise ValueError(f"must be {bounds}, not {value}")
+
+
+def parse_value(f: dataclasses.Field, raw: str) -> Any:
+    """One setting from text (a flag or an environment variable), checked; ``ValueError`` says why not."""
     kind = type(f.default)
     if kind is bool:
-        return _parse_bool(raw)
-    return kind(raw)
+        word = raw.strip().lower()
+        if word in TRUE_WORDS + FALSE_WORDS:
+            return word in TRUE_WORDS
+        raise ValueError(f"expected true or false, not {raw!r}")
+    try:
+        value = kind(raw)
+    except ValueError:
+        raise ValueError(f"expected {KIND_NAMES.get(kind, 'text')}, not {raw!r}") from None
+    check_value(f, value)
+    return value
+
+
+def _argument_type(f: dataclasses.Field) -> Callable[[str], Any]:
+    def convert(raw: str) -> Any:
+        try:
+            return parse_value(f, raw)
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
+
+    return convert
 
 
 def _env_defaults(environ: dict[str, str]) -> dict[str, Any]:
     """Values from ``VLM_*`` (and Gradio's own server variables, which Spaces sets)."""
+    by_name = {f.name: f for f in settings()}
+    sources = [(name, env_name(name)) for name in by_name]
+    sources += [("host", "GRADIO_SERVER_NAME"), ("port", "GRADIO_SERVER_PORT")]  # used only without VLM_*
     values: dict[str, Any] = {}
-    for f in dataclasses.fields(Config):
-        if f.metadata.get("cli") is False:
+    for name, variable in sources:
+        raw = environ.get(variable)
+        if not raw or (name in values and not variable.startswith("VLM_")):
             continue
-        raw = environ.get("VLM_" + f.name.upper())
-        if raw is not None and raw != "":
-            values[f.name] = _convert(f, raw)
-    if "host" not in values and environ.get("GRADIO_SERVER_NAME"):
-        values["host"] = environ["GRADIO_SERVER_NAME"]
-    if "port" not in values and environ.get("GRADIO_SERVER_PORT"):
-        values["port"] = int(environ["GRADIO_SERVER_PORT"])
+        try:
+            values[name] = parse_value(by_name[name], raw)
+        except ValueError as err:
+            raise ConfigError(f"{variable}={raw!r}: {err}") from None
     return values
 
 
+def _help(f: dataclasses.Field) -> str:
+    """The field's help plus its default and variable, so ``--help`` is the whole reference."""
+    default = f.default if f.default != "" else "(empty)"
+    if isinstance(default, bool):
+        default = "on" if default else "off"
+    text = f"{f.metadata.get('help', '')} [default: {default}; env {env_name(f.name)}]"
+    return text.replace("%", "%%")  # argparse %-formats help strings
+
+
 def build_parser(description: str, only: Sequence[str] | None = None) -> argparse.ArgumentParser:
-    """An argparse parser with one flag per config field (or just those named in ``only``)."""
-    parser = argparse.ArgumentParser(description=description)
-    for f in dataclasses.fields(Config):
-        if f.metadata.get("cli") is False or (only is not None and f.name not in only):
+    """An argparse parser with one flag per config field (or just those named in ``only``).
+
+    Values are converted and checked here (type, choices, range), so a bad flag ends in one
+    ``error:`` line naming it, before the caller imports anything heavy.
+    """
+    parser = OneLineParser(description=description)
+    for f in settings():
+        if only is not None and f.name not in only:
             continue
         if isinstance(f.default, bool):
-            parser.add_argument(
-                _flag(f.name),
-                dest=f.name,
-                action=argparse.BooleanOptionalAction,
-                default=None,
-                help=f.metadata.get("help"),
-            )
+            action: dict[str, Any] = {"action": argparse.BooleanOptionalAction}
         else:
-            parser.add_argument(
-                _flag(f.name), dest=f.name, type=type(f.default), default=None, help=f.metadata.get("help")
-            )
+            choices = f.metadata.get("choices")
+            action = {"type": _argument_type(f), "metavar": "{" + ",".join(choices) + "}" if choices else None}
+        parser.add_argument(_flag(f.name), dest=f.name, default=None, help=_help(f), **action)
     return parser
 
 
 def config_from_namespace(ns: argparse.Namespace, environ: dict[str, str] | None = None) -> Config:
-    """Merge defaults < environment < command line into a validated :class:`Config`."""
+    """Merge defaults < environment < command line into a validated :class:`Config` (or raise :class:`ConfigError`)."""
     values = _env_defaults(dict(os.environ if environ is None else environ))
-    for f in dataclasses.fields(Config):
+    for f in settings():
         given = getattr(ns, f.name, None)
         if given is not None:
             values[f.name] = given
@@ -133,27 +249,31 @@ def config_from_namespace(ns: argparse.Namespace, environ: dict[str, str] | None
     return config
 
 
-def load_config(argv: Sequence[str] | None = None, description: str = "LLaVA-CoT demo") -> Config:
+def load_config(
+    argv: Sequence[str] | None = None, description: str = "LLaVA-CoT demo", environ: dict[str, str] | None = None
+) -> Config:
+    """Flags and ``VLM_*`` variables; a bad value ends the program with one ``error:`` line and exit code 2."""
     parser = build_parser(description)
-    return config_from_namespace(parser.parse_args(argv))
+    namespace = parser.parse_args(argv)
+    try:
+        return config_from_namespace(namespace, environ)
+    except ConfigError as err:
+        parser.error(str(err))
 
 
 def validate(config: Config) -> None:
-    """Fail at start-up, with the flag's name, rather than deep inside a request."""
+    """Fail at start-up, with the flag's name, rather than deep inside a request.
+
+    Flags are already checked by the parser; this covers values set in code or in a model
+    repository's ``config.pbtxt``, and rules that span fields.
+    """
     problems = []
-    if config.max_batch_size < 1:
-        problems.append("--max-batch-size must be >= 1")
-    if config.batch_window_ms < 0:
-        problems.append("--batch-window-ms must be >= 0")
-    if config.max_queue < 1:
-        problems.append("--max-queue must be >= 1")
-    if config.max_new_tokens < 1:
-        problems.append("--max-new-tokens must be >= 1")
-    if config.batching not in {"dynamic", "continuous"}:
-        problems.append("--batching must be 'dynamic' or 'continuous'")
-    if config.triton_protocol not in {"auto", "infer", "generate"}:
-        problems.append("--triton-protocol must be auto, infer or generate")
+    for f in settings():
+        try:
+            check_value(f, getattr(config, f.name))
+        except ValueError as err:
+            problems.append(f"{_flag(f.name)}: {err}")
     if config.auth and ":" not in config.auth:
         problems.append("--auth must look like USER:PASS")
     if problems:
-        raise SystemExit("Invalid configuration: " + "; ".join(problems))
+        raise ConfigError("invalid configuration: " + "; ".join(problems))

@@ -59,3 +59,10 @@ class BackendTimeoutError(DemoError):
     """A remote backend did not answer within the configured timeout."""
 
     code = "backend_timeout"
+
+
+class ModelLoadError(DemoError):
+    """The model cannot be loaded as configured (missing folder, no network, no GPU, not Mllama,
+    does not fit); the message is one sentence for the operator, with what to do instead."""
+
+    code = "model_load_failed"

@@ -21,6 +21,7 @@ Both take ``(image, question, max_new_tokens, temperature, top_p)`` and return p
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import html
 import logging
 import threading
@@ -49,7 +50,7 @@ from vlm_demo.schema import (
 log = logging.getLogger(__name__)
 
 UPDATE_INTERVAL_S = 0.05  # at most ~20 page updates a second per answer; humans see no faster
-UPDATES_PER_S_BUDGET = 120.0  # page updates a second over all live answers (bounds the web process's CPU)
+UPDATES_PER_S_BUDGET = 60.0  # page updates a second over all live answers (bounds the web process's CPU)
 MAX_UPDATE_INTERVAL_S = 0.5
 TOKEN_TIMEOUT_S = 300.0  # longest silence tolerated from the backend before giving up on a request
 OUTPUTS = ("summary", "caption", "reasoning", "conclusion", "raw", "status", "extra", "stages_html")
@@ -233,8 +234,11 @@ class Handlers:
         request: gr.Request = None,  # type: ignore[assignment]  # Gradio injects it
     ) -> AsyncIterator[tuple[Any, ...]]:
         """Stream the four stages of one answer as tokens arrive; bad input raises an error naming the problem."""
-        async for update in self._ask(image, question, max_new_tokens, temperature, top_p, request):
-            yield update
+        async with contextlib.aclosing(
+            self._ask(image, question, max_new_tokens, temperature, top_p, request)
+        ) as updates:
+            async for update in updates:
+                yield update
 
     async def ask_page(
         self,
@@ -248,9 +252,12 @@ class Handlers:
         """The page's Ask: like ``ask``, but a failure is shown once, in the status line, over cleared panels
         (what was already streamed stays), instead of an error toast and a red mark on every output."""
         raw = [""]
-        try:
-            async for update in self._ask(image, question, max_new_tokens, temperature, top_p, request, raw):
-                yield update
+        try:  # aclosing: when Gradio closes this generator (Clear, a closed tab) the inner one ends too
+            async with contextlib.aclosing(
+                self._ask(image, question, max_new_tokens, temperature, top_p, request, raw)
+            ) as updates:
+                async for update in updates:
+                    yield update
         except gr.Error as err:
             yield render(raw[0], f"⚠ {err.title}: {err.message}", final=True)
 

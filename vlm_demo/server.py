@@ -8,32 +8,32 @@ with a warning and the server keeps serving locally.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import logging
 import secrets
+import socket
 import threading
 import time
 from dataclasses import dataclass
 from typing import Any
 
 import gradio as gr
-import torch
 import uvicorn
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 
 from vlm_demo.backends import Backend, make_backend
-from vlm_demo.config import TINY, Config
+from vlm_demo.config import Config
 from vlm_demo.images import DEFAULT_MAX_BYTES
 from vlm_demo.metrics import Metrics
+from vlm_demo.model_choice import choose_model  # noqa: F401  (re-exported for callers)
 from vlm_demo.spaces_compat import on_spaces
 from vlm_demo.ui import ASSETS_DIR, CSS, THEME, DemoUI
 
 log = logging.getLogger(__name__)
 
-REAL_MODEL_HINT = (
-    "To run the real model, use a machine with a CUDA GPU (about 24 GB of memory for bf16) and start "
-    "`python app.py --model Xkev/Llama-3.2V-11B-cot`."
-)
+
+REMOTE_BATCH_SIZE = 8  # Gradio batch size and concurrency when Triton (not we) sizes the batches
 
 
 @dataclass
@@ -48,36 +48,16 @@ class DemoApp:
     notice: str | None
 
 
-def choose_model(config: Config, cuda: bool | None = None) -> tuple[Config, str | None]:
-    """Fall back to the tiny model when there is no GPU and nobody asked for a model; say so.
-
-    Returns the config to build the backend from and the banner text for the page (``None`` when
-    the real model runs). Loading 21 GB of weights on a CPU would take many minutes and then answer
-    at seconds per token, so a working page with an honest banner is the better default.
-    """
-    cuda = torch.cuda.is_available() if cuda is None else cuda
-    if config.triton_url:
-        return config, None
-    if not cuda and not config.model_explicit and config.model != TINY:
-        log.warning("no CUDA GPU and no --model given: serving the tiny test model instead of %s", config.model)
-        notice = (
-            "**⚠ No GPU found, so this page runs the tiny offline test model**, not Llama-3.2V-11B-cot. "
-            "It only knows solid-colour images (try the colour examples). " + REAL_MODEL_HINT
-        )
-        return dataclasses.replace(config, model=TINY), notice
-    if config.model == TINY:
-        return config, (
-            "**⚠ This page runs the tiny offline test model** (`--model tiny`): it only knows solid-colour "
-            "images. " + REAL_MODEL_HINT
-        )
-    return config, None
-
-
 def create_app(config: Config, backend: Backend | None = None) -> DemoApp:
     """Build the backend (unless given), the metrics, the page, and the FastAPI app around them."""
-    config, notice = choose_model(config)
     if backend is None:
         backend = make_backend(config)
+    notice = getattr(backend, "notice", None)
+    batch = backend.health().get("max_batch_size") if backend.name == "local" else None
+    if not (isinstance(batch, int) and batch > 0):  # a remote backend: Triton batches on its side
+        batch = config.max_batch_size or REMOTE_BATCH_SIZE
+    if batch != config.max_batch_size:
+        config = dataclasses.replace(config, max_batch_size=batch)  # sized by the engine (GPU memory)
     metrics = Metrics(queue_depth=lambda: int(backend.health().get("queue_depth", 0)))
     backend.add_listener(metrics)
     demo = DemoUI(backend, config, metrics, notice).build()
@@ -148,22 +128,51 @@ def _share_when_up(server: uvicorn.Server, host: str, port: int) -> None:
         open_share_link(host, port)
 
 
-def serve(config: Config) -> None:
-    """Build everything and serve until interrupted; the backend is closed on the way out."""
-    demo_app = create_app(config)
-    share = config.share
-    if share and on_spaces():
-        log.warning("--share is ignored on Hugging Face Spaces (the Space already has a public URL)")
-        share = False
-    if share and not config.auth:
-        log.warning("--share without --auth: anyone with the link can use this demo; consider --auth USER:PASS")
-    server = uvicorn.Server(
-        uvicorn.Config(demo_app.app, host=config.host, port=config.port, log_level="info", timeout_graceful_shutdown=3)
-    )
-    if share:
-        threading.Thread(target=_share_when_up, args=(server, config.host, config.port), daemon=True).start()
-    log.info("serving %s (%s) on http://%s:%d", demo_app.backend.model, demo_app.backend.name, config.host, config.port)
+def bind(host: str, port: int) -> socket.socket:
+    """Take the port before the (possibly minutes-long) model build: a busy port fails at once, in one
+    line, and port 0 gets its real number to log. Not listening yet: until the page is ready, clients
+    are refused rather than left hanging."""
     try:
-        server.run()
-    finally:
-        demo_app.backend.close()
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+    except socket.gaierror as err:
+        raise SystemExit(f"error: cannot serve on host {host!r}: {err.strerror}") from None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does; a listening port still refuses
+    try:
+        sock.bind(address)
+    except OSError as err:
+        sock.close()
+        if err.errno == errno.EADDRINUSE:
+            raise SystemExit(
+                f"error: port {port} on {host} is already in use (another server?); "
+                "choose another with --port, or --port 0 for any free one"
+            ) from None
+        raise SystemExit(f"error: cannot serve on {host}:{port}: {err.strerror}") from None
+    return sock
+
+
+def serve(config: Config) -> None:
+    """Take the port, build everything, and serve until interrupted; the backend is closed on the way out."""
+    with bind(config.host, config.port) as sock:
+        port = sock.getsockname()[1]
+        url = f"http://{f'[{config.host}]' if ':' in config.host else config.host}:{port}"
+        log.info("the page will be at %s once the model is ready (building or loading it can take minutes)", url)
+        demo_app = create_app(config)
+        share = config.share
+        if share and on_spaces():
+            log.warning("--share is ignored on Hugging Face Spaces (the Space already has a public URL)")
+            share = False
+        if share and not config.auth:
+            log.warning("--share without --auth: anyone with the link can use this demo; consider --auth USER:PASS")
+        server = uvicorn.Server(
+            uvicorn.Config(demo_app.app, host=config.host, port=port, log_level="info", timeout_graceful_shutdown=3)
+        )
+        if share:
+            threading.Thread(target=_share_when_up, args=(server, config.host, port), daemon=True).start()
+        log.info("serving %s (%s) on %s", demo_app.backend.model, demo_app.backend.name, url)
+        try:
+            server.run(sockets=[sock])
+        finally:
+            demo_app.backend.close()

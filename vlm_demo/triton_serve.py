@@ -403,7 +403,7 @@ def bind_models(triton: Any, engine: Any, config: Config) -> None:
             Tensor(name="ERROR", dtype=bytes, shape=(1,)),
         ],
         config=ModelConfig(
-            max_batch_size=config.max_batch_size,
+            max_batch_size=engine.max_batch_size,  # the engine sizes it (from memory when 0)
             # A short delay lets concurrent requests meet; a lone request waits at most this long.
             batcher=DynamicBatcher(max_queue_delay_microseconds=int(config.batch_window_ms * 1000)),
         ),

@@ -169,6 +169,10 @@ class EngineProcessBackend:
         """Requests the engine may hold (running rows plus its queue) before new ones are refused."""
         return self.config.max_queue + int(self._stats.get("max_batch_size") or self.config.max_batch_size)
 
+    def pids(self) -> dict[str, int]:
+        """The engine process (benchmarks account its CPU time)."""
+        return {"engine": self._proc.pid} if self._proc is not None else {}
+
     @property
     def pid(self) -> int | None:
         return self._proc.pid if self._proc is not None else None

@@ -660,7 +660,7 @@ def _admin_client(endpoint: Endpoint, timeout: float) -> Any:
 
 
 def check_ready(endpoint: Endpoint, model: str, timeout: float) -> dict[str, Any]:
-    """Raise :class:`BackendUnavailableError` saying which of server or model is not ready."""
+    """Raise a typed error saying which of server or model is not ready, or that no Triton answered at all."""
     client = _admin_client(endpoint, timeout)
     kwargs = {} if endpoint.scheme == "http" else {"client_timeout": timeout}
     try:
@@ -668,11 +668,14 @@ def check_ready(endpoint: Endpoint, model: str, timeout: float) -> dict[str, Any
             live = client.is_server_live(**kwargs)
             server_ready = client.is_server_ready(**kwargs)
         except Exception as exc:
-            raise to_demo_error(exc, endpoint, model, timeout) from None
+            error = to_demo_error(exc, endpoint, model, timeout)
+            if isinstance(error, GenerationError):  # an odd answer to a health check: something else is there
+                error = BackendUnavailableError(
+                    f"Triton at {endpoint.url} is unreachable or not a Triton server ({_short(str(exc))})."
+                )
+            raise error from None
         if not live or not server_ready:
-            raise BackendUnavailableError(
-                f"Triton at {endpoint.url} is up but not ready (live={live}, ready={server_ready})."
-            )
+            raise not_ready_error(endpoint, "live" if not live else "ready", timeout)
         try:
             model_ready = client.is_model_ready(model, **kwargs)
         except Exception as exc:
@@ -684,6 +687,39 @@ def check_ready(endpoint: Endpoint, model: str, timeout: float) -> dict[str, Any
         return {"server_ready": True, "model_ready": True}
     finally:
         client.close()
+
+
+def not_ready_error(endpoint: Endpoint, check: str, timeout: float) -> DemoError:
+    """Why a health check said no: only Triton's own "no" (HTTP 400, or gRPC) means "up but not ready".
+
+    Over HTTP the client only reports "not 200". Whatever else answers at the address (a gateway's 504
+    after its own timeout, a 404 from some other server, an intercepting proxy) means no Triton was
+    reached, and "up but not ready" would send the user looking at the wrong thing.
+    """
+    if endpoint.scheme == "http":
+        import requests
+
+        url = f"http://{endpoint.address}/v2/health/{check}"
+        with requests.Session() as session:
+            session.trust_env = False  # ask the address itself, as the Triton client does (it ignores *_PROXY)
+            try:
+                status = session.get(url, timeout=timeout).status_code
+            except requests.Timeout:
+                return BackendTimeoutError(f"Triton at {endpoint.url} did not answer within {timeout:g} s.")
+            except requests.RequestException as exc:
+                return BackendUnavailableError(f"Triton at {endpoint.url} is unreachable ({_short(str(exc))}).")
+        if status in (408, 504):
+            return BackendTimeoutError(
+                f"Triton at {endpoint.url} did not answer within {timeout:g} s (a gateway answered HTTP {status})."
+            )
+        if status not in (200, 400):
+            return BackendUnavailableError(
+                f"Triton at {endpoint.url} is unreachable: /v2/health/{check} answered HTTP {status}, which is "
+                "not a Triton server's answer. Is the address right and the server running?"
+            )
+    return BackendUnavailableError(
+        f"Triton at {endpoint.url} is up but not ready (health/{check} says no: still starting or stopping?)."
+    )
 
 
 def inspect_model(endpoint: Endpoint, model: str, protocol: str, timeout: float) -> ModelInfo:

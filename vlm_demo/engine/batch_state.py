@@ -4,10 +4,11 @@ The running batch keeps, per layer, self-attention keys/values of shape ``[B, he
 (rows left-padded to the common length ``T``) and cross-attention keys/values of the image,
 ``[B, heads, vision_tokens, dim]``, plus the 2-D attention mask, each row's next position, its
 next input token and its cross-attention masks (prepared once, when the row joins, in the form
-the text model's layers take: the model would rebuild them from raw masks on every step). A
-joining row (prefilled alone) is padded to ``T`` (or the batch is padded to the row's length);
-leaving rows are dropped with ``index_select`` and columns that became padding for every row are
-trimmed, so memory follows the live rows.
+the text model's layers take: the model would rebuild them from raw masks on every step) and
+sampling state. Newcomers, prefilled together and left-padded among themselves, are padded to
+``T`` (or the batch is padded to theirs); leaving rows are dropped with ``index_select`` and
+columns that became padding for every row are trimmed, so memory follows the live rows. Row
+lengths are also kept on the host, so planning a trim never waits for the device.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 from transformers.cache_utils import DynamicLayer
 
 from vlm_demo.engine.request import Request
+from vlm_demo.engine.sampler import RowSampling
 from vlm_demo.engine.streamer import RowStreamer
 
 
@@ -65,7 +67,18 @@ class Row:
 
     request: Request
     streamer: RowStreamer
-    generator: torch.Generator | None  # None for greedy rows
+
+
+@dataclass
+class Prefill:
+    """Newcomers prefilled together (``Worker.prefill``): left-padded among themselves, as a dynamic batch."""
+
+    cache: Any  # a transformers DynamicCache: [n, heads, L, dim] per self-attention layer, image states per cross layer
+    logits: torch.Tensor  # [n, vocab] float32 at each row's last prompt position
+    attention_mask: torch.Tensor  # [n, L] bool, False for left padding
+    lengths: list[int]  # each row's real prompt tokens (host side: no device reads to plan with them)
+    cross_mask: torch.Tensor  # [n, 1, 1, vision tokens] additive mask for one query, in the layers' form
+    row_mask: torch.Tensor  # [n, 1, 1, 1]: 0 for a row that sees no image tile
 
 
 def _pad_left(tensor: torch.Tensor, columns: int, dim: int) -> torch.Tensor:
@@ -82,11 +95,12 @@ class RunningBatch:
     rows: list[Row] = field(default_factory=list)
     cache: Any = None  # a transformers DynamicCache shared by all rows
     attention_mask: torch.Tensor | None = None  # [B, T] bool, False for left padding
+    lengths: list[int] = field(default_factory=list)  # columns each row uses (right-aligned at T), host side
     positions: torch.Tensor | None = None  # [B] position id of each row's next input token
     next_tokens: torch.Tensor | None = None  # [B] each row's next input token
     cross_mask: torch.Tensor | None = None  # [B, 1, 1, vision tokens] additive mask for one query
     row_mask: torch.Tensor | None = None  # [B, 1, 1, 1]: 0 for a row that sees no image tile
-    padded: bool = False  # whether some row has left padding (else no self-attention mask is needed)
+    sampling: RowSampling | None = None  # every row's sampling parameters and draw counter
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -96,36 +110,32 @@ class RunningBatch:
         return 0 if self.attention_mask is None else int(self.attention_mask.shape[1])
 
     @property
+    def padded(self) -> bool:
+        """Whether some row has left padding (else no self-attention mask is needed)."""
+        return any(n < self.length for n in self.lengths)
+
+    @property
     def cached_slots(self) -> int:
         """Token slots held in the self-attention cache, padding included (what memory is spent on)."""
         return len(self.rows) * self.length
 
-    def join(
-        self,
-        row: Row,
-        cache: Any,
-        prompt_length: int,
-        cross_masks: tuple[torch.Tensor, torch.Tensor],
-        first_token: int,
-    ) -> None:
-        """Merge a row prefilled alone (batch of one, no padding) into the running batch."""
-        cross_mask, row_mask = cross_masks
-        device = cross_mask.device
-        mask = torch.ones(1, prompt_length, dtype=torch.bool, device=device)
-        position = torch.tensor([prompt_length], device=device)
-        token = torch.tensor([first_token], device=device)
+    def join(self, rows: list[Row], prefill: Prefill, first_tokens: torch.Tensor, sampling: RowSampling) -> None:
+        """Merge newcomers prefilled together into the running batch, after its rows."""
+        device = prefill.attention_mask.device
+        positions = torch.tensor(prefill.lengths, device=device)
+        tokens = first_tokens.to(device)
         if not self.rows:
+            cache = prefill.cache
             for index, layer in enumerate(cache.layers):
                 if index not in self.cross_layers:
                     cache.layers[index] = SlackLayer(layer.keys, layer.values)
-            self.rows, self.cache, self.attention_mask = [row], cache, mask
-            self.positions, self.next_tokens = position, token
-            self.cross_mask, self.row_mask, self.padded = cross_mask, row_mask, False
+            self.rows, self.cache, self.attention_mask = list(rows), cache, prefill.attention_mask
+            self.lengths, self.positions, self.next_tokens = list(prefill.lengths), positions, tokens
+            self.cross_mask, self.row_mask, self.sampling = prefill.cross_mask, prefill.row_mask, sampling
             return
-        width = max(self.length, prompt_length)
-        grow, pad_new = width - self.length, width - prompt_length
-        self.padded = self.padded or grow > 0 or pad_new > 0
-        for index, (old, new) in enumerate(zip(self.cache.layers, cache.layers, strict=False)):
+        width = max(self.length, prefill.attention_mask.shape[1])
+        grow, pad_new = width - self.length, width - prefill.attention_mask.shape[1]
+        for index, (old, new) in enumerate(zip(self.cache.layers, prefill.cache.layers, strict=False)):
             if index in self.cross_layers:  # image states: same length for every row
                 old.keys = torch.cat([old.keys, new.keys], dim=0)
                 old.values = torch.cat([old.values, new.values], dim=0)
@@ -134,21 +144,27 @@ class RunningBatch:
                     torch.cat([_pad_left(old.keys, grow, 2), _pad_left(new.keys, pad_new, 2)], dim=0),
                     torch.cat([_pad_left(old.values, grow, 2), _pad_left(new.values, pad_new, 2)], dim=0),
                 )
-        self.attention_mask = torch.cat([_pad_left(self.attention_mask, grow, 1), _pad_left(mask, pad_new, 1)], dim=0)
-        self.positions = torch.cat([self.positions, position])
-        self.next_tokens = torch.cat([self.next_tokens, token])
-        self.cross_mask = torch.cat([self.cross_mask, cross_mask], dim=0)
-        self.row_mask = torch.cat([self.row_mask, row_mask], dim=0)
-        self.rows.append(row)
+        self.attention_mask = torch.cat(
+            [_pad_left(self.attention_mask, grow, 1), _pad_left(prefill.attention_mask, pad_new, 1)], dim=0
+        )
+        self.lengths += prefill.lengths
+        self.positions = torch.cat([self.positions, positions])
+        self.next_tokens = torch.cat([self.next_tokens, tokens])
+        self.cross_mask = torch.cat([self.cross_mask, prefill.cross_mask], dim=0)
+        self.row_mask = torch.cat([self.row_mask, prefill.row_mask], dim=0)
+        self.sampling = self.sampling.cat(sampling)
+        self.rows.extend(rows)
 
     def step_inputs(self) -> dict[str, Any]:
         """Text-model inputs for one decode step of every row; extends the mask by the new column.
 
-        The self-attention mask goes in as the 4-D boolean ``[B, 1, 1, T]`` the attention kernel
-        takes (passed through as is), or ``None`` while no row is padded, as ``generate`` would.
+        The self-attention mask goes in as the 4-D boolean ``[B, 1, 1, T]`` (``True`` = attend; the
+        worker converts it to the additive form if the attention kernel wants that), or ``None``
+        while no row is padded, as ``generate`` would.
         """
         assert self.attention_mask is not None
         self.attention_mask = torch.cat([self.attention_mask, self.attention_mask.new_ones(len(self.rows), 1)], dim=1)
+        self.lengths = [n + 1 for n in self.lengths]
         return {
             "input_ids": self.next_tokens[:, None],
             "attention_mask": self.attention_mask[:, None, None, :] if self.padded else None,
@@ -159,32 +175,38 @@ class RunningBatch:
         }
 
     def advance(self, tokens: torch.Tensor) -> None:
+        """After a step: each row's next input is the token it just got (a device tensor, not read back)."""
         self.positions = self.positions + 1
-        self.next_tokens = tokens
+        self.next_tokens = tokens.to(self.positions.device)
 
     def keep(self, keep: list[int]) -> None:
-        """Drop every row not listed; trim columns that are padding for all remaining rows."""
+        """Drop every row not listed; trim columns that are padding for all remaining rows.
+
+        Which columns to trim follows from the host-side row lengths, so leaving costs no device read.
+        """
         if len(keep) == len(self.rows):
             return
         if not keep:
-            self.rows, self.cache, self.attention_mask = [], None, None
-            self.positions = self.next_tokens = self.cross_mask = self.row_mask = None
-            self.padded = False
+            self.rows, self.cache, self.attention_mask, self.lengths = [], None, None, []
+            self.positions = self.next_tokens = self.cross_mask = self.row_mask = self.sampling = None
             return
+        lengths = [self.lengths[i] for i in keep]
+        first = self.length - max(lengths)  # first column some remaining row uses
         index = torch.tensor(keep, device=self.attention_mask.device)
-        mask = self.attention_mask.index_select(0, index)
-        first = int(mask.any(dim=0).byte().argmax())  # first column some remaining row uses
+        on_device = {index.device: index}  # a model spread over GPUs keeps each layer's cache on its own GPU
         for layer_index, layer in enumerate(self.cache.layers):
-            keys = layer.keys.index_select(0, index)
-            values = layer.values.index_select(0, index)
+            rows_here = on_device.setdefault(layer.keys.device, index.to(layer.keys.device))
+            keys = layer.keys.index_select(0, rows_here)
+            values = layer.values.index_select(0, rows_here)
             if layer_index in self.cross_layers:
                 layer.keys, layer.values = keys, values
             else:
                 layer.assign(keys[:, :, first:], values[:, :, first:])
-        self.attention_mask = mask[:, first:].contiguous()
+        self.attention_mask = self.attention_mask.index_select(0, index)[:, first:].contiguous()
+        self.lengths = lengths
         self.positions = self.positions.index_select(0, index)
         self.next_tokens = self.next_tokens.index_select(0, index)
         self.cross_mask = self.cross_mask.index_select(0, index)
         self.row_mask = self.row_mask.index_select(0, index)
-        self.padded = not bool(self.attention_mask.all())
+        self.sampling = self.sampling.select(keep)
         self.rows = [self.rows[i] for i in keep]

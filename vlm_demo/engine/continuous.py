@@ -4,9 +4,13 @@ A static batch costs as much as its longest row and makes newcomers wait for all
 engine thread runs its own step loop on the model's forward pass:
 
 1. admit: at a step boundary, the scheduler hands over waiting requests while rows and the KV
-   budget allow; each is prefilled alone (image through the vision tower into its cross-attention
-   states, prompt into its self-attention cache) and merged into the running batch;
-2. decode: one forward pass for every running row, per-row sampling, per-row streaming and stop;
+   budget (bytes: text keys/values per token plus each row's image states, see ``memory.py``)
+   allow; newcomers are prefilled together, up to ``--prefill-batch-size`` per forward pass
+   (images through the vision tower into their cross-attention states, prompts into their
+   self-attention cache: running rows stall for one vision pass, not one per newcomer) and merged
+   into the running batch;
+2. decode: one forward pass for every running row, sampling for all rows on the device, then the
+   step's one read back to the host (the tokens), per-row streaming and stop;
 3. evict: finished or cancelled rows leave at once and their cache columns are freed.
 
 Who runs next is the scheduler's business (``Scheduler.admit``), the cache layout is
@@ -17,15 +21,16 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from vlm_demo.config import Config
-from vlm_demo.engine.batch_state import Row, RunningBatch
-from vlm_demo.engine.engine import Engine, error_for, is_out_of_memory
+from vlm_demo.engine.batch_state import Prefill, Row, RunningBatch
+from vlm_demo.engine.engine import Engine, error_for, is_out_of_memory, release
 from vlm_demo.engine.request import Request
-from vlm_demo.engine.sampler import make_generator, pick_tokens
+from vlm_demo.engine.sampler import RowSampling
 from vlm_demo.engine.streamer import RowStreamer
 
 log = logging.getLogger(__name__)
@@ -38,10 +43,13 @@ class ContinuousEngine(Engine):
     def __init__(self, worker: Any, config: Config | None = None) -> None:
         config = config or Config(batching="continuous")
         self.kv_token_budget = config.kv_token_budget
+        self.prefill_batch_size = max(1, config.prefill_batch_size)
         self.batch = RunningBatch(cross_layers=worker.cross_attention_layers)
-        self.row_limit = config.max_batch_size
+        self.row_limit: int | None = None  # lowered after an out-of-memory step; None: max_batch_size
         self.good_steps = 0
         self.steps_run = 0
+        self.prefills_run = 0
+        self.recoveries = 0  # failed steps (or joins) whose rows were requeued
         super().__init__(worker, config)
 
     # ---- observation -------------------------------------------------------------------------
@@ -50,10 +58,16 @@ class ContinuousEngine(Engine):
         stats.update(
             running=len(self.batch),
             cached_token_slots=self.batch.cached_slots,
-            row_limit=self.row_limit,
+            cached_bytes=self.memory.kv.batch_bytes(len(self.batch), self.batch.length),
+            row_limit=self.rows_allowed,
             steps_run=self.steps_run,
+            prefills_run=self.prefills_run,
         )
         return stats
+
+    @property
+    def rows_allowed(self) -> int:
+        return self.max_batch_size if self.row_limit is None else min(self.row_limit, self.max_batch_size)
 
     # ---- the loop ----------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -68,16 +82,18 @@ class ContinuousEngine(Engine):
             row.request.cancel()
         self.batch.keep([])
 
-    def _fits(self) -> Any:
-        """Budget check for the next admission: padded cache slots after it joins."""
+    def _fits(self) -> Callable[[Request], bool]:
+        """Budget check for the next admission: the cache after it joins (padding and slack
+        included), in bytes and, if ``--kv-token-budget`` is set, in token slots."""
         rows, length = len(self.batch), self.batch.length
+        budget, kv = self.memory.kv_budget_bytes, self.memory.kv
 
         def fits(request: Request) -> bool:
             nonlocal rows, length
-            if self.kv_token_budget <= 0:
-                return True
             new_length = max(length, request.prompt_tokens)
-            if rows and (rows + 1) * new_length > self.kv_token_budget:
+            over_tokens = 0 < self.kv_token_budget < (rows + 1) * new_length
+            over_bytes = 0 < budget < kv.batch_bytes(rows + 1, new_length)
+            if rows and (over_tokens or over_bytes):
                 return False  # a lone request is always admitted, or it could never run
             rows, length = rows + 1, new_length
             return True
@@ -85,84 +101,114 @@ class ContinuousEngine(Engine):
         return fits
 
     def _admit(self) -> None:
-        free = min(self.max_batch_size, self.row_limit) - len(self.batch)
+        free = self.rows_allowed - len(self.batch)
         if free <= 0:
             return
-        for request in self.scheduler.admit(free, self._fits()):
-            if request.done:
-                continue
-            try:
-                self._prefill(request)
-            except Exception as exc:
-                if len(self.batch) and is_out_of_memory(exc):
-                    # Memory is held by running rows: wait for some to leave, then retry it.
-                    self.row_limit = max(1, len(self.batch))
-                    self.scheduler.requeue_front([request])
-                    return
-                self._fail(request, exc)
+        newcomers = [r for r in self.scheduler.admit(free, self._fits()) if not r.done]
+        recoveries = self.recoveries
+        for start in range(0, len(newcomers), self.prefill_batch_size):
+            back = self._admit_group(newcomers[start : start + self.prefill_batch_size])
+            if back or self.recoveries != recoveries:  # memory ran short: the rest wait too
+                self.scheduler.requeue_front(back + newcomers[start + self.prefill_batch_size :])
+                return
 
-    def _prefill(self, request: Request) -> None:
-        request.reset_progress()
-        request.started = request.started or time.monotonic()
-        cache, logits = self.worker.prefill(request)
-        row = Row(
-            request,
-            RowStreamer(self.worker.tokenizer, request, self.worker.eos_ids),
-            make_generator(request.params, self.worker.device),
-        )
-        token = pick_tokens(logits, [request.params], [row.generator])[0]
-        if row.streamer.feed(token):
-            return  # finished on its first token; never joins
-        request.batch_size = max(request.batch_size, len(self.batch) + 1)
-        self.batch.join(
-            row,
-            cache,
-            request.prompt_tokens,
-            self.worker.cross_attention_masks(request.inputs["cross_attention_mask"]),
-            token,
-        )
+    def _admit_group(self, group: list[Request]) -> list[Request]:
+        """Prefill ``group`` together and join it; if that fails, retry in halves. Returns the
+        requests to put back in the queue (out of memory while other rows hold the cache); once
+        one is put back, so are the ones after it."""
+        now = time.monotonic()
+        for request in group:
+            request.reset_progress()
+            request.started = request.started or now
+        failure: Exception | None = None
+        try:
+            prefill, sampling, tokens, first = self._prefill(group)
+        except Exception as exc:
+            failure = exc  # handled outside the except block, so the failed attempt's memory can go
+        if failure is not None:
+            release(failure)
+            if len(group) > 1:
+                middle = len(group) // 2
+                back = self._admit_group(group[:middle])
+                return back + group[middle:] if back else self._admit_group(group[middle:])
+            if len(self.batch) and is_out_of_memory(failure):
+                # Memory is held by running rows: wait for some to leave, then retry it.
+                self.row_limit = max(1, len(self.batch))
+                return group
+            self._fail(group[0], failure)
+            return []
+        rows = [Row(r, RowStreamer(self.worker.tokenizer, r, self.worker.eos_ids)) for r in group]
+        size = len(self.batch) + len(rows)
+        for row, token in zip(rows, first, strict=True):
+            row.request.batch_size = max(row.request.batch_size, size)
+            row.streamer.feed(token)  # a row that ends on its first token leaves at the next eviction
+        try:
+            self.batch.join(rows, prefill, tokens, sampling)
+        except Exception as exc:
+            failure = exc
+        if failure is not None:
+            self._recover(failure, newcomers=group)
+        return []
+
+    def _prefill(self, group: list[Request]) -> tuple[Prefill, RowSampling, torch.Tensor, list[int]]:
+        """The model call for newcomers and their first tokens (kept in its own frame: when it
+        fails, nothing of the attempt stays referenced from the caller's)."""
+        prefill = self.worker.prefill(group)
+        self.prefills_run += 1
+        sampling = RowSampling([r.params for r in group], prefill.logits.device)
+        tokens = sampling.sample(prefill.logits)
+        return prefill, sampling, tokens, tokens.tolist()
 
     def _evict_finished(self) -> None:
         """Finished and cancelled rows leave before the next step: they cost nothing more."""
         keep = [i for i, row in enumerate(self.batch.rows) if not (row.streamer.done or row.request.done)]
         self.batch.keep(keep)
 
+    def _next_tokens(self) -> torch.Tensor:
+        """One decode step and every row's next token, still on the device."""
+        logits = self.worker.decode(self.batch.step_inputs())
+        return self.batch.sampling.sample(logits)
+
     def _step(self) -> None:
         rows = self.batch.rows
         size = len(rows)
+        failure: Exception | None = None
         try:
-            logits = self.worker.decode(self.batch.step_inputs())
+            tokens = self._next_tokens()
         except Exception as exc:
-            self._recover(exc)
+            failure = exc
+        if failure is not None:
+            self._recover(failure)
             return
         self.steps_run += 1
         self._notify("on_batch", size)
-        tokens = pick_tokens(logits, [r.request.params for r in rows], [r.generator for r in rows])
-        for row, token in zip(rows, tokens, strict=False):
+        self.batch.advance(tokens)
+        for row, token in zip(rows, tokens.tolist(), strict=True):  # the step's one read back to the host
             row.request.batch_size = max(row.request.batch_size, size)
             row.streamer.feed(token)
-        self.batch.advance(torch.tensor(tokens, device=self.batch.next_tokens.device))
         self._evict_finished()
         self.good_steps += 1
-        if self.row_limit < self.max_batch_size and self.good_steps >= RECOVERY_STEPS:
-            self.row_limit += 1
+        if self.row_limit is not None and self.good_steps >= RECOVERY_STEPS:
+            self.row_limit = None if self.row_limit + 1 >= self.max_batch_size else self.row_limit + 1
             self.good_steps = 0
 
-    def _recover(self, exc: Exception) -> None:
+    def _recover(self, exc: Exception, newcomers: list[Request] | None = None) -> None:
         """A failed step may leave the cache half-updated: drop it and requeue the rows to start
         over (clients see no repeats; seeded sampled rows redraw the same tokens), with half the
-        row limit. A row that fails on its own gets the error."""
-        rows = [row.request for row in self.batch.rows]
+        row limit. A row that fails on its own gets the error. The cache and the failed attempt's
+        memory are released before anything runs again."""
+        requests = [row.request for row in self.batch.rows]
+        requests += [r for r in newcomers or [] if r not in requests]
         self.batch.keep([])
-        if is_out_of_memory(exc) and torch.cuda.is_available():
-            torch.cuda.empty_cache()
-        if len(rows) > 1:
-            log.warning("step with %d rows failed (%s); requeueing with a lower row limit", len(rows), exc)
-            self.row_limit = max(1, len(rows) // 2)
+        self.recoveries += 1
+        release(exc)
+        if len(requests) > 1:
+            log.warning("step with %d rows failed (%s); requeueing with a lower row limit", len(requests), exc)
+            self.row_limit = max(1, len(requests) // 2)
             self.good_steps = 0
-            self.scheduler.requeue_front(rows)
+            self.scheduler.requeue_front(requests)
             return
-        for request in rows:
+        for request in requests:
             self._fail(request, exc)
 
     def _fail(self, request: Request, exc: Exception) -> None:

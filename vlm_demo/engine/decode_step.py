@@ -6,8 +6,9 @@ builders, output-capturing and deprecation decorators and gradient-checkpointing
 layer. On a small model, and on a fast GPU with the 11B model at small batch sizes, that Python work
 costs as much as the arithmetic. ``TextDecodeStep`` runs the same operations, in the same order, on
 the same modules' weights (token-identical to ``generate``: the continuous-batching tests check it),
-and nothing else. It expects what ``RunningBatch.step_inputs`` prepares: a 4-D boolean self-attention
-mask (or ``None``), cross-attention masks already in the layers' form, and a cache whose
+and nothing else. It expects what ``RunningBatch.step_inputs`` prepares, as ``Worker.decode`` hands
+it on: a 4-D self-attention mask (boolean for sdpa, additive for eager, which adds the mask to the
+scores) or ``None``, cross-attention masks already in the layers' form, and a cache whose
 cross-attention layers hold every row's image states.
 """
 

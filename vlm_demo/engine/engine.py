@@ -2,18 +2,23 @@
 
 Failure isolation lives here. If a batch raises (CUDA out of memory, a kernel error), it is split in
 halves and each half retried, down to single requests; only a request that fails on its own gets an
-error, and the worker thread carries on with the next batch.
+error, and the worker thread carries on with the next batch. The retry runs only after the failed
+attempt's memory is released (see :func:`release`): one out-of-memory batch must not make every
+retry fail too.
 """
 
 from __future__ import annotations
 
+import gc
 import logging
 import threading
+import traceback
 from typing import Any, Protocol
 
 import torch
 
 from vlm_demo.config import Config
+from vlm_demo.engine.memory import plan_for
 from vlm_demo.engine.request import GenerationResult, Request, ValidRequest
 from vlm_demo.engine.scheduler import Scheduler
 from vlm_demo.engine.worker import Worker
@@ -40,6 +45,28 @@ def is_out_of_memory(exc: BaseException) -> bool:
     return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()
 
 
+def release(exc: BaseException) -> None:
+    """Free what a failed attempt still holds before anything is retried.
+
+    An exception's traceback keeps every frame it passed through alive, and with them their locals:
+    for a failed ``generate`` that is the whole KV cache and the activations. Retrying inside the
+    ``except`` block (or while the exception is kept) runs the retry next to all of it, so one
+    out-of-memory batch cascades. Here the frames are cleared (chained exceptions too), the garbage
+    collected and the allocator's cached blocks returned; the message stays for the error.
+    """
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if current.__traceback__ is not None:
+            traceback.clear_frames(current.__traceback__)
+            current.__traceback__ = None
+        current = current.__cause__ or current.__context__
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def error_for(exc: Exception) -> DemoError:
     """The user-facing error for a request that failed on its own."""
     if is_out_of_memory(exc):
@@ -56,7 +83,8 @@ class Engine:
     def __init__(self, worker: Worker, config: Config | None = None) -> None:
         self.worker = worker
         self.config = config or Config()
-        self.max_batch_size = self.config.max_batch_size
+        self.memory = plan_for(worker, self.config)  # in the engine process, after the weights are loaded
+        self.max_batch_size = self.memory.max_batch_size
         self.scheduler = Scheduler(self.max_batch_size, self.config.batch_window_ms / 1000.0, self.config.max_queue)
         self.listeners: list[Listener] = []
         self.running: list[Request] = []
@@ -128,8 +156,8 @@ class Engine:
             "queue_depth": self.scheduler.depth,
             "running": sum(1 for r in self.running if not r.done),
             "batches_run": self.batches_run,
-            "max_batch_size": self.max_batch_size,
             "device": str(self.worker.device),
+            **self.memory.stats(),
         }
 
     # ---- the engine thread -------------------------------------------------------------------
@@ -146,17 +174,19 @@ class Engine:
         self.running = live
         self.batches_run += 1
         self._notify("on_batch", len(live))
+        failure: Exception | None = None
         try:
             self.worker.run(live)
         except Exception as exc:
-            self._recover(live, exc)
+            failure = exc  # handled below, outside the except block: see ``release``
         finally:
             self.running = []
+        if failure is not None:
+            self._recover(live, failure)
 
     def _recover(self, batch: list[Request], exc: Exception) -> None:
         """Split a failed batch and retry the halves; fail only requests that fail alone."""
-        if is_out_of_memory(exc) and torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        release(exc)
         unfinished = [r for r in batch if not r.done]
         if len(unfinished) > 1:
             log.warning("batch of %d failed (%s); retrying in halves", len(unfinished), exc)

@@ -1,10 +1,13 @@
-"""Per-row sampling inside one batch.
+"""Per-row sampling for a whole batch, on the device, in a fixed handful of kernels.
 
-``generate`` applies one decoding strategy to every row. We run it greedy and let this logits
-processor pick each sampled row's token itself (temperature, top-p, the row's own RNG), then leave
-only that token standing so the greedy argmax takes it. Greedy rows pass through untouched, so a
-greedy row in a mixed batch equals its single run, and a sampled row with a fixed seed gives the
-same text whatever it is batched with.
+The rows of one batch differ: greedy or sampled, each with its own temperature, top-p and seed.
+Greedy rows take the argmax. Sampled rows draw by inverse CDF over their top-p nucleus, from a
+uniform number that is a hash of (row seed, draw index) — a counter-based generator, like Philox.
+So a seeded row draws the same numbers whatever its neighbours, in either batching mode and on any
+device; there is no per-row ``torch.Generator`` (which lives on one device: wrong when a model
+spread over GPUs puts its logits elsewhere) and no per-row host round trip (a softmax, a 128k sort
+and an ``int()`` per sampled row cost a GPU step its speed). Nothing here reads a value back to the
+host: the caller does that once per step, for the tokens it streams.
 """
 
 from __future__ import annotations
@@ -16,54 +19,119 @@ from transformers import LogitsProcessor
 
 from vlm_demo.engine.request import SamplingParams
 
-
-def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
-    """Draw one token id from a row's logits with temperature and nucleus (top-p) filtering."""
-    probs = torch.softmax(logits.float() / params.temperature, dim=-1)
-    if params.top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, descending=True)
-        cumulative = torch.cumsum(sorted_probs, dim=-1)
-        keep = cumulative - sorted_probs < params.top_p  # always keeps the most likely token
-        sorted_probs = sorted_probs * keep
-        choice = torch.multinomial(sorted_probs, 1, generator=generator)
-        return int(order[choice])
-    return int(torch.multinomial(probs, 1, generator=generator))
+MASK32 = 0xFFFFFFFF
 
 
-def pick_tokens(
-    logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None]
-) -> list[int]:
-    """Next token of every row: argmax for greedy rows, a seeded draw for sampled ones."""
-    tokens = logits.argmax(dim=-1).tolist()
-    for row, (p, gen) in enumerate(zip(params, generators, strict=False)):
-        if gen is not None:
-            tokens[row] = sample_token(logits[row], p, gen)
-    return tokens
+def _mul32(x: torch.Tensor, constant: int) -> torch.Tensor:
+    """``x * constant mod 2**32`` for int64 tensors holding 32-bit values, without int64 overflow."""
+    low = (x & 0xFFFF) * constant
+    high = (((x >> 16) * constant) & 0xFFFF) << 16
+    return (low + high) & MASK32
 
 
-def make_generator(params: SamplingParams, device: torch.device | str) -> torch.Generator | None:
-    """A row's own RNG (None when greedy): its draws never depend on its neighbours."""
-    if params.greedy:
-        return None
-    return torch.Generator(device=device).manual_seed(int(params.seed or 0))
+def hash32(x: torch.Tensor) -> torch.Tensor:
+    """Chris Wellons' ``lowbias32`` integer hash, elementwise; exact integer maths, so every device
+    gives the same bits."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def uniforms(keys: torch.Tensor, draws: torch.Tensor) -> torch.Tensor:
+    """One float32 in [0, 1) per row (24 random bits): a function of the row's key and draw index only."""
+    return (hash32(keys ^ hash32(draws & MASK32)) >> 8).to(torch.float32) * 2.0**-24
+
+
+def draw(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Token ids ``[S]`` drawn from ``[S, vocab]`` logits with per-row temperature and nucleus (top-p)
+    filtering, by inverse CDF at the per-row uniforms ``u``."""
+    probs = torch.softmax(logits.float() / temperature[:, None], dim=-1)
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    kept = sorted_probs.masked_fill(mass_before >= top_p[:, None], 0.0)  # the most likely token always stays
+    cdf = kept.cumsum(dim=-1)
+    total = cdf[:, -1:]
+    index = torch.searchsorted(cdf, u[:, None] * total, right=True)
+    last = (cdf < total).sum(dim=-1, keepdim=True)  # the last token with mass (guards u * total rounding up)
+    return order.gather(1, torch.minimum(index, last)).squeeze(1)
+
+
+def _split_seed(seed: int | None) -> tuple[int, int]:
+    value = int(seed or 0)
+    return value & MASK32, (value >> 32) & MASK32
+
+
+class RowSampling:
+    """The sampling state of a batch's rows, as tensors on the logits' device.
+
+    Rows join (``cat``) and leave (``select``) with the batch; ``sample`` picks every row's next
+    token and advances the sampled rows' draw counters. A row's ``n``-th token is always draw
+    ``n``, so a row restarted after an out-of-memory step draws the same tokens again.
+    """
+
+    def __init__(self, params: Sequence[SamplingParams], device: torch.device | str, draws: torch.Tensor | None = None):
+        self.params = list(params)
+        self.device = torch.device(device)
+        self.draws = draws if draws is not None else torch.zeros(len(self.params), dtype=torch.long, device=device)
+        self.sampled = [i for i, p in enumerate(self.params) if not p.greedy]
+        if self.sampled:
+            chosen = [self.params[i] for i in self.sampled]
+            self.index = torch.tensor(self.sampled, dtype=torch.long, device=device)
+            self.temperature = torch.tensor([p.temperature for p in chosen], dtype=torch.float32, device=device)
+            self.top_p = torch.tensor([p.top_p for p in chosen], dtype=torch.float32, device=device)
+            halves = torch.tensor([_split_seed(p.seed) for p in chosen], dtype=torch.long, device=device)
+            self.keys = hash32(halves[:, 1] ^ hash32(halves[:, 0]))
+
+    def __len__(self) -> int:
+        return len(self.params)
+
+    @property
+    def all_greedy(self) -> bool:
+        return not self.sampled
+
+    def cat(self, other: RowSampling) -> RowSampling:
+        """This batch's rows followed by ``other``'s (newcomers), counters kept."""
+        return RowSampling(
+            self.params + other.params, self.device, torch.cat([self.draws, other.draws.to(self.device)])
+        )
+
+    def select(self, keep: Sequence[int]) -> RowSampling:
+        """Only the listed rows, in that order, counters kept."""
+        index = torch.tensor(list(keep), dtype=torch.long, device=self.device)
+        return RowSampling([self.params[i] for i in keep], self.device, self.draws.index_select(0, index))
+
+    def sample(self, logits: torch.Tensor) -> torch.Tensor:
+        """``[B, vocab]`` logits -> ``[B]`` token ids on the same device (no host sync)."""
+        tokens = logits.argmax(dim=-1)
+        if self.sampled:
+            all_rows = len(self.sampled) == len(self.params)
+            rows = logits if all_rows else logits.index_select(0, self.index)
+            draws = self.draws if all_rows else self.draws.index_select(0, self.index)
+            drawn = draw(rows, self.temperature, self.top_p, uniforms(self.keys, draws))
+            tokens = drawn if all_rows else tokens.index_copy(0, self.index, drawn)
+            self.draws += 1
+        return tokens
 
 
 class RowSampler(LogitsProcessor):
-    """Turns sampled rows into one-hot scores; greedy rows are left as they are."""
+    """Dynamic mode: ``generate`` runs greedy and this processor leaves only each sampled row's
+    drawn token standing, so the argmax takes it; greedy rows pass through untouched."""
 
-    def __init__(self, params: Sequence[SamplingParams], device: torch.device | str) -> None:
+    def __init__(self, params: Sequence[SamplingParams]) -> None:
         self.params = list(params)
-        self.generators = [make_generator(p, device) for p in self.params]
+        self.rows: RowSampling | None = None  # built on the first call, on the logits' device
 
     @property
     def needed(self) -> bool:
-        return any(g is not None for g in self.generators)
+        return any(not p.greedy for p in self.params)
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        for row, (p, gen) in enumerate(zip(self.params, self.generators, strict=False)):
-            if gen is None:
-                continue
-            token = sample_token(scores[row], p, gen)
-            scores[row].fill_(float("-inf"))
-            scores[row, token] = 0.0
-        return scores
+        if self.rows is None:
+            self.rows = RowSampling(self.params, scores.device)
+        tokens = self.rows.sample(scores)
+        index = self.rows.index
+        picked = torch.full((len(index), scores.shape[1]), float("-inf"), dtype=scores.dtype, device=scores.device)
+        picked.scatter_(1, tokens.index_select(0, index)[:, None], 0.0)
+        return scores.index_copy(0, index, picked)

@@ -1,18 +1,24 @@
 """Runs batches on one ``MllamaForConditionalGeneration``.
 
-The worker owns the model and processor. ``prepare`` turns one request into tensors on the caller's
-thread (so a broken image fails alone, before it can join a batch); ``run`` left-pads a batch of
-prepared requests and calls ``generate`` once, with per-row sampling and per-row streaming/stopping.
+The worker owns the model and processor. ``load`` checks what it was given before reading any
+weights (a missing folder, an unreachable hub id, ``--device cuda`` without CUDA, a checkpoint that
+is not Mllama, a model the GPU cannot hold) and says so in one sentence (``ModelLoadError``).
+``prepare`` turns one request into tensors on the caller's thread (so a broken image fails alone,
+before it can join a batch). Dynamic mode: ``run`` left-pads a batch of prepared requests and calls
+``generate`` once, with per-row sampling and per-row streaming/stopping. Continuous mode:
+``prefill`` runs newcomers together, ``decode`` one step for every running row.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import Any
 
 import torch
 from transformers import (
+    AutoConfig,
     AutoProcessor,
     GenerationConfig,
     LogitsProcessorList,
@@ -22,11 +28,13 @@ from transformers import (
 from transformers.models.mllama.modeling_mllama import _prepare_cross_attention_mask
 
 from vlm_demo.config import Config
+from vlm_demo.engine import placement
+from vlm_demo.engine.batch_state import Prefill
 from vlm_demo.engine.decode_step import TextDecodeStep, single_device
 from vlm_demo.engine.request import Request
 from vlm_demo.engine.sampler import RowSampler
 from vlm_demo.engine.streamer import BatchStreamer, RowStreamer
-from vlm_demo.errors import InvalidRequestError
+from vlm_demo.errors import InvalidRequestError, ModelLoadError
 
 log = logging.getLogger(__name__)
 
@@ -34,9 +42,26 @@ log = logging.getLogger(__name__)
 SEQUENCE_KEYS = ("input_ids", "attention_mask", "cross_attention_mask")
 
 
+DTYPES = ("bfloat16", "float16", "float32")
+
+
 def resolve_device(device: str) -> str:
+    """``auto`` picks CUDA when present; an explicit ``cuda``/``cuda:N`` without CUDA is an error, not
+    a silent CPU run."""
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise ModelLoadError(
+                f"--device {device} was given but PyTorch sees no CUDA GPU (torch {torch.__version__}, "
+                f"CUDA build {torch.version.cuda or 'none'}); use --device cpu or --device auto."
+            )
+        if device != "cuda":
+            index = device.split(":", 1)[1]
+            if not index.isdigit() or int(index) >= torch.cuda.device_count():
+                raise ModelLoadError(f"--device {device}: there is no such GPU ({torch.cuda.device_count()} visible).")
+    elif device != "cpu":
+        raise ModelLoadError(f"--device {device} is not supported; use auto, cpu, cuda or cuda:N.")
     return device
 
 
@@ -44,16 +69,69 @@ def resolve_dtype(dtype: str, device: str) -> torch.dtype:
     """bf16 on GPU (the checkpoint's dtype), fp32 on CPU (bf16 matmuls are slow and lossy there)."""
     if dtype == "auto":
         return torch.bfloat16 if device.startswith("cuda") else torch.float32
+    if dtype not in DTYPES:
+        raise ModelLoadError(f"--dtype {dtype} is not supported; use auto, {', '.join(DTYPES)}.")
     return getattr(torch, dtype)
 
 
+def looks_like_path(model: str) -> bool:
+    """A filesystem path, never a hub id: starts with ``/``, ``.`` or ``~``, has a path separator
+    other than the one ``/`` of ``org/name``, or names an existing folder."""
+    separators = {os.sep, os.altsep} - {None, "/"}
+    return (
+        model.startswith(("/", ".", "~"))
+        or model.count("/") > 1
+        or any(sep in model for sep in separators)
+        or os.path.isdir(model)
+    )
+
+
 def resolve_model_path(model: str, tiny_dir: str | None = None) -> str:
-    """``tiny`` means the offline test model, built once into its cache folder."""
+    """``tiny`` means the offline test model, built once into its cache folder; a path must exist."""
     if model == "tiny":
         from vlm_demo.tiny import ensure_tiny
 
         return ensure_tiny(tiny_dir or None)
+    if looks_like_path(model):
+        path = os.path.expanduser(model)
+        if not os.path.isdir(path):
+            raise ModelLoadError(
+                f"The model folder {path} does not exist (--model takes a folder, a hub id or 'tiny')."
+            )
+        return path
     return model
+
+
+def hub_error(model: str, exc: Exception) -> ModelLoadError:
+    """One sentence for a hub id that could not be fetched (offline, unknown, gated)."""
+    text = str(exc)
+    if "connect" in text or "offline" in text.lower():
+        return ModelLoadError(
+            f"Could not download {model} from the Hugging Face Hub: no network (or HF_HUB_OFFLINE is set) and it is "
+            f"not in the local cache; pass a local copy with --model /path/to/folder, or --model tiny for the "
+            f"offline test model."
+        )
+    first = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
+    return ModelLoadError(f"Could not load {model} from the Hugging Face Hub ({first}).")
+
+
+def load_model_config(path: str, model: str) -> Any:
+    """The checkpoint's config, read before any weights so a wrong ``--model`` fails in a second."""
+    local = os.path.isdir(path)
+    if local and not os.path.isfile(os.path.join(path, "config.json")):
+        raise ModelLoadError(f"{path} is not a model folder: it has no config.json.")
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except (OSError, ValueError) as exc:
+        if local:
+            raise ModelLoadError(f"Could not read the model config in {path}: {exc}") from exc
+        raise hub_error(model, exc) from exc
+    if config.model_type != "mllama":
+        raise ModelLoadError(
+            f"{model} is a '{config.model_type}' checkpoint, not Mllama (Llama-3.2-Vision, which "
+            f"Llama-3.2V-11B-cot is); this demo serves Mllama checkpoints only."
+        )
+    return config
 
 
 def left_pad(tensors: list[torch.Tensor], value: int | float) -> torch.Tensor:
@@ -85,6 +163,15 @@ def collate(inputs: list[dict[str, torch.Tensor]], pad_id: int) -> dict[str, tor
     return batch
 
 
+def input_device(model: Any) -> torch.device:
+    """Where inputs go: the token embedding's device. With a model spread by ``device_map`` the
+    first parameter (the vision tower's) may sit on another GPU or be offloaded (``meta``)."""
+    device = model.get_input_embeddings().weight.device
+    if device.type == "meta":
+        return next((p.device for p in model.parameters() if p.device.type != "meta"), torch.device("cpu"))
+    return device
+
+
 class Worker:
     """One model replica; not thread-safe by design (the engine calls it from one thread)."""
 
@@ -93,11 +180,13 @@ class Worker:
         self.processor = processor
         self.name = name
         self.tokenizer = processor.tokenizer
-        self.device = next(model.parameters()).device
+        self.device = input_device(model)
         self.dtype = next(model.parameters()).dtype
         self.pad_id = self._pad_id()
         self.eos_ids = self._eos_ids()
         self.decode_step = TextDecodeStep(model) if single_device(model) else None
+        # sdpa takes the boolean mask as is; eager (and the other kernels) add the mask to the scores.
+        self.additive_mask = model.config.get_text_config()._attn_implementation != "sdpa"
 
     @classmethod
     def from_config(cls, config: Config) -> Worker:
@@ -107,24 +196,43 @@ class Worker:
     def load(
         cls, model: str, device: str = "auto", dtype: str = "auto", tiny_dir: str | None = None, cpu_threads: int = 1
     ) -> Worker:
-        """Load weights and processor from a hub id or folder (``tiny`` builds the test model)."""
+        """Load weights and processor from a hub id or folder (``tiny`` builds the test model).
+
+        Raises :class:`ModelLoadError` (one sentence, no traceback needed) for a missing folder, an
+        unreachable hub id, ``--device cuda`` without CUDA, a checkpoint that is not Mllama, or a
+        model that does not fit the GPU.
+        """
         path = resolve_model_path(model, tiny_dir)
         dev = resolve_device(device)
+        torch_dtype = resolve_dtype(dtype, dev)
+        config = load_model_config(path, model)
         if dev == "cpu" and cpu_threads > 0:
             # Small matmuls gain nothing from threads, and OpenMP threads that spin-wait for a
             # descheduled sibling make every step many times slower on a shared machine.
             torch.set_num_threads(cpu_threads)
-        kwargs: dict[str, Any] = {"dtype": resolve_dtype(dtype, dev)}
+        kwargs: dict[str, Any] = {"dtype": torch_dtype}
         if dev.startswith("cuda"):
-            # accelerate spreads an 11B model over all visible GPUs; a named device pins it.
-            kwargs["device_map"] = "auto" if dev == "cuda" else {"": dev}
+            weights = placement.weight_bytes(config, torch_dtype)
+            kwargs.update(placement.load_kwargs(dev, weights, placement.visible_gpus(), torch_dtype))
         started = time.monotonic()
-        net = MllamaForConditionalGeneration.from_pretrained(path, **kwargs)
-        if not dev.startswith("cuda"):
+        try:
+            net = MllamaForConditionalGeneration.from_pretrained(path, config=config, **kwargs)
+            processor = AutoProcessor.from_pretrained(path)
+        except torch.OutOfMemoryError as exc:
+            raise ModelLoadError(
+                f"The GPU ran out of memory while loading {model}: {str(exc).splitlines()[0]}"
+            ) from exc
+        except (OSError, ValueError) as exc:  # unreadable files; accelerate refusing a placement
+            if os.path.isdir(path):
+                raise ModelLoadError(f"Could not load the model in {path}: {str(exc).splitlines()[0]}") from exc
+            raise hub_error(model, exc) from exc
+        if dev.startswith("cuda"):
+            placement.check_on_gpus(net)
+        else:
             net.to(dev)
         net.eval()
-        processor = AutoProcessor.from_pretrained(path)
-        log.info("loaded %s on %s (%s) in %.1f s", model, dev, kwargs["dtype"], time.monotonic() - started)
+        where = sorted({str(p.device) for p in net.parameters()})
+        log.info("loaded %s on %s (%s) in %.1f s", model, ", ".join(where), torch_dtype, time.monotonic() - started)
         return cls(net, processor, model)
 
     def _pad_id(self) -> int:
@@ -192,10 +300,21 @@ class Worker:
         return frozenset(self.model.config.get_text_config().cross_attention_layers)
 
     @torch.inference_mode()
-    def prefill(self, request: Request) -> tuple[Any, torch.Tensor]:
-        """Continuous mode: run one request's image and prompt alone; return its cache and last logits."""
-        out = self.model(**self.to_device(dict(request.inputs)), use_cache=True, logits_to_keep=1)
-        return out.cache, out.logits[:, -1].float()
+    def prefill(self, requests: list[Request]) -> Prefill:
+        """Continuous mode: run newcomers' images and prompts together, left-padded like a dynamic
+        batch (positions counted from each row's first real token, as ``generate`` does); return
+        their cache, last logits and masks, ready to join the running batch."""
+        inputs = self.to_device(collate([r.inputs for r in requests], self.pad_id))
+        lengths = [r.prompt_tokens for r in requests]
+        mask = inputs["attention_mask"].bool()
+        cross = inputs["cross_attention_mask"]
+        if len(set(lengths)) == 1:  # no padding: what generate passes then (no mask, default positions)
+            inputs["attention_mask"] = None
+        else:
+            inputs["position_ids"] = (inputs["attention_mask"].long().cumsum(-1) - 1).masked_fill(~mask, 0)
+        out = self.model(**inputs, use_cache=True, logits_to_keep=1)
+        cross_mask, row_mask = self.cross_attention_masks(cross)
+        return Prefill(out.cache, out.logits[:, -1].float(), mask, lengths, cross_mask, row_mask)
 
     def cross_attention_masks(self, cross_attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Continuous mode: a row's decode-step cross-attention masks, built once when it joins.
@@ -217,6 +336,10 @@ class Worker:
         written-out step skips the stock forward's per-call machinery; a model spread over several
         devices goes through the text model's own forward instead.
         """
+        mask = inputs["attention_mask"]
+        if mask is not None and self.additive_mask:
+            additive = torch.zeros(mask.shape, dtype=self.dtype, device=mask.device)
+            inputs = {**inputs, "attention_mask": additive.masked_fill_(~mask, torch.finfo(self.dtype).min)}
         if self.decode_step is not None:
             return self.decode_step(**inputs)
         hidden = self.model.model.language_model(**inputs, use_cache=True).last_hidden_state
@@ -233,7 +356,7 @@ class Worker:
         inputs = self.to_device(collate([r.inputs for r in batch], self.pad_id))
         rows = [RowStreamer(self.tokenizer, r, self.eos_ids) for r in batch]
         streamer = BatchStreamer(rows)
-        sampler = RowSampler([r.params for r in batch], self.device)
+        sampler = RowSampler([r.params for r in batch])
         self.model.generate(
             **inputs,
             generation_config=self.generation_config(max(r.params.max_new_tokens for r in batch)),

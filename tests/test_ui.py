@@ -1,0 +1,143 @@
+"""The page as built (no server, no model): what the "Use via API" page shows, the controls' limits, and
+the status line's honesty, driven through the page's real handler with a scripted backend stream.
+
+The browser tests (``test_browser.py``) check the same page rendered, on the tiny model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from vlm_demo.config import Config
+from vlm_demo.metrics import Metrics
+from vlm_demo.schema import GenerationResult, ValidRequest
+from vlm_demo.stream import OutputStream
+from vlm_demo.ui import DemoUI
+
+ROOT = Path(__file__).resolve().parents[1]
+RED = str(ROOT / "assets" / "tiny" / "red.png")
+INPUTS = ["image", "question", "max_new_tokens", "temperature", "top_p"]
+OUTPUTS = ["summary", "caption", "reasoning", "conclusion", "raw", "status", "extra", "stages_html"]
+
+
+class ScriptedStream(OutputStream):
+    """A backend stream the test writes into: queue position first, then text, then the ending."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ahead = 2
+
+    def write(self, text: str) -> None:
+        self.ahead = 0
+        self._send(text)
+
+    def finish(self, text: str, reason: str = "stop") -> None:
+        self._end(GenerationResult(text, reason, 1, 10, 20, 0.0, 0.1, 0.5), None)
+
+    def cancel(self) -> None:
+        pass
+
+
+class ScriptedBackend:
+    name = "scripted"
+    model = "scripted-model"
+
+    def __init__(self) -> None:
+        self.streams: list[ScriptedStream] = []
+
+    def submit(self, request: ValidRequest) -> ScriptedStream:
+        self.streams.append(ScriptedStream())
+        return self.streams[-1]
+
+    def run_batch(self, items: list[ValidRequest]) -> list[Any]:
+        raise AssertionError("not used here")
+
+    def health(self) -> dict[str, Any]:
+        return {"ready": True, "queue_depth": 0}
+
+    def add_listener(self, listener: Any) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def page() -> DemoUI:
+    return DemoUI(ScriptedBackend(), Config(max_batch_size=4), Metrics(), notice="tiny model")  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def api(page: DemoUI) -> dict[str, Any]:
+    return page.build().get_api_info()["named_endpoints"]
+
+
+def test_the_api_page_lists_only_ask_and_ask_batch_with_named_typed_parameters_and_outputs(api) -> None:
+    assert set(api) == {"/ask", "/ask_batch"}, "a page-only event leaked into the API"
+    for name in ("/ask", "/ask_batch"):
+        params = api[name]["parameters"]
+        assert [p["parameter_name"] for p in params] == INPUTS, name
+        assert params[2]["type"]["type"] == "integer", "max_new_tokens must be typed as a whole number"
+        assert [r["label"] for r in api[name]["returns"]] == OUTPUTS, name
+    description = api["/ask_batch"]["description"]
+    assert description.startswith("Answer without streaming") and "#" not in description
+
+
+def test_the_controls_offer_only_what_the_server_accepts(page: DemoUI) -> None:
+    blocks = page.build().blocks.values()
+    by_id = {b.elem_id: b for b in blocks if getattr(b, "elem_id", None)}
+    assert by_id["top_p"].minimum > 0, "top_p 0 is rejected when sampling"
+    assert by_id["max_new_tokens"].maximum == page.config.max_new_tokens
+    question = by_id["q"]
+    assert question.lines == 1 and question.max_lines > 1, "Enter must ask (Gradio: lines=1); Shift+Enter adds lines"
+    assert "Shift+Enter" in question.info
+    assert {"clear", "upload_error", "ask", "stop", "examples", "examples_tiny"} <= by_id.keys()
+
+
+async def _ask_page(page: DemoUI, *steps) -> list[tuple]:
+    """The page's Ask handler to its end while ``steps`` (each given the stream) write into the backend's
+    stream, one every 0.2 s, like a model that answers a little later."""
+
+    async def collect() -> list[tuple]:
+        return [u async for u in page.handlers.ask_page(RED, "What colour?", 64, 0.0, 1.0)]
+
+    async def play() -> None:
+        for step in steps:
+            await asyncio.sleep(0.2)
+            step(page.backend.streams[-1])
+
+    updates, _ = await asyncio.wait_for(asyncio.gather(collect(), play()), timeout=20)
+    return updates
+
+
+def _statuses(updates: list[tuple]) -> list[str]:
+    return [u[5] for u in updates if isinstance(u[5], str)]
+
+
+def test_status_shows_the_queue_position_then_says_when_the_conclusion_is_missing(page: DemoUI) -> None:
+    partial = "<SUMMARY>plan</SUMMARY><CAPTION>a red square</CAPTION>"
+    updates = asyncio.run(_ask_page(page, lambda s: s.write(partial), lambda s: s.finish(partial)))
+    statuses = _statuses(updates)
+    assert statuses[0] == "Waiting for the model… 2 ahead of you", statuses
+    assert statuses[-1].startswith("Ended without a CONCLUSION"), statuses
+
+
+def test_status_says_done_when_the_answer_has_its_conclusion(page: DemoUI) -> None:
+    answer = "<SUMMARY>s</SUMMARY><CAPTION>c</CAPTION><REASONING>r</REASONING><CONCLUSION>red</CONCLUSION>"
+    updates = asyncio.run(_ask_page(page, lambda s: s.write(answer), lambda s: s.finish(answer)))
+    assert _statuses(updates)[-1].startswith("Done"), _statuses(updates)
+    assert updates[-1][3] == "red"
+
+
+def test_a_bad_request_on_the_page_is_one_status_line_not_an_error(page: DemoUI) -> None:
+    async def ask() -> list[tuple]:
+        return [u async for u in page.handlers.ask_page(RED, "   ", 64, 0.0, 1.0)]
+
+    updates = asyncio.run(ask())  # raises nothing: no toast, no error mark on the outputs
+    assert len(updates) == 1
+    assert updates[0][5].startswith("⚠ Invalid input: ") and "type a question" in updates[0][5]
+    assert updates[0][:4] == ("", "", "", ""), "the panels are cleared, not left holding an older answer"

@@ -1,0 +1,156 @@
+"""How many rows fit: the KV cache in bytes, and the batch size that follows from free GPU memory.
+
+A row's cache has two parts. Its text keys/values grow with every token (Llama-3.2-11B-Vision,
+bf16: 2 × 32 self-attention layers × 8 heads × 128 × 2 bytes = 128 KiB per token). Its image's
+cross-attention keys/values are fixed (8 cross-attention layers × 4 tiles × 1601 patches: ~210 MB
+per row, whatever the answer's length). Counting rows × tokens alone, as a token budget does,
+misses the second part, which dominates short answers.
+
+The plan is made where the model is loaded (the engine process) and published in
+``Engine.stats()``: on CUDA the byte budget is the memory free after loading minus a reserve for
+activations, and the default batch size is the number of rows of ``max_new_tokens`` tokens that
+budget holds; on CPU there is no budget and the batch size defaults to a small number.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from vlm_demo.config import Config
+from vlm_demo.engine.batch_state import SlackLayer
+from vlm_demo.errors import ModelLoadError
+
+log = logging.getLogger(__name__)
+
+GiB = 1024**3
+CPU_BATCH_SIZE = 8  # default on CPU: Python overhead, not memory, limits a CPU batch
+MAX_AUTO_BATCH_SIZE = 256  # past this the host-side work per step (streaming 256 rows) dominates
+PROMPT_TOKENS = 128  # a question and the chat template, for sizing rows
+MIN_ROWS = 4  # fewer rows than this at full length: warn, the GPU is too small for serving
+
+
+@dataclass(frozen=True)
+class KVShape:
+    """Bytes the cache holds per text token and per row (its image's cross-attention states)."""
+
+    bytes_per_token: int
+    bytes_per_row: int
+
+    @classmethod
+    def of(cls, config: Any, dtype: torch.dtype) -> KVShape:
+        text, vision = config.get_text_config(), config.vision_config
+        cross = len(text.cross_attention_layers)
+        self_layers = text.num_hidden_layers - cross
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        per_layer_token = 2 * text.num_key_value_heads * head_dim * dtype.itemsize  # keys and values
+        patches = (vision.image_size // vision.patch_size) ** 2 + 1  # + the class token
+        vision_tokens = vision.max_num_tiles * patches
+        return cls(self_layers * per_layer_token, cross * per_layer_token * vision_tokens)
+
+    def batch_bytes(self, rows: int, length: int) -> int:
+        """The running batch's cache: every row holds ``length`` columns (left padding), plus the
+        slack a step writes into (see ``SlackLayer``), plus each row's image states."""
+        columns = length + max(SlackLayer.MIN_SPARE, length // 4) if length else 0
+        return rows * (columns * self.bytes_per_token + self.bytes_per_row)
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """What the engine may hold: ``kv_budget_bytes`` (0 = no limit) and ``max_batch_size``."""
+
+    kv: KVShape
+    max_batch_size: int
+    kv_budget_bytes: int
+    source: str  # where the numbers came from, for the log and stats
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "max_batch_size": self.max_batch_size,
+            "kv_budget_bytes": self.kv_budget_bytes,
+            "kv_bytes_per_token": self.kv.bytes_per_token,
+            "kv_bytes_per_row": self.kv.bytes_per_row,
+            "memory_plan": self.source,
+        }
+
+
+def activation_reserve(total: int) -> int:
+    """GPU memory kept out of the KV budget: prefill activations (vision tower over a group of
+    4-tile images), logits and sampling buffers, allocator fragmentation."""
+    return max(4 * GiB, total // 20)
+
+
+def plan(
+    kv: KVShape,
+    config: Config,
+    cuda: bool,
+    free: int = 0,
+    total: int = 0,
+) -> MemoryPlan:
+    """The plan for a model whose cache has shape ``kv``: from ``config`` where it says, else from
+    ``free`` GPU memory (bytes, measured after loading) on CUDA, else CPU defaults."""
+    row_tokens = config.max_new_tokens + PROMPT_TOKENS
+    row_bytes = kv.batch_bytes(1, row_tokens)
+    if config.kv_budget_gb > 0:
+        budget, source = int(config.kv_budget_gb * GiB), "--kv-budget-gb"
+    elif cuda:
+        budget = free - activation_reserve(total)
+        source = (
+            f"{free / GiB:.1f} GiB free on the GPU after loading, {activation_reserve(total) / GiB:.1f} GiB reserved"
+        )
+        if budget < row_bytes:
+            raise ModelLoadError(
+                f"After loading, the GPU has {free / GiB:.1f} GiB free, not enough for even one answer of "
+                f"{config.max_new_tokens} tokens ({row_bytes / GiB:.2f} GiB of cache) next to "
+                f"{activation_reserve(total) / GiB:.1f} GiB of working memory: use a GPU with 40 GB or more, "
+                f"8-bit/4-bit quantised weights (not built into this demo), or a lower --max-new-tokens."
+            )
+    else:
+        budget, source = 0, "CPU: no budget"
+    if config.max_batch_size > 0:
+        rows = config.max_batch_size
+        if budget and rows * row_bytes > budget:
+            log.warning(
+                "--max-batch-size %d: only %d rows of %d tokens fit in the %.1f GiB KV budget; continuous mode "
+                "admits by the budget, dynamic batches of long answers may run out of memory and be split",
+                rows,
+                budget // row_bytes,
+                row_tokens,
+                budget / GiB,
+            )
+    elif budget > 0:
+        rows = max(1, min(MAX_AUTO_BATCH_SIZE, budget // row_bytes))
+        source += f"; {budget // row_bytes} rows of {row_tokens} tokens fit"
+    else:
+        rows = CPU_BATCH_SIZE
+    if cuda and budget and budget // row_bytes < MIN_ROWS:
+        log.warning(
+            "only %d rows of %d tokens fit in %.1f GiB: this GPU is too small to serve a batch usefully",
+            budget // row_bytes,
+            row_tokens,
+            budget / GiB,
+        )
+    return MemoryPlan(kv, rows, budget, source)
+
+
+def plan_for(worker: Any, config: Config) -> MemoryPlan:
+    """The plan for a loaded worker (the engine process calls this once, after loading)."""
+    kv = KVShape.of(worker.model.config, worker.dtype)
+    device = torch.device(worker.device)
+    if device.type != "cuda":
+        return plan(kv, config, cuda=False)
+    torch.cuda.synchronize(device)
+    free, total = torch.cuda.mem_get_info(device)
+    # Blocks PyTorch's allocator holds but no tensor uses (an earlier engine's cache) are ours too.
+    free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    memory = plan(kv, config, cuda=True, free=free, total=total)
+    log.info(
+        "memory plan: %s -> %d rows, KV budget %.1f GiB",
+        memory.source,
+        memory.max_batch_size,
+        memory.kv_budget_bytes / GiB,
+    )
+    return memory
