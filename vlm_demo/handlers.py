@@ -293,9 +293,10 @@ class Handlers:
                     last = now
                     if shown is not None:
                         shown[0] = raw
-                update = changes(self._progress(raw, stream))
-                if update is not None:
-                    yield update
+                if text or not raw:  # new text, or a queue position that may have moved
+                    update = changes(self._progress(raw, stream))
+                    if update is not None:
+                        yield update
                 if ended:
                     break
                 if now - last > TOKEN_TIMEOUT_S:

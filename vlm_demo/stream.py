@@ -115,13 +115,13 @@ class OutputStream:
 
 
 def run_all(
-    submit: Callable[..., OutputStream], items: list[tuple[Any, ...]], timeout: float | None = None
+    submit: Callable[[Any], OutputStream], items: list[Any], timeout: float | None = None
 ) -> list[GenerationResult | DemoError]:
     """Submit every item before waiting on any (so they can share batches); each failure stays in its slot."""
     handles: list[OutputStream | DemoError] = []
     for item in items:
         try:
-            handles.append(submit(*item))
+            handles.append(submit(item))
         except DemoError as exc:
             handles.append(exc)
     results: list[GenerationResult | DemoError] = []

@@ -132,7 +132,7 @@ class EngineProcessBackend:
         return stream
 
     def run_batch(self, items: list[ValidRequest]) -> list[GenerationResult | DemoError]:
-        return run_all(self.submit, [(item,) for item in items])
+        return run_all(self.submit, items)
 
     def health(self) -> dict[str, Any]:
         stats = {k: v for k, v in self._stats.items() if k != "waiting"}

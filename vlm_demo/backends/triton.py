@@ -315,7 +315,7 @@ class TritonBackend:
 
     def run_batch(self, items: list[ValidRequest]) -> list[GenerationResult | DemoError]:
         """Send all items at once, so the remote's dynamic batcher can group them; errors stay in their slot."""
-        return run_all(self.submit, [(item,) for item in items], self.config.triton_timeout + 5)
+        return run_all(self.submit, items, self.config.triton_timeout + 5)
 
     def health(self) -> dict[str, Any]:
         """The remote's readiness (server and model), checked now with a short timeout."""

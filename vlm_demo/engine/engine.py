@@ -129,7 +129,7 @@ class Engine:
 
     def run_batch(self, items: list[ValidRequest]) -> list[GenerationResult | DemoError]:
         """Submit many at once (they batch together) and wait; errors come back in their slots."""
-        return run_all(self.submit, [(item,) for item in items])
+        return run_all(self.submit, items)
 
     def generate(self, valid: ValidRequest) -> GenerationResult:
         return self.submit(valid).result()
