@@ -10,6 +10,7 @@ the good requests in the same burst still succeed.
 from __future__ import annotations
 
 import io
+import json
 import os
 import signal
 import socket
@@ -233,6 +234,39 @@ def test_ask_batch_item_errors_stay_in_their_own_rows(client: Client, held_out) 
     assert "upload an image" in messages[1]
     assert "max_new_tokens must be a whole number from 1 to" in messages[2]
     assert all(m.startswith("Error (invalid_request)") for m in messages)
+
+
+def test_think_harder_streams_each_stages_candidates_then_the_winners(client: Client, held_out) -> None:
+    """Stage-level beam search through /ask and the engine process: while a stage is written its panel
+    shows the candidates; the final panels hold the winners and beams_html marks one per stage."""
+    _, path, _ = held_out[3]
+    job = client.submit(
+        handle_file(path), "Describe this image in detail.", 1024, 0.0, 1.0, "stage-beam", 3, api_name="/ask"
+    )  # fmt: skip  (greedy: the candidates sample at the paper's 0.6 / 0.9)
+    final = job.result(timeout=180)
+    updates = job.outputs()
+    assert any("[Candidate 3]" in update[2] for update in updates), "the REASONING candidates were never shown"
+    assert all(final[:4]) and "[Candidate" not in "".join(final[:4]), final[:4]
+    assert 'data-phase="done"' in final[8] and final[8].count("✓ chosen") == 4, final[8]
+    assert "stage beam search: 3 candidates per stage" in final[5]
+    batch = client.predict(handle_file(path), "What colour?", 300, 1.0, 1.0, "stage-beam", 2, api_name="/ask_batch")
+    assert batch[5].startswith("Done") and batch[8].count("✓ chosen") == 4, batch[5]
+    bad = client.predict(handle_file(path), "What colour?", 300, 1.0, 1.0, "stage-beam", 12, api_name="/ask_batch")
+    assert "beams must be a whole number from 2 to 8" in bad[5]
+
+
+def test_a_raw_http_client_may_leave_out_the_optional_inputs(server: str, held_out) -> None:
+    """Scripts written for the first five inputs keep working over plain HTTP (gradio_client fills them in)."""
+    colour, path, question = held_out[4]
+    with open(path, "rb") as fh:
+        uploaded = requests.post(f"{server}/gradio_api/upload", files={"files": fh}, timeout=30).json()[0]
+    image = {"path": uploaded, "meta": {"_type": "gradio.FileData"}}
+    for api in ("ask", "ask_batch"):
+        event = requests.post(f"{server}/gradio_api/call/{api}", json={"data": [image, question, *GREEDY]}, timeout=30)
+        body = requests.get(f"{server}/gradio_api/call/{api}/{event.json()['event_id']}", timeout=120).text
+        last = [line for line in body.splitlines() if line.startswith("data:")][-1]
+        outputs = json.loads(last[len("data:") :])
+        assert len(outputs) == 9 and colour_of(outputs[3]) == colour, (api, body[-500:])
 
 
 # ---- hostile input ----------------------------------------------------------------------------

@@ -20,18 +20,19 @@ def test_through_app_runs_every_mode_side_by_side_and_checks_answers(tiny_dir, t
             "--concurrency",
             "3",
             "--modes",
-            "engine,app-ask,static",
+            "engine,app-ask,app-sse,static",
             "--json",
             str(out),
         ]
     )
     by_mode = {r.mode: r for r in results}
-    assert set(by_mode) == {"engine", "app-ask", "static"}
+    assert set(by_mode) == {"engine", "app-ask", "app-sse", "static"}
     for result in results:
         assert result.requests == 6 and result.errors == 0 and result.wrong == 0, result
         assert result.throughput_rps > 0
     assert "web" in by_mode["app-ask"].cpu_ms_per_request and "engine" in by_mode["app-ask"].cpu_ms_per_request
-    assert [r["mode"] for r in json.loads(out.read_text())] == ["engine", "app-ask", "static"]
+    assert "web" in by_mode["app-sse"].cpu_ms_per_request
+    assert [r["mode"] for r in json.loads(out.read_text())] == ["engine", "app-ask", "app-sse", "static"]
 
 
 def test_mixed_workload_checks_the_colour_in_the_conclusion() -> None:
@@ -42,3 +43,17 @@ def test_mixed_workload_checks_the_colour_in_the_conclusion() -> None:
     assert check(0, f"<SUMMARY>x</SUMMARY><CONCLUSION> The image is {colours[0]}. </CONCLUSION>")
     assert not check(0, f"<CONCLUSION> The image is {colours[1]}. </CONCLUSION>")
     assert not check(0, f"The image is {colours[0]}.")  # no CONCLUSION, not right
+
+
+def test_stage_beam_bench_runs_batched_and_serial_on_the_same_seeds(tiny_dir, tmp_path) -> None:
+    from vlm_demo import bench_beam
+
+    out = tmp_path / "beam.json"
+    runs = bench_beam.main(["--beams", "1,2", "--answers", "3", "--json", str(out)])
+    by = {(r.mode, r.beams): r for r in runs}
+    assert set(by) == {("normal", 1), ("batched", 1), ("serial", 1), ("batched", 2), ("serial", 2)}
+    assert all(r.answers == 3 and r.s_per_answer > 0 for r in runs)
+    # the same seeds: serial runs the same search, so the same answers and judge calls
+    assert by[("batched", 2)].judge_calls == by[("serial", 2)].judge_calls
+    assert by[("batched", 2)].tokens == by[("serial", 2)].tokens
+    assert len(json.loads(out.read_text())) == 5

@@ -327,6 +327,39 @@ def test_stop_cancels_only_this_visitor_mid_batch(server: str, page) -> None:
     assert "batch of 2" in out[5], "the two visitors' requests did not share a batch, so Stop was not tested mid-batch"
 
 
+def test_think_harder_shows_the_candidates_of_each_stage_then_the_winner(browser, server: str, shots) -> None:
+    page = open_page(browser, server)
+    try:
+        page.locator("#reasoning").get_by_text("Think harder", exact=True).click()
+        beams = page.locator("#beams input[type=number]")
+        beams.fill("3")
+        beams.press("Enter")
+        # The long REASONING keeps its candidates on screen long enough to be seen under any load.
+        watch(
+            page,
+            """() => {
+                const value = document.querySelector('#p_reasoning textarea')?.value || '';
+                return value.includes('[Candidate 1]') && value.includes('[Candidate 3]') ? value : false;
+            }""",
+        )
+        ask(page, BLUE, LONG_QUESTION)
+        candidates = seen(page, "the REASONING candidates in their panel")
+        assert "[Candidate 2]" in candidates and "Thinking harder" in status_text(page)
+        wait_status(page, "Done", 120_000)
+        texts = {stage: panel_text(page, stage) for stage in STAGES}
+        assert all(texts.values()) and not any("[Candidate" in t for t in texts.values()), texts
+        chosen = page.locator("#beams_view [data-stage=conclusion] li.winner").inner_text()
+        assert texts["conclusion"] in chosen, (texts["conclusion"], chosen)
+        view = page.locator("#beams_view").inner_text()
+        assert view.count("✓ chosen") == 4 and "3 candidates per stage" in view, view
+        chosen = page.locator("#beams_view [data-stage=caption] li.winner").inner_text()
+        assert texts["caption"] in chosen, (texts["caption"], chosen)  # the panels hold the winners
+        assert "stage beam search" in status_text(page)
+        page.screenshot(path=str(shots / "screenshot-think-harder.png"), full_page=True)
+    finally:
+        page.close()
+
+
 def test_a_bad_upload_is_named_next_to_the_image_at_once_and_ask_shows_one_message(page, tmp_path) -> None:
     assert panel_text(page, "summary"), "the previous test should have left an answer on the page"
     notes = tmp_path / "notes.png"

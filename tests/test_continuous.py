@@ -12,6 +12,7 @@ import pytest
 import torch
 from support import door
 
+from vlm_demo.bench import BatchCounter
 from vlm_demo.config import Config, load_config
 from vlm_demo.engine import Engine, SamplingParams
 from vlm_demo.engine.continuous import ContinuousEngine
@@ -28,19 +29,6 @@ def conclusion(text: str) -> str:
     match = re.search(r"<CONCLUSION>(.*?)</CONCLUSION>", text, re.S)
     assert match, f"no CONCLUSION in {text!r}"
     return match.group(1)
-
-
-class Sizes:
-    """Listener recording the number of rows of every forward step."""
-
-    def __init__(self) -> None:
-        self.sizes: list[int] = []
-
-    def on_batch(self, size: int) -> None:
-        self.sizes.append(size)
-
-    def on_request_done(self, request) -> None:
-        pass
 
 
 @pytest.fixture
@@ -83,7 +71,7 @@ def test_rows_joining_mid_flight_equal_their_single_runs(make_engine, worker) ->
         "late": (solid_image("white", 90, 700), "what color", GREEDY),
     }
     expected = {name: single(worker, *job) for name, job in jobs.items()}
-    sizes = Sizes()
+    sizes = BatchCounter()
     engine = make_engine(max_batch_size=4)
     engine.add_listener(sizes)
     handles = {"first": engine.submit(door(*jobs["first"]))}
@@ -134,7 +122,7 @@ def test_colours_never_cross_under_staggered_load(make_engine) -> None:
 def test_limits_hold_and_memory_returns_to_baseline(make_engine) -> None:
     budget = 600
     engine = make_engine(max_batch_size=3, kv_token_budget=budget)
-    sizes = Sizes()
+    sizes = BatchCounter()
     engine.add_listener(sizes)
     peaks = []
     handles = [
@@ -207,7 +195,7 @@ def test_budget_flags_change_admission_end_to_end(tiny_dir, flag, value) -> None
         argv = ["--model", "tiny", "--tiny-dir", tiny_dir, "--device", "cpu", "--batching", "continuous"]
         config = load_config([*argv, "--max-batch-size", "4", "--batch-window-ms", "0", *extra])
         engine = Engine.from_config(config)
-        sizes = Sizes()
+        sizes = BatchCounter()
         engine.add_listener(sizes)
         try:
             jobs = [(solid_image(c, 64, 64), "Colour?", SamplingParams(40, 0.0, ignore_eos=True)) for c in COLOURS]

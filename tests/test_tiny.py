@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import random
 import re
 from pathlib import Path
 
@@ -10,6 +11,7 @@ import pytest
 import torch
 
 from vlm_demo import tiny
+from vlm_demo.judge import judge_question, parse_choice
 from vlm_demo.tiny import COLOURS, LONG_QUESTIONS, solid_image
 
 STAGES = re.compile(
@@ -45,10 +47,9 @@ def _conversation(colour: str, width: int, height: int, noise: int, question: st
     return [{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": question}]}]
 
 
-def _generate(loaded, conversations: list[list[dict]], max_new_tokens: int) -> list[list[int]]:
-    """Greedy, left-padded; each row's new tokens up to and including its first stop token."""
-    model, processor = loaded
-    inputs = processor.apply_chat_template(
+def _batch(processor, conversations: list[list[dict]]) -> dict:
+    """Chat-templated and left-padded, as batched generation needs."""
+    return processor.apply_chat_template(
         conversations,
         add_generation_prompt=True,
         tokenize=True,
@@ -56,6 +57,12 @@ def _generate(loaded, conversations: list[list[dict]], max_new_tokens: int) -> l
         return_tensors="pt",
         processor_kwargs={"padding": True, "padding_side": "left"},
     )
+
+
+def _generate(loaded, conversations: list[list[dict]], max_new_tokens: int) -> list[list[int]]:
+    """Greedy, left-padded; each row's new tokens up to and including its first stop token."""
+    model, processor = loaded
+    inputs = _batch(processor, conversations)
     with torch.no_grad():
         out = model.generate(**inputs, do_sample=False, max_new_tokens=max_new_tokens)
     stops = set(model.generation_config.eos_token_id)
@@ -200,3 +207,60 @@ def test_ensure_tiny_builds_once_and_rebuilds_a_stale_version(tmp_path: Path, mo
     (path / tiny.VERSION_FILE).write_text("old\n")
     assert tiny.ensure_tiny(str(path)) == str(path) and len(builds) == 2
     assert sorted(p.name for p in tmp_path.iterdir()) == [".model.lock", "model"]  # no build folders left
+
+
+def test_noisy_training_answers_follow_the_image() -> None:
+    """Label noise: the CAPTION is wrong ~25% of the time and the CONCLUSION ~15%, independently; the REASONING
+    always names the image's colour."""
+    rng = random.Random(0)
+    wrong_captions = wrong_conclusions = 0
+    for _ in range(2000):
+        match = STAGES.match(tiny.noisy_answer_for(rng, "red", "What colour?"))
+        caption = re.search(r"plain (\w+) colour", match.group(2)).group(1)
+        assert re.findall(r"looks (\w+) → so its colour is (\w+)", match.group(3)) == [("red", "red")]
+        wrong_captions += caption != "red"
+        wrong_conclusions += match.group(4).strip() != "The image is red."
+    assert 0.22 < wrong_captions / 2000 < 0.28 and 0.12 < wrong_conclusions / 2000 < 0.18
+
+
+def test_sampled_answers_differ_and_sometimes_name_a_wrong_caption(loaded) -> None:
+    """At temperature 1 the candidates of a stage-level beam search differ; greedy stays right (tested above)."""
+    model, processor = loaded
+    conversations = [_conversation(colour, 64, 48, 0, "What colour is this image?") for colour in COLOURS] * 6
+    inputs = _batch(processor, conversations)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        out = model.generate(**inputs, do_sample=True, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=80)
+    texts = processor.tokenizer.batch_decode(out[:, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
+    captions = [re.search(r"plain (\w+) colour", text) for text in texts]
+    wrong = sum(m is None or m.group(1) != colour for m, colour in zip(captions, list(COLOURS) * 6))
+    assert 1 <= wrong <= 2 * len(texts) // 3, texts  # ~25% at 1; the most likely caption stays the right one
+    assert len(set(texts)) > len(COLOURS)
+
+
+def test_judge_answer_rule() -> None:
+    """Response 2 only if it names the image's colour and response 1 does not; parse_choice reads every answer."""
+    assert parse_choice(tiny.judge_answer("red", "blue", "red")) == 1
+    assert parse_choice(tiny.judge_answer("red", "red", "blue")) == 0
+    assert parse_choice(tiny.judge_answer("red", "red", "red")) == 0
+    assert parse_choice(tiny.judge_answer("red", "blue", "green")) == 0
+    assert parse_choice(tiny.judge_answer("red", None, None)) == 0
+    assert all(tiny.judge_answer("red", a, b).startswith("Since ") for a in ("red", "blue") for b in ("red", None))
+
+
+def test_judge_prompts_get_a_parsable_choice(loaded) -> None:
+    """The model answers a judge prompt in the paper's form ("Since ..., I choose response N.")."""
+    processor = loaded[1]
+    cases = [
+        (stage, colour, judge_question(stage, "What colour is this?", *texts))
+        for stage in ("caption", "reasoning", "conclusion")
+        for colour in ("red", "black")
+        for texts in [
+            (tiny.stage_text(stage, "x", colour), tiny.stage_text(stage, "x", "blue")),
+            (tiny.stage_text(stage, "x", "blue"), tiny.stage_text(stage, "x", colour)),
+        ]
+    ]
+    rows = _generate(loaded, [_conversation(colour, 64, 48, 0, text) for _, colour, text in cases], 40)
+    for case, tokens in zip(cases, rows):
+        text = processor.tokenizer.decode(tokens, skip_special_tokens=True).strip()
+        assert text.startswith(f"Since the image is {case[1]}") and parse_choice(text) is not None, (case, text)

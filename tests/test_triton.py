@@ -282,6 +282,34 @@ def test_triton_answers_equal_the_local_engine(server, engine, scheme, model):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("scheme,model", [("http", ENSEMBLE_MODEL), ("grpc", GENERATE_MODEL)])
+def test_think_harder_reaches_the_served_engine(server, worker, scheme, model):
+    """reasoning/beams cross both contracts (infer inputs, generate's sampling_parameters) and the served
+    engine runs the same seeded stage-beam search as a local continuous engine."""
+    from vlm_demo.engine.continuous import ContinuousEngine
+
+    local = ContinuousEngine(worker, Config(batching="continuous"))
+    try:
+        params = SamplingParams(300, 1.0, 1.0, seed=11, reasoning="stage-beam", beams=3)
+        item = door(solid_image("yellow", 40, 40), "What colour is it?", params)
+        expected = local.generate(item)
+        remote = backend_for(server, scheme, model).submit(item).result(120)
+        assert remote.text == expected.text and expected.beam is not None and expected.beam.phase == "done"
+    finally:
+        local.shutdown()
+
+
+@pytest.mark.slow
+def test_the_client_refuses_think_harder_when_the_remote_model_cannot(server):
+    """A remote infer model without a 'reasoning' input: a clear error, not a silent normal answer."""
+    backend = backend_for(server, "http", ENSEMBLE_MODEL)
+    backend.info.inputs = {n: shape for n, shape in backend.info.inputs.items() if n != "reasoning"}
+    params = SamplingParams(50, 1.0, 1.0, seed=1, reasoning="stage-beam", beams=2)
+    with pytest.raises(InvalidRequestError, match="cannot think harder"):
+        backend.submit(door(solid_image("red", 20, 20), "colour?", params)).result(30)
+
+
+@pytest.mark.slow
 def test_dynamic_batching_forms_batches_and_every_row_is_right(server, engine):
     """Concurrent same-size requests: Triton batches them (statistics) and each row matches its local answer."""
     backend = backend_for(server, "http", ENSEMBLE_MODEL, triton_timeout=180.0)  # 2 shared cores can be slow

@@ -20,8 +20,8 @@ from vlm_demo.ui import DemoUI
 
 ROOT = Path(__file__).resolve().parents[1]
 RED = str(ROOT / "assets" / "tiny" / "red.png")
-INPUTS = ["image", "question", "max_new_tokens", "temperature", "top_p"]
-OUTPUTS = ["summary", "caption", "reasoning", "conclusion", "raw", "status", "extra", "stages_html"]
+INPUTS = ["image", "question", "max_new_tokens", "temperature", "top_p", "reasoning", "beams"]
+OUTPUTS = ["summary", "caption", "reasoning", "conclusion", "raw", "status", "extra", "stages_html", "beams_html"]
 
 
 class ScriptedStream(OutputStream):
@@ -82,6 +82,11 @@ def test_the_api_page_lists_only_ask_and_ask_batch_with_named_typed_parameters_a
         params = api[name]["parameters"]
         assert [p["parameter_name"] for p in params] == INPUTS, name
         assert params[2]["type"]["type"] == "integer", "max_new_tokens must be typed as a whole number"
+        assert params[6]["type"]["type"] == "integer", "beams must be typed as a whole number"
+        assert [(p["parameter_has_default"], p["parameter_default"]) for p in params[5:]] == [
+            (True, "normal"),
+            (True, 2),
+        ], "the stage-beam inputs are optional, after the first five"
         assert [r["label"] for r in api[name]["returns"]] == OUTPUTS, name
     description = api["/ask_batch"]["description"]
     assert description.startswith("Answer without streaming") and "#" not in description

@@ -316,8 +316,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--modes",
         default="unbatched,dynamic,continuous",
         help="comma-separated: unbatched,dynamic,continuous (in-process engines), engine (in-process, the app's "
-        "batching mode), engine-process (the same engine in its own process, over the pipe), app-ask, app-batch (the running web app via gradio_client), static (FastAPI static "
-        "batcher baseline), triton",
+        "batching mode), engine-process (the same engine in its own process, over the pipe), app-ask, app-batch (the running web app via gradio_client), app-sse (its /ask over plain HTTP and "
+        "server-sent events, a light client), static (FastAPI static batcher baseline), triton",
     )
     p.add_argument(
         "--workload",
@@ -379,10 +379,12 @@ def backend_factories(args: argparse.Namespace) -> dict[str, tuple[int, Callable
 
     def app(endpoint: str) -> Callable[[], Any]:
         def make() -> Any:
-            from vlm_demo.bench_clients import AppClient, ServerProcess
+            from vlm_demo.bench_clients import AppClient, ServerProcess, SSEClient
 
             command = ["app.py", "--model", args.model, "--max-batch-size", str(args.max_batch_size)]
             command += ["--cpu-threads", str(args.cpu_threads), "--max-new-tokens", str(max(2048, args.max_new_tokens))]
+            if endpoint == "sse":
+                return SSEClient(ServerProcess(command))
             return AppClient(ServerProcess(command), endpoint)
 
         return make
@@ -412,8 +414,9 @@ def backend_factories(args: argparse.Namespace) -> dict[str, tuple[int, Callable
             factories[mode] = (args.max_batch_size, engine_process)
         elif mode == "engine":
             factories[mode] = (args.max_batch_size, local(args.max_batch_size, Config().batching))
-        elif mode in ("app-ask", "app-batch"):
-            factories[mode] = (args.max_batch_size, app("/ask" if mode == "app-ask" else "/ask_batch"))
+        elif mode in ("app-ask", "app-batch", "app-sse"):
+            endpoint = {"app-ask": "/ask", "app-batch": "/ask_batch", "app-sse": "sse"}[mode]
+            factories[mode] = (args.max_batch_size, app(endpoint))
         elif mode == "static":
             factories[mode] = (args.static_max_batch_size, static)
         elif mode == "unbatched":
@@ -441,7 +444,7 @@ def main(argv: list[str] | None = None) -> list[RunResult]:
     args = parser.parse_args(argv)
     if args.through_app:  # the preset changes defaults only: explicit flags still win
         parser.set_defaults(
-            modes="engine,app-ask,app-batch,static",
+            modes="engine,app-ask,app-sse,app-batch,static",
             workload="mix",
             concurrency="8",
             requests=48,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 import os
 import re
 import socket
@@ -146,30 +147,12 @@ class _GradioJob:
         return _parse_status(str(outputs[5]), str(outputs[4]))
 
 
-class AppClient:
-    """The running web app (``python app.py``) driven through ``gradio_client``, ``/ask`` or ``/ask_batch``."""
+class _WebApp:
+    """A running web app (``python app.py``) the benchmark drives: its processes and its files."""
 
-    name = "app"
-
-    def __init__(self, server: ServerProcess, endpoint: str) -> None:
-        from gradio_client import Client
-
+    def __init__(self, server: ServerProcess) -> None:
         self.server = server
-        self.endpoint = endpoint
-        self.client = Client(server.url, verbose=False)
         self.files = _ImageFiles()
-
-    def submit(self, valid: ValidRequest) -> Any:
-        from gradio_client import handle_file
-
-        p = valid.params
-        args = (handle_file(self.files.path(valid)), valid.question, p.max_new_tokens, p.temperature, p.top_p)
-        if self.endpoint == "/ask":
-            return _GradioJob(self.client.submit(*args, api_name="/ask"))
-        outputs = self.client.predict(*args, api_name="/ask_batch")
-        if str(outputs[5]).startswith("Error"):
-            raise RuntimeError(outputs[5])
-        return _Done(_parse_status(str(outputs[5]), str(outputs[4])))
 
     def add_listener(self, listener: Any) -> None:
         pass
@@ -188,6 +171,89 @@ class AppClient:
     def close(self) -> None:
         self.files.close()
         self.server.close()
+
+
+class AppClient(_WebApp):
+    """The running web app driven through ``gradio_client``, ``/ask`` or ``/ask_batch``."""
+
+    name = "app"
+
+    def __init__(self, server: ServerProcess, endpoint: str) -> None:
+        from gradio_client import Client
+
+        super().__init__(server)
+        self.endpoint = endpoint
+        self.client = Client(server.url, verbose=False)
+
+    def submit(self, valid: ValidRequest) -> Any:
+        from gradio_client import handle_file
+
+        p = valid.params
+        args = (handle_file(self.files.path(valid)), valid.question, p.max_new_tokens, p.temperature, p.top_p)
+        if self.endpoint == "/ask":
+            return _GradioJob(self.client.submit(*args, api_name="/ask"))
+        outputs = self.client.predict(*args, api_name="/ask_batch")
+        if str(outputs[5]).startswith("Error"):
+            raise RuntimeError(outputs[5])
+        return _Done(_parse_status(str(outputs[5]), str(outputs[4])))
+
+
+class _SSEJob:
+    """A ``/gradio_api/call/ask`` event read as server-sent events: each page update counts as output."""
+
+    def __init__(self, response: requests.Response) -> None:
+        self._response = response
+        self._final: list[Any] | None = None
+
+    def stream(self, timeout: float | None = None) -> Iterator[str]:
+        event = None
+        with self._response:
+            for line in self._response.iter_lines(decode_unicode=True):
+                if line.startswith("event:"):
+                    event = line[len("event:") :].strip()
+                elif line.startswith("data:"):
+                    if event == "generating":
+                        yield ""
+                    elif event == "complete":
+                        self._final = json.loads(line[len("data:") :])
+                        return
+                    elif event == "error":
+                        raise RuntimeError(f"/ask failed: {line[len('data:') :].strip()[:200]}")
+
+    def result(self, timeout: float | None = None) -> GenerationResult:
+        if self._final is None:
+            for _ in self.stream(timeout):
+                pass
+        if self._final is None:
+            raise RuntimeError("/ask ended without a result")
+        return _parse_status(str(self._final[5]), str(self._final[4]))
+
+
+class SSEClient(_WebApp):
+    """The running web app's ``/ask`` over plain HTTP and server-sent events (Gradio's ``/call`` route),
+    as ``curl`` or a browser's ``EventSource`` would use it: what the server costs, without
+    ``gradio_client``'s own work (which needs as much CPU as the engine on a 2-core box)."""
+
+    name = "app-sse"
+
+    def __init__(self, server: ServerProcess) -> None:
+        super().__init__(server)
+        self._local = threading.local()
+
+    def _session(self) -> requests.Session:
+        session = getattr(self._local, "session", None)
+        if session is None:
+            session = self._local.session = requests.Session()
+        return session
+
+    def submit(self, valid: ValidRequest) -> _SSEJob:
+        session, url, p = self._session(), self.server.url, valid.params
+        with open(self.files.path(valid), "rb") as fh:  # a new visitor uploads their picture
+            uploaded = session.post(f"{url}/gradio_api/upload", files={"files": fh}, timeout=60).json()[0]
+        data = [{"path": uploaded, "meta": {"_type": "gradio.FileData"}}, valid.question]
+        data += [p.max_new_tokens, p.temperature, p.top_p]
+        event = session.post(f"{url}/gradio_api/call/ask", json={"data": data}, timeout=60).json()["event_id"]
+        return _SSEJob(session.get(f"{url}/gradio_api/call/ask/{event}", stream=True, timeout=600))
 
 
 class StaticClient:

@@ -14,8 +14,12 @@
   running batch as soon as Gradio hands them over, and several Gradio batches can be in flight.
   A bad item gets its error text in its own outputs (raising would fail every user in the batch).
 
-Both take ``(image, question, max_new_tokens, temperature, top_p)`` and return plain strings
-``(summary, caption, reasoning, conclusion, raw, status, extra, stages_html)``.
+Both take ``(image, question, max_new_tokens, temperature, top_p, reasoning, beams)`` (the last two
+optional: ``"normal"`` and 2) and return plain strings
+``(summary, caption, reasoning, conclusion, raw, status, extra, stages_html, beams_html)``. With
+``reasoning="stage-beam"`` (the page's "Think harder") the running stage's panel shows its candidates
+as they are written and judged, then the winner; ``beams_html`` lists every stage's candidates with the
+winner marked and the judge's words.
 """
 
 from __future__ import annotations
@@ -39,8 +43,12 @@ from vlm_demo.errors import DemoError, GenerationError, RequestCancelledError
 from vlm_demo.images import load_image
 from vlm_demo.metrics import Metrics
 from vlm_demo.schema import (
+    DEFAULT_BEAMS,
+    NORMAL,
+    BeamView,
     GenerationResult,
     Limits,
+    StageChoice,
     ValidRequest,
     has_image,
     params_from_inputs,
@@ -53,7 +61,7 @@ UPDATE_INTERVAL_S = 0.05  # at most ~20 page updates a second per answer; humans
 UPDATES_PER_S_BUDGET = 60.0  # page updates a second over all live answers (bounds the web process's CPU)
 MAX_UPDATE_INTERVAL_S = 0.5
 TOKEN_TIMEOUT_S = 300.0  # longest silence tolerated from the backend before giving up on a request
-OUTPUTS = ("summary", "caption", "reasoning", "conclusion", "raw", "status", "extra", "stages_html")
+OUTPUTS = ("summary", "caption", "reasoning", "conclusion", "raw", "status", "extra", "stages_html", "beams_html")
 
 ERROR_TITLES = {
     "invalid_request": "Invalid input",
@@ -144,20 +152,74 @@ def error_status(error: DemoError) -> str:
     return f"Error ({error.code}): {error}"
 
 
-def render(raw: str, status: str | None = None, final: bool = False, result: GenerationResult | None = None) -> tuple:
+def candidates_text(choice: StageChoice) -> str:
+    """A stage's panel while its candidates are written and judged: each one, numbered."""
+    return "\n\n".join(f"[Candidate {i + 1}] {text or '…'}" for i, text in enumerate(choice.candidates))
+
+
+def beams_html(view: BeamView | None) -> str:
+    """Every stage of a stage-beam search: its candidates, the winner marked, the judge's words."""
+    if view is None:
+        return ""
+    blocks = []
+    for choice in view.stages:
+        running = choice.winner is None
+        items = []
+        for i, text in enumerate(choice.candidates):
+            won = i == choice.winner
+            mark = '<span class="won">✓ chosen</span> ' if won else ""
+            first = choice.candidates.index(text)
+            shown = html.escape(text or "…") if first == i or not text else f"<i>(same as {first + 1})</i>"
+            if choice.closed and not choice.closed[i]:
+                shown += " <i>(no closing tag: not judged)</i>"
+            items.append(f'<li class="cand{" winner" if won else ""}">{mark}{shown}</li>')
+        if running:
+            state = "judging…" if view.phase == "judging" else "writing…"
+        else:
+            state = f"candidate {choice.winner + 1} chosen" if len(choice.candidates) > 1 else "one candidate"
+        judge = ""
+        if choice.judgements:
+            said = "\n".join(html.escape(j) for j in choice.judgements)
+            judge = f"<details><summary>Judge</summary><pre>{said}</pre></details>"
+        blocks.append(
+            f'<div class="beam-stage" data-stage="{choice.stage}" data-state="{"running" if running else "done"}">'
+            f"<b>{choice.stage.upper()}</b> · {len(choice.candidates)} candidates · {state}"
+            f"<ol>{''.join(items)}</ol>{judge}</div>"
+        )
+    head = f"Stage beam search · {view.beams} candidates per stage · {view.judge_calls} judge calls"
+    return (
+        f'<div class="beam-search" data-phase="{view.phase}"><div class="beam-head">{head}</div>{"".join(blocks)}</div>'
+    )
+
+
+def render(
+    raw: str,
+    status: str | None = None,
+    final: bool = False,
+    result: GenerationResult | None = None,
+    view: BeamView | None = None,
+) -> tuple:
     """All outputs for one moment of an answer, as plain strings (what API clients receive too).
 
-    Order: summary, caption, reasoning, conclusion, raw, status, text outside the stages, stage strip.
-    With ``result`` the status line is the finished answer's (honest about how it ended).
+    Order: summary, caption, reasoning, conclusion, raw, status, text outside the stages, stage strip,
+    stage-beam view. With ``result`` the status line is the finished answer's (honest about how it
+    ended). With a running stage-beam ``view``, the running stage's panel shows its candidates.
     """
     stages = parse_stages(raw, final=final)
     active = None if final else stages.active
+    panels = list(stages.as_tuple())
+    running = view.stages[-1] if view is not None and view.stages and view.stages[-1].winner is None else None
+    if running is not None and not final:
+        panels[STAGES.index(running.stage)] = candidates_text(running)
+        active = running.stage
     if result is not None:
         status = result_status(result, stages)
+        if view is not None:
+            status += f" · stage beam search: {view.beams} candidates per stage, {view.judge_calls} judge calls"
     status = status or ""
     if final and raw.strip() and not stages.seen:
         status += " · the answer did not use the four stages (shown above the panels)"
-    return (*stages.as_tuple(), raw, status, stages.extra, tracker_html(stages, active))
+    return (*panels, raw, status, stages.extra, tracker_html(stages, active), beams_html(view))
 
 
 class Changes:
@@ -198,11 +260,19 @@ class Handlers:
         self.sessions = Sessions()
 
     # ---- the door -------------------------------------------------------------------------------
-    def admit(self, image: Any, question: Any, max_new_tokens: Any, temperature: Any, top_p: Any) -> ValidRequest:
+    def admit(
+        self,
+        image: Any,
+        question: Any,
+        max_new_tokens: Any,
+        temperature: Any,
+        top_p: Any,
+        reasoning: Any = None,
+        beams: Any = None,
+    ) -> ValidRequest:
         """The shared door (:mod:`vlm_demo.schema`) with the page's loose inputs."""
-        return validate_request(
-            image, question, params_from_inputs(max_new_tokens, temperature, top_p, self.limits), self.limits
-        )
+        params = params_from_inputs(max_new_tokens, temperature, top_p, self.limits, reasoning, beams)
+        return validate_request(image, question, params, self.limits)
 
     def update_interval(self) -> float:
         """Seconds between one visitor's page updates: 50 ms, longer when many answers stream at once."""
@@ -231,12 +301,13 @@ class Handlers:
         max_new_tokens: Any,
         temperature: Any,
         top_p: Any,
+        reasoning: Any = NORMAL,
+        beams: Any = DEFAULT_BEAMS,
         request: gr.Request = None,  # type: ignore[assignment]  # Gradio injects it
     ) -> AsyncIterator[tuple[Any, ...]]:
         """Stream the four stages of one answer as tokens arrive; bad input raises an error naming the problem."""
-        async with contextlib.aclosing(
-            self._ask(image, question, max_new_tokens, temperature, top_p, request)
-        ) as updates:
+        inputs = (image, question, max_new_tokens, temperature, top_p, reasoning, beams)
+        async with contextlib.aclosing(self._ask(inputs, request)) as updates:
             async for update in updates:
                 yield update
 
@@ -247,33 +318,27 @@ class Handlers:
         max_new_tokens: Any,
         temperature: Any,
         top_p: Any,
+        reasoning: Any = NORMAL,
+        beams: Any = DEFAULT_BEAMS,
         request: gr.Request = None,  # type: ignore[assignment]
     ) -> AsyncIterator[tuple[Any, ...]]:
         """The page's Ask: like ``ask``, but a failure is shown once, in the status line, over cleared panels
         (what was already streamed stays), instead of an error toast and a red mark on every output."""
         raw = [""]
+        inputs = (image, question, max_new_tokens, temperature, top_p, reasoning, beams)
         try:  # aclosing: when Gradio closes this generator (Clear, a closed tab) the inner one ends too
-            async with contextlib.aclosing(
-                self._ask(image, question, max_new_tokens, temperature, top_p, request, raw)
-            ) as updates:
+            async with contextlib.aclosing(self._ask(inputs, request, raw)) as updates:
                 async for update in updates:
                     yield update
         except gr.Error as err:
             yield render(raw[0], f"⚠ {err.title}: {err.message}", final=True)
 
     async def _ask(
-        self,
-        image: Any,
-        question: Any,
-        max_new_tokens: Any,
-        temperature: Any,
-        top_p: Any,
-        request: gr.Request | None,
-        shown: list[str] | None = None,
+        self, inputs: tuple[Any, ...], request: gr.Request | None, shown: list[str] | None = None
     ) -> AsyncIterator[tuple[Any, ...]]:
         loop = asyncio.get_running_loop()
         try:  # decoding an upload takes up to ~0.1 s: not on the event loop that serves everyone
-            stream = await loop.run_in_executor(None, self._submit, image, question, max_new_tokens, temperature, top_p)
+            stream = await loop.run_in_executor(None, self._submit, *inputs)
         except DemoError as err:
             self.metrics.rejected(err.code)
             raise gr_error(err) from None
@@ -284,6 +349,7 @@ class Handlers:
         started = last = time.monotonic()
         changes = Changes()
         raw = ""
+        view = None
         try:
             while True:
                 text, ended = stream.drain()
@@ -293,8 +359,11 @@ class Handlers:
                     last = now
                     if shown is not None:
                         shown[0] = raw
-                if text or not raw:  # new text, or a queue position that may have moved
-                    update = changes(self._progress(raw, stream))
+                searching, view = view, stream.beam_view()
+                if view is not None and view != searching:
+                    last = now  # candidates are being written or judged: the model is not silent
+                if text or not raw or view is not None:  # new text, a queue position that may have moved, a search
+                    update = changes(self._progress(raw, stream, view))
                     if update is not None:
                         yield update
                 if ended:
@@ -308,7 +377,7 @@ class Handlers:
                         pass
             result = stream.result(timeout=TOKEN_TIMEOUT_S)
         except RequestCancelledError:
-            yield render(raw, f"Stopped after {time.monotonic() - started:.1f} s.", final=True)
+            yield render(raw, f"Stopped after {time.monotonic() - started:.1f} s.", final=True, view=view)
             return
         except TimeoutError:
             stream.cancel()
@@ -318,19 +387,25 @@ class Handlers:
         finally:
             self.sessions.discard(session, stream)
             stream.cancel()  # no-op when finished; frees the model row if the visitor went away
-        yield render(result.text, final=True, result=result)
+        yield render(result.text, final=True, result=result, view=result.beam or stream.beam_view())
 
-    def _submit(self, image: Any, question: Any, max_new_tokens: Any, temperature: Any, top_p: Any) -> Stream:
-        return self.backend.submit(self.admit(image, question, max_new_tokens, temperature, top_p))
+    def _submit(self, *inputs: Any) -> Stream:
+        return self.backend.submit(self.admit(*inputs))
 
-    def _progress(self, raw: str, stream: Stream) -> tuple:
+    def _progress(self, raw: str, stream: Stream, view: BeamView | None = None) -> tuple:
         """The outputs while an answer streams (parsed once): the panels, and where the model is."""
+        if view is not None and view.stages:
+            running = view.stages[-1]
+            count = max(len(running.candidates), 1 if view.phase == "judging" else view.beams)
+            doing = f"judging {count} candidates" if view.phase == "judging" else f"{count} candidates writing"
+            status = f"Thinking harder · {running.stage.upper()}: {doing}…"
+            return render(raw, status, view=view)
         stages = parse_stages(raw)
         if raw:
             status = f"Generating · writing {stages.active.upper()}…" if stages.active else "Generating…"
         else:
             status = self._waiting_status(stream)
-        return (*stages.as_tuple(), raw, status, stages.extra, tracker_html(stages, stages.active))
+        return (*stages.as_tuple(), raw, status, stages.extra, tracker_html(stages, stages.active), "")
 
     def _waiting_status(self, stream: Stream) -> str:
         ahead = getattr(stream, "ahead", None)
@@ -359,6 +434,8 @@ class Handlers:
         max_new_tokens: list[Any],
         temperature: list[Any],
         top_p: list[Any],
+        reasoning: list[Any] | None = None,
+        beams: list[Any] | None = None,
     ) -> tuple[list[str], ...]:
         """Answer without streaming: the same inputs and outputs as /ask, final values only.
 
@@ -367,7 +444,11 @@ class Handlers:
         """
         rows: list[list[str]] = [[]] * len(image)
         admitted: list[tuple[int, ValidRequest]] = []
-        for i, args in enumerate(zip(image, question, max_new_tokens, temperature, top_p, strict=True)):
+        reasoning = reasoning or [None] * len(image)  # left out by the client: the defaults
+        beams = beams or [None] * len(image)
+        for i, args in enumerate(
+            zip(image, question, max_new_tokens, temperature, top_p, reasoning, beams, strict=True)
+        ):
             try:
                 admitted.append((i, self.admit(*args)))
             except DemoError as err:
@@ -388,5 +469,5 @@ class Handlers:
                 if isinstance(result, DemoError):
                     rows[i] = list(render("", error_status(result), final=True))
                 else:
-                    rows[i] = list(render(result.text, final=True, result=result))
+                    rows[i] = list(render(result.text, final=True, result=result, view=result.beam))
         return tuple(list(column) for column in zip(*rows, strict=True))

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vlm_demo.errors import DemoError
-from vlm_demo.schema import GenerationResult, ValidRequest
+from vlm_demo.schema import BeamView, GenerationResult, ValidRequest
 
 
 @dataclass
@@ -56,6 +56,7 @@ class Ended:
 @dataclass
 class Step:
     text: list[tuple[int, str]] = field(default_factory=list)  # (rid, new text) in arrival order
+    beams: list[tuple[int, BeamView]] = field(default_factory=list)  # stage-beam searches that changed
     ended: list[Ended] = field(default_factory=list)  # after their last text
     batch_sizes: list[int] = field(default_factory=list)  # rows in each model batch/step since the last message
     stats: dict[str, Any] | None = None  # queue depth, running rows …; ``waiting`` = rids in queue order

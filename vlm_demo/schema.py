@@ -26,6 +26,13 @@ DEFAULT_TEMPERATURE = 0.6  # the authors' defaults
 DEFAULT_TOP_P = 0.9
 MAX_TEMPERATURE = 2.0
 
+# Reasoning modes: "normal" writes the answer once; "stage-beam" is LLaVA-CoT's stage-level beam search
+# (per stage, ``beams`` sampled candidates, the model judges them in pairs, the winner continues).
+NORMAL, STAGE_BEAM = "normal", "stage-beam"
+REASONING_MODES = (NORMAL, STAGE_BEAM)
+DEFAULT_BEAMS = 2  # the paper's default
+MAX_BEAMS = 8
+
 
 @dataclass
 class SamplingParams:
@@ -36,6 +43,9 @@ class SamplingParams:
     top_p: float = DEFAULT_TOP_P
     ignore_eos: bool = False  # benchmarks only: force the full length
     seed: int | None = None  # sampled rows draw from their own generator: same seed, same text
+    reasoning: str = NORMAL  # or STAGE_BEAM
+    beams: int = DEFAULT_BEAMS  # candidates per stage in stage-beam mode (1 only for benchmarks)
+    beam_serial: bool = False  # benchmarks only: run the candidates and judges one at a time
 
     @property
     def greedy(self) -> bool:
@@ -57,10 +67,51 @@ class SamplingParams:
             raise InvalidRequestError("top_p must be above 0 when sampling (temperature > 0).")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise InvalidRequestError("seed must be a whole number.")
+        if self.reasoning not in REASONING_MODES:
+            raise InvalidRequestError(f"reasoning must be one of {', '.join(map(repr, REASONING_MODES))}.")
+        check_beams(self.beams, low=1)
         seed = self.seed if self.seed is not None else random.getrandbits(63)
         return SamplingParams(
-            int(self.max_new_tokens), float(self.temperature), float(self.top_p), bool(self.ignore_eos), seed
+            int(self.max_new_tokens),
+            float(self.temperature),
+            float(self.top_p),
+            bool(self.ignore_eos),
+            seed,
+            self.reasoning,
+            int(self.beams),
+            bool(self.beam_serial),
         )
+
+
+def check_beams(beams: Any, low: int = 2) -> int:
+    """``beams`` as a whole number from ``low`` to :data:`MAX_BEAMS` (the API allows 2 and up; one
+    candidate per stage exists for benchmarks only)."""
+    if isinstance(beams, bool) or not isinstance(beams, (int, float)) or int(beams) != beams:
+        raise InvalidRequestError(f"beams must be a whole number from {low} to {MAX_BEAMS}.")
+    if not low <= beams <= MAX_BEAMS:
+        raise InvalidRequestError(f"beams must be a whole number from {low} to {MAX_BEAMS}.")
+    return int(beams)
+
+
+@dataclass(frozen=True)
+class StageChoice:
+    """One stage of a stage-beam search: its candidates' texts (inside the tags), then the judged winner."""
+
+    stage: str  # "summary" … "conclusion"
+    candidates: tuple[str, ...]
+    winner: int | None = None  # index into ``candidates`` once decided
+    judgements: tuple[str, ...] = ()  # the judge's answers, in the order they were given
+    closed: tuple[bool, ...] = ()  # per candidate: it reached the stage's closing tag (others are dropped)
+
+
+@dataclass(frozen=True)
+class BeamView:
+    """Where a stage-beam search stands, for the page: the decided stages, then the running one last."""
+
+    stages: tuple[StageChoice, ...]
+    phase: str  # "writing" (candidates streaming), "judging", or "done"
+    beams: int
+    judge_calls: int = 0
 
 
 @dataclass
@@ -75,6 +126,7 @@ class GenerationResult:
     queue_s: float  # submit -> first forward pass that included it
     ttft_s: float  # submit -> first streamed token
     total_s: float  # submit -> finished
+    beam: BeamView | None = None  # a stage-beam search's candidates and winners, stage by stage
 
     @property
     def tokens_per_s(self) -> float:
@@ -130,12 +182,35 @@ def number(name: str, value: Any) -> float:
     return value
 
 
-def params_from_inputs(max_new_tokens: Any, temperature: Any, top_p: Any, limits: Limits) -> SamplingParams:
-    """Sampling parameters from loose inputs (sliders, JSON numbers, numeric strings), checked."""
+def reasoning_mode(value: Any) -> str:
+    """The reasoning mode from a loose input: ``None``/``""`` mean normal; case and ``_`` are forgiven."""
+    if value is None or (isinstance(value, str) and not value.strip()):
+        return NORMAL
+    if isinstance(value, str):
+        mode = value.strip().lower().replace("_", "-")
+        if mode in REASONING_MODES:
+            return mode
+    raise InvalidRequestError(
+        f"reasoning must be one of {', '.join(map(repr, REASONING_MODES))}, not {str(value)[:20]!r}."
+    )
+
+
+def params_from_inputs(
+    max_new_tokens: Any, temperature: Any, top_p: Any, limits: Limits, reasoning: Any = None, beams: Any = None
+) -> SamplingParams:
+    """Sampling parameters from loose inputs (sliders, JSON numbers, numeric strings), checked.
+
+    ``reasoning`` and ``beams`` are the API's optional inputs: left out (``None``) they mean the normal
+    mode and the default number of beams.
+    """
+    mode = reasoning_mode(reasoning)
+    count = DEFAULT_BEAMS if beams is None or beams == "" else check_beams(number("beams", beams))
     return SamplingParams(
         max_new_tokens=number("max_new_tokens", max_new_tokens),  # type: ignore[arg-type]
         temperature=number("temperature", temperature),
         top_p=number("top_p", top_p),
+        reasoning=mode,
+        beams=count,
     ).validated(limits.max_new_tokens)
 
 

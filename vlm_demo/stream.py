@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from vlm_demo.errors import BackendTimeoutError, DemoError
-from vlm_demo.schema import GenerationResult
+from vlm_demo.schema import BeamView, GenerationResult
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +40,10 @@ class OutputStream:
     @property
     def error(self) -> DemoError | None:
         return self._error
+
+    def beam_view(self) -> BeamView | None:
+        """Where a stage-beam search stands (candidates, judged winners); ``None`` when not searching."""
+        return None
 
     def stream(self, timeout: float | None = None) -> Iterator[str]:
         """Yield text deltas as they come; raise the request's typed error if it failed.

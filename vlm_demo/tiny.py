@@ -1,13 +1,13 @@
 """A tiny, real Mllama model trained offline to answer like LLaVA-CoT, so everything runs without the 21 GB model.
 
-``python -m vlm_demo.tiny OUT_DIR`` builds it in about 80 s on one CPU core (no network, deterministic): a
+``python -m vlm_demo.tiny OUT_DIR`` builds it in about 150-180 s on one CPU core (no network, deterministic): a
 byte-level BPE tokenizer with the Llama-3 specials, the Llama-3.2-Vision chat template, an
-``MllamaImageProcessor`` with 16-pixel tiles (4 tiles at most), and a ~305k-parameter
+``MllamaImageProcessor`` with 16-pixel tiles (4 tiles at most), and a ~331k-parameter
 ``MllamaForConditionalGeneration`` trained on solid-colour images. Everything loads with transformers' own
 ``from_pretrained`` / ``AutoProcessor``, so the code under test is the code that serves the real model.
 
 What the trained model does under greedy decoding, for a solid-colour image (``COLOURS``; 16-1024 px, any
-aspect ratio including 1024x16 strips, mild noise) and any short question::
+aspect ratio including 1024x16 strips, mild noise) and any short question: exactly ``answer_for``, e.g. ::
 
     <SUMMARY> I will find the colour of the image. </SUMMARY>
 
@@ -28,6 +28,25 @@ about 58 tokens. Triggers, decided on the question's words (see ``answer_for``):
   the image." if the question says "colour"/"color", otherwise "I will describe the image."
 - Every REASONING contains "→", which the tokenizer never saw in training: it is three single-byte tokens,
   each an incomplete UTF-8 sequence, so streamed decoding must hold back partial characters.
+
+Sampling gives different answers (for stage-level beam search): the training answers carry label noise
+(``noisy_answer_for``): the CAPTION names a wrong colour 25% of the time and the CONCLUSION 15%, independently;
+the REASONING always names the image's colour. The most likely answer stays the clean one, so greedy output is
+unchanged; at temperature 1 / top-p 1 about a quarter of the CAPTIONs name a wrong colour, at the UI's
+temperature 0.6 / top-p 0.9 about 1%.
+
+The judge task: with the image and the text ``vlm_demo.judge.judge_question(stage, question, first,
+second)`` (candidate stage texts as ``stage_text`` writes them), the model answers ``judge_answer``'s text,
+e.g. "Since the image is red, response 1 says green, so no, and response 2 says red, so yes. I choose
+response 2." The trained rule: response 2 if it names the image's colour and response 1 does not, otherwise
+response 1. What tests can rely on: the
+judge's answer starts "Since the image is <the image's colour>" and ``parse_choice`` reads it. Not on the
+choice: the model has not learnt the comparison; its verdicts follow the responses' order, not the image
+(this form and each of these stayed at 50% on pairs where exactly one candidate names the colour): deciding in
+one step ("response 2 says red"), copying both colours before choosing, a right/wrong verdict, an induction
+form ("red is response 2"), 2000 extra judge-only steps, and the cross-attention layer at 1 instead of 2
+(which also broke greedy answers). The same model learns "Is the image X?" → yes/no in 200 steps, so
+comparing a word with the image is learnable; with two caption-like candidates in the prompt it is not (yet).
 
 The stage tags (``<SUMMARY>`` ...) are ordinary text split into several tokens, as in the real model.
 """
@@ -53,9 +72,11 @@ import numpy as np
 import torch
 from PIL import Image
 
+from vlm_demo.judge import judge_question
+
 log = logging.getLogger(__name__)
 
-TINY_VERSION = "2"  # bump when the recipe changes: cached copies with another stamp are rebuilt
+TINY_VERSION = "4"  # bump when the recipe changes: cached copies with another stamp are rebuilt
 VERSION_FILE = "tiny_version.txt"
 TINY_DIR_ENV = "VLM_TINY_DIR"
 
@@ -97,19 +118,28 @@ CHAT_TEMPLATE = (
 
 TILE_SIZE = 16  # vision image_size = the processor's tile size; 16 px (not 28) keeps 4-px patches cheap
 MAX_TILES = 4
-BPE_VOCAB_SIZE = 800
+BPE_VOCAB_SIZE = 1000
 LONG_STEPS = 30
+CROSS_LAYERS = [2]  # the text layers that attend to the image (of 4)
 
-TRAIN_STEPS = 320
+TRAIN_STEPS = 680
 BATCH_SIZE = 12
 LONG_BATCH_SIZE = 6
-LONG_BATCH_EVERY = 5  # every 5th batch holds only full long answers
+JUDGE_BATCH_SIZE = 12
+LONG_JUDGE_BATCH_SIZE = 3
+# The kind of each training batch, in turn (see make_batch_examples).
+BATCH_CYCLE = ("short", "judge", "short", "judge", "long", "short", "judge", "short", "judge", "long_judge")
+JUDGE_STAGE_WEIGHTS = (1, 3, 3, 3)  # SUMMARY, CAPTION, REASONING, CONCLUSION
+JUDGE_LONG_QUESTION_SHARE = 0.15  # judge prompts whose question has the long trigger (not for REASONING)
+CAPTION_NOISE = 0.25
+CONCLUSION_NOISE = 0.15
 SHORT_SALAD_WORDS = 3  # curriculum: the first third of training uses short questions
 SHORT_SALAD_SHARE = 1 / 3
 TWIN_SHARE = 0.5  # short rows followed by a twin with the long trigger (and the long answer's first steps)
 LEARNING_RATE = 3e-3
 SUMMARY_TOKENS = 16  # answer tokens up to the end of the SUMMARY sentence
 SUMMARY_WEIGHT = 10.0
+CHOICE_WEIGHT = 30.0  # the judge's "1" or "2"
 WARMUP_STEPS = 20
 BUILD_THREADS = 1  # fixed for reproducible sums; 2 threads ran 13x slower when another process shared the 2 cores
 
@@ -174,6 +204,7 @@ GIBBERISH_LETTERS = "abcdefghijklmnopqrstuvwxyzabcdefghijklmnopqrstuvwxyzéèà�
 ONSETS = ["", *"b c d f g h j k l m n p r s t v w z ch sh th ph tr st gr pl br qu".split()]
 CODAS = ["", "", "", "n", "r", "s", "t", "m", "l", "nt", "ng", "ck", "st", "rd", "ph"]
 
+STAGES = ("summary", "caption", "reasoning", "conclusion")  # as vlm_demo.cot and vlm_demo.judge name them
 TRIGGER_WORDS = ["long", "detail", "details", "detailed"]
 _LONG_RE = re.compile(r"\b(long|detail\w*)\b", re.IGNORECASE)
 _COLOUR_RE = re.compile(r"\b(colou?r)\b", re.IGNORECASE)
@@ -194,34 +225,76 @@ def wants_long(question: str) -> bool:
     return _LONG_RE.search(question) is not None
 
 
-def answer_for(colour: str, question: str) -> str:
-    """The four-stage answer the tiny model is trained to give (without the closing ``<|eot_id|>``)."""
+def stage_text(stage: str, question: str, colour: str) -> str:
+    """One stage's text as the model writes it between its tags (stripped); the SUMMARY names no colour."""
     long = wants_long(question)
-    if long:
-        summary = "I will look at every part of the image in detail."
-    elif _COLOUR_RE.search(question):
-        summary = "I will find the colour of the image."
-    else:
-        summary = "I will describe the image."
-    caption = f"The image is filled with one plain {colour} colour."
-    if long:
-        parts = ", ".join(f"part {i} is {colour}" for i in range(1, 1 + LONG_STEPS))
-        reasoning = f"Step by step: {parts} → so every part is {colour}."
-    else:
-        reasoning = f"Every part of the image looks {colour} → so its colour is {colour}."
-    conclusion = f"The image is {colour}."
+    if stage == "summary":
+        if long:
+            return "I will look at every part of the image in detail."
+        return "I will find the colour of the image." if _COLOUR_RE.search(question) else "I will describe the image."
+    if stage == "caption":
+        return f"The image is filled with one plain {colour} colour."
+    if stage == "reasoning":
+        if long:
+            parts = ", ".join(f"part {i} is {colour}" for i in range(1, 1 + LONG_STEPS))
+            return f"Step by step: {parts} → so every part is {colour}."
+        return f"Every part of the image looks {colour} → so its colour is {colour}."
+    return f"The image is {colour}."
+
+
+def _answer(question: str, caption_colour: str, conclusion_colour: str) -> str:
+    """The four stages; the REASONING follows the CAPTION, as a real chain of thought does."""
+    colours = {"summary": "", "caption": caption_colour, "reasoning": caption_colour, "conclusion": conclusion_colour}
+    tagged = (f"<{s.upper()}> {stage_text(s, question, colours[s])} </{s.upper()}>" for s in STAGES)
+    return "\n\n".join(tagged)
+
+
+def answer_for(colour: str, question: str) -> str:
+    """The four-stage answer the tiny model gives under greedy decoding (without the closing ``<|eot_id|>``)."""
+    return _answer(question, colour, colour)
+
+
+def _other_colour(rng: random.Random, colour: str) -> str:
+    return rng.choice([c for c in COLOURS if c != colour])
+
+
+def noisy_answer_for(rng: random.Random, colour: str, question: str) -> str:
+    """A training answer with label noise, so that sampled answers differ while the most likely one stays right.
+
+    The CAPTION names a wrong colour with probability ``CAPTION_NOISE`` and the CONCLUSION, independently, with
+    ``CONCLUSION_NOISE``; the REASONING always names the image's colour. Every stage follows the image, not an
+    earlier stage's text: a model that learnt to trust a written colour over the image (an earlier recipe
+    whose REASONING repeated the CAPTION) went astray on odd questions.
+    """
+    caption = _other_colour(rng, colour) if rng.random() < CAPTION_NOISE else colour
+    conclusion = _other_colour(rng, colour) if rng.random() < CONCLUSION_NOISE else colour
+    colours = {"summary": "", "caption": caption, "reasoning": colour, "conclusion": conclusion}
+    return "\n\n".join(f"<{s.upper()}> {stage_text(s, question, colours[s])} </{s.upper()}>" for s in STAGES)
+
+
+def judge_answer(image_colour: str, first: str | None, second: str | None) -> str:
+    """The judge's answer: response 2 only if it names the image's colour and response 1 does not.
+
+    ``first`` / ``second`` are the colours the candidates name (``None``: no colour, as in a SUMMARY). The
+    answer names the image's colour, each response's colour with a yes/no verdict, then the choice.
+    """
+
+    def said(colour: str | None) -> str:
+        return f"{colour or 'no colour'}, so {'yes' if colour == image_colour else 'no'}"
+
+    choice = 2 if second == image_colour and first != image_colour else 1
     return (
-        f"<SUMMARY> {summary} </SUMMARY>\n\n<CAPTION> {caption} </CAPTION>\n\n"
-        f"<REASONING> {reasoning} </REASONING>\n\n<CONCLUSION> {conclusion} </CONCLUSION>"
+        f"Since the image is {image_colour}, response 1 says {said(first)}, and response 2 says {said(second)}. "
+        f"I choose response {choice}."
     )
 
 
 @dataclass(frozen=True)
 class Example:
-    """One training conversation: an image recipe, a question and the answer the model must learn.
+    """One training conversation: an image recipe, the user's text and the answer the model must learn.
 
-    ``prefix_steps > 0`` keeps only the long answer's first steps: cheap rows that teach the long trigger
-    and the step counting inside short batches (their ``<|eot_id|>`` gets no label).
+    ``complete=False`` marks a cut answer (the long answer's first steps: cheap rows that teach the long
+    trigger and the step counting inside short batches); its ``<|eot_id|>`` gets no label.
     """
 
     colour: str
@@ -230,14 +303,9 @@ class Example:
     noise: int
     seed: int
     question: str
-    prefix_steps: int = 0
-
-    @property
-    def answer(self) -> str:
-        answer = answer_for(self.colour, self.question)
-        if self.prefix_steps:
-            answer = answer[: answer.index(f", part {self.prefix_steps + 1} ")]
-        return answer
+    answer: str
+    complete: bool = True
+    judge: bool = False
 
     def image(self) -> Image.Image:
         return solid_image(self.colour, self.width, self.height, self.noise, self.seed)
@@ -271,7 +339,7 @@ def _gibberish(rng: random.Random) -> str:
     return "".join(syllables)
 
 
-def _random_question(rng: random.Random, max_words: int = 14) -> str:
+def _random_question(rng: random.Random, max_words: int = 20) -> str:
     """A question without the long trigger: half fixed wordings, half word salad with some made-up words."""
     if rng.random() < 0.5:
         return rng.choice(SHORT_QUESTIONS)
@@ -301,28 +369,75 @@ def _long_question(rng: random.Random) -> str:
     return _with_trigger(rng, _random_question(rng))
 
 
-def _random_example(rng: random.Random, question: str) -> Example:
+def _random_image(rng: random.Random) -> tuple[str, int, int, int, int]:
+    """Colour, width, height, noise and noise seed of a training image."""
     width, height = _random_size(rng)
     noise = 0 if rng.random() < 0.5 else rng.randint(1, 30)
-    return Example(rng.choice(list(COLOURS)), width, height, noise, rng.randrange(2**31), question)
+    return rng.choice(list(COLOURS)), width, height, noise, rng.randrange(2**31)
 
 
-def make_batch_examples(rng: random.Random, long: bool, max_words: int = 14) -> list[Example]:
-    """One batch: either ``LONG_BATCH_SIZE`` full long answers, or short answers, some followed by a twin.
+def _answer_example(rng: random.Random, question: str) -> Example:
+    colour, *image = _random_image(rng)
+    return Example(colour, *image, question, noisy_answer_for(rng, colour, question))
 
-    A twin has the same image and the same question plus a trigger word, and keeps only the first steps of
-    the long answer: the pair shows that the trigger word alone decides the length, at little cost.
-    Keeping full long answers in their own batches stops every short batch being padded to ~300 tokens.
+
+def _candidate_colours(rng: random.Random, colour: str) -> tuple[str, str]:
+    """Mostly exactly one candidate names the image's colour (either one); else both do or neither does."""
+    draw = rng.random()
+    if draw < 0.4:
+        return colour, _other_colour(rng, colour)
+    if draw < 0.8:
+        return _other_colour(rng, colour), colour
+    if draw < 0.9:
+        return colour, colour
+    return _other_colour(rng, colour), _other_colour(rng, colour)
+
+
+def _judge_example(rng: random.Random, question: str, stage: str) -> Example:
+    """The judge task: the image, two candidate texts of one stage, and the choice by ``judge_answer``'s rule."""
+    colour, *image = _random_image(rng)
+    if stage == "summary":  # no colour to compare: the plans of the three kinds of question
+        first, second = (stage_text(stage, rng.choice(["colour?", "long", "x"]), "") for _ in range(2))
+        text, answer = judge_question(stage, question, first, second), judge_answer(colour, None, None)
+    else:
+        colours = _candidate_colours(rng, colour)
+        first, second = (stage_text(stage, question, c) for c in colours)
+        text, answer = judge_question(stage, question, first, second), judge_answer(colour, *colours)
+    return Example(colour, *image, text, answer, judge=True)
+
+
+def make_batch_examples(rng: random.Random, kind: str, max_words: int = 20) -> list[Example]:
+    """One batch of ``kind`` (the names in ``BATCH_CYCLE``).
+
+    - "short": short answers, some followed by a twin. A twin has the same image and the same question plus
+      a trigger word, and keeps only the first steps of the long answer: the pair shows that the trigger word
+      alone decides the length, at little cost.
+    - "long": full long answers. Keeping them (and long judge prompts) in their own batches stops every
+      short batch being padded to ~300 tokens.
+    - "judge": judge prompts on SUMMARY, CAPTION, short REASONING or CONCLUSION candidates.
+    - "long_judge": judge prompts on long REASONING candidates (~500 tokens).
     """
-    if long:
-        return [_random_example(rng, _long_question(rng)) for _ in range(LONG_BATCH_SIZE)]
-    batch: list[Example] = []
+    if kind == "long":
+        return [_answer_example(rng, _long_question(rng)) for _ in range(LONG_BATCH_SIZE)]
+    if kind == "long_judge":
+        return [_judge_example(rng, _long_question(rng), "reasoning") for _ in range(LONG_JUDGE_BATCH_SIZE)]
+    if kind == "judge":
+        batch = []
+        for _ in range(JUDGE_BATCH_SIZE):
+            stage = rng.choices(STAGES, weights=JUDGE_STAGE_WEIGHTS)[0]
+            long_ok = stage != "reasoning" and rng.random() < JUDGE_LONG_QUESTION_SHARE
+            question = _long_question(rng) if long_ok else _random_question(rng, max_words)
+            batch.append(_judge_example(rng, question, stage))
+        return batch
+    batch = []
     while len(batch) < BATCH_SIZE:
-        example = _random_example(rng, _random_question(rng, max_words))
+        example = _answer_example(rng, _random_question(rng, max_words))
         batch.append(example)
         if len(batch) < BATCH_SIZE and rng.random() < TWIN_SHARE:
-            twin_question = _with_trigger(rng, example.question)
-            batch.append(replace(example, question=twin_question, prefix_steps=rng.randint(1, 8)))
+            question = _with_trigger(rng, example.question)
+            answer = noisy_answer_for(rng, example.colour, question)
+            cut = answer[: answer.index(f", part {rng.randint(2, 9)} ")]
+            batch.append(replace(example, question=question, answer=cut, complete=False))
     return batch
 
 
@@ -332,15 +447,15 @@ def training_plan(seed: int, steps: int = TRAIN_STEPS) -> list[list[Example]]:
     return [
         make_batch_examples(
             rng,
-            long=step % LONG_BATCH_EVERY == LONG_BATCH_EVERY - 1,
-            max_words=SHORT_SALAD_WORDS if step < steps * SHORT_SALAD_SHARE else 14,
+            BATCH_CYCLE[step % len(BATCH_CYCLE)],
+            max_words=SHORT_SALAD_WORDS if step < steps * SHORT_SALAD_SHARE else 20,
         )
         for step in range(steps)
     ]
 
 
 def _tokenizer_corpus(seed: int) -> list[str]:
-    """Text for BPE training: answers, questions and salad, with non-ASCII removed.
+    """Text for BPE training: answers, judge prompts and answers, questions and salad, with non-ASCII removed.
 
     Keeping "→" out of the BPE corpus means it is never merged: it stays three byte tokens, each an
     incomplete UTF-8 sequence on its own, which is what a streaming decoder must cope with.
@@ -352,8 +467,13 @@ def _tokenizer_corpus(seed: int) -> list[str]:
     for colour in COLOURS:
         for question in SHORT_QUESTIONS + LONG_QUESTIONS:
             lines += [question, answer_for(colour, question)]
+        for stage in STAGES:
+            colours = colour, _other_colour(rng, colour)
+            first, second = (stage_text(stage, "x", c) for c in colours)
+            lines += [judge_question(stage, "x", first, second), judge_answer(colour, *colours)]
+    lines.append(judge_answer("red", None, None))
     lines += [" ".join(rng.choices(SALAD_WORDS, k=12)) for _ in range(200)]
-    key_words = [*TRIGGER_WORDS, "colour", "color", *COLOURS]
+    key_words = [*TRIGGER_WORDS, "colour", "color", "no", *COLOURS]
     every_form = [[w, w.capitalize(), f"a {w}", f"A {w.capitalize()}"] for w in key_words * 20 + SALAD_WORDS]
     lines += [line for forms in every_form for line in forms]
     return [line.encode("ascii", "ignore").decode() for line in lines]
@@ -409,7 +529,7 @@ def build_processor(seed: int = 0):
 
 
 def build_config(text_vocab_size: int, tokenizer):
-    """~305k parameters; the one cross-attention layer (2) lies inside the 4 text layers, else images are ignored."""
+    """~331k parameters; the one cross-attention layer (2) lies inside the 4 text layers, else images are ignored."""
     from transformers import MllamaConfig
 
     vision = dict(
@@ -433,7 +553,7 @@ def build_config(text_vocab_size: int, tokenizer):
         num_hidden_layers=4,
         num_attention_heads=4,
         num_key_value_heads=2,
-        cross_attention_layers=[2],
+        cross_attention_layers=CROSS_LAYERS,
         max_position_embeddings=4096,
         # Llama's theta of 500000 leaves a 16-dim head only ~3 useful frequencies over 300 tokens; counting needs more.
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
@@ -484,9 +604,31 @@ def encode_batch(processor, examples: list[Example]) -> dict[str, torch.Tensor]:
     last_header = torch.where(input_ids == end_header, positions, -1).max(dim=1, keepdim=True).values
     labels = input_ids.masked_fill((positions <= last_header) | (batch["attention_mask"] == 0), -100)
     for row, ex in enumerate(examples):
-        if ex.prefix_steps:  # a cut answer does not end here: no label on the template's closing <|eot_id|>
+        if not ex.complete:  # a cut answer does not end here: no label on the template's closing <|eot_id|>
             labels[row, batch["attention_mask"][row].sum() - 1] = -100
-    return {**batch, "labels": labels}
+    return {
+        **batch,
+        "labels": labels,
+        "weights": _loss_weights(labels, examples, tuple(processor.tokenizer.convert_tokens_to_ids(["1", "2"]))),
+    }
+
+
+def _loss_weights(labels: torch.Tensor, examples: list[Example], choice_ids: tuple[int, int]) -> torch.Tensor:
+    """Per-token loss weights: the first ``SUMMARY_TOKENS`` of an answer, a judge's colours and its choice weigh more.
+
+    They carry the decisions (the SUMMARY's trigger and colour words; the judge's choice, most of all);
+    unweighted, the model fits the rest long before those generalise. ``choice_ids``: the tokens "1" and "2".
+    """
+    weights = (labels != -100).float()
+    for row, ex in enumerate(examples):
+        positions = (labels[row] != -100).nonzero().flatten()
+        if ex.judge:
+            weights[row, positions] = SUMMARY_WEIGHT
+            digits = positions[(labels[row, positions] == choice_ids[0]) | (labels[row, positions] == choice_ids[1])]
+            weights[row, digits] = CHOICE_WEIGHT
+        else:
+            weights[row, positions[:SUMMARY_TOKENS]] = SUMMARY_WEIGHT
+    return weights
 
 
 @contextmanager
@@ -515,23 +657,16 @@ def _prefetched(processor, plan: list[list[Example]]) -> Iterator[dict[str, torc
 
 
 def weighted_loss(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Next-token loss with the SUMMARY sentence weighted up: it carries the question-dependent choices.
-
-    The trigger and colour-word decisions are a couple of tokens per answer; unweighted, the model fits the
-    rest long before those generalise to unseen wordings.
-    """
-    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    """Next-token loss with the per-token weights of ``_loss_weights``."""
+    inputs = {k: v for k, v in batch.items() if k not in ("labels", "weights")}
     logits = model(**inputs).logits[:, :-1]
-    targets = batch["labels"][:, 1:]
+    targets, weights = batch["labels"][:, 1:], batch["weights"][:, 1:]
     per_token = torch.nn.functional.cross_entropy(logits.transpose(1, 2), targets, ignore_index=-100, reduction="none")
-    labelled = targets != -100
-    first = labelled & (labelled.cumsum(dim=1) <= SUMMARY_TOKENS)
-    weights = labelled.float() + (SUMMARY_WEIGHT - 1) * first.float()
     return (per_token * weights).sum() / weights.sum()
 
 
 def train(model, processor, seed: int, steps: int = TRAIN_STEPS) -> None:
-    """AdamW with warm-up and linear decay, one thread; 320 steps take the loss from ~6.7 to ~0.02 in ~70 s."""
+    """AdamW with warm-up and linear decay, one thread; 680 steps take the loss from ~6.7 to ~0.02-0.2 in ~150-180 s."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: min(1.0, (s + 1) / WARMUP_STEPS) * max(0.05, 1 - s / max(1, steps))

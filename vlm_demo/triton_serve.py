@@ -40,11 +40,13 @@ from vlm_demo.backends.triton import ENSEMBLE_MODEL, GENERATE_MODEL, error_text,
 from vlm_demo.config import Config, build_parser, config_from_namespace
 from vlm_demo.errors import DemoError, InvalidRequestError
 from vlm_demo.schema import (
+    DEFAULT_BEAMS,
     DEFAULT_MAX_NEW_TOKENS,
     GenerationResult,
     Limits,
     SamplingParams,
     ValidRequest,
+    reasoning_mode,
     validate_request,
 )
 
@@ -56,6 +58,8 @@ SAMPLING_INPUTS = {
     "temperature": (np.float32, "temperature"),
     "top_p": (np.float32, "top_p"),
     "seed": (np.int64, "seed"),
+    "reasoning": (np.object_, "reasoning"),  # "normal" or "stage-beam" (bytes)
+    "beams": (np.int32, "beams"),
 }
 INFER_OUTPUTS = ("ANSWER", "FINISH_REASON", "PROMPT_TOKENS", "COMPLETION_TOKENS", "ERROR")
 GENERATE_FLAGS = (
@@ -113,7 +117,7 @@ def _decode_infer_row(
     for name, (_, field_name) in SAMPLING_INPUTS.items():
         if name in inputs:
             value = np.ravel(inputs[name])[row] if inputs[name].ndim > 1 else np.ravel(inputs[name])[0]
-            values[field_name] = value.item()
+            values[field_name] = reasoning_mode(_bytes_item(value)) if name == "reasoning" else value.item()
     return validate_request(image, text, SamplingParams(**values), limits)
 
 
@@ -227,6 +231,8 @@ def decode_generate_request(
         top_p=sampling.get("top_p", SamplingParams.top_p),
         ignore_eos=bool(sampling.get("ignore_eos", False)),
         seed=sampling.get("seed"),
+        reasoning=reasoning_mode(sampling.get("reasoning")),
+        beams=sampling.get("beams", DEFAULT_BEAMS),
     )
     stream = _flag(inputs, parameters, "stream")
     exclude = _flag(inputs, parameters, "exclude_input_in_output")
@@ -393,7 +399,10 @@ def bind_models(triton: Any, engine: Any, config: Config) -> None:
         inputs=[
             Tensor(name="IMAGE", dtype=np.uint8, shape=(-1, -1, 3)),
             Tensor(name="QUESTION", dtype=bytes, shape=(1,)),
-            *[Tensor(name=n, dtype=t, shape=(1,), optional=True) for n, (t, _) in SAMPLING_INPUTS.items()],
+            *[
+                Tensor(name=n, dtype=bytes if t is np.object_ else t, shape=(1,), optional=True)
+                for n, (t, _) in SAMPLING_INPUTS.items()
+            ],
         ],
         outputs=[
             Tensor(name="ANSWER", dtype=bytes, shape=(1,)),

@@ -8,9 +8,11 @@ door and talk to a :class:`~vlm_demo.backends.base.Backend`); it holds no model 
   lets several visitors' requests reach the engine at once.
 - ``/ask_batch`` is Gradio's own batch mode (``batch=True``) for API clients that want final answers.
 
-Both take ``(image, question, max_new_tokens, temperature, top_p)`` and return plain strings
-``(summary, caption, reasoning, conclusion, raw, status, extra, stages_html)``: ``extra`` is text
-the model wrote outside the four tags, ``stages_html`` the stage strip that marks the active stage.
+Both take ``(image, question, max_new_tokens, temperature, top_p, reasoning, beams)`` — the last two
+optional, ``"normal"`` or ``"stage-beam"`` (the page's "Think harder") and 2–8 candidates per stage —
+and return plain strings ``(summary, caption, reasoning, conclusion, raw, status, extra, stages_html,
+beams_html)``: ``extra`` is text the model wrote outside the four tags, ``stages_html`` the stage strip
+that marks the active stage, ``beams_html`` a stage-beam search's candidates and winners.
 Every output component is labelled with that name, so the "Use via API" page and clients say it too.
 
 The page's own Ask (button and Enter) runs ``handlers.ask_page``, not ``/ask``: the same stream, but a
@@ -30,7 +32,16 @@ from vlm_demo.config import Config
 from vlm_demo.cot import STAGES, parse_stages
 from vlm_demo.handlers import Handlers, tracker_html
 from vlm_demo.metrics import Metrics
-from vlm_demo.schema import DEFAULT_MAX_NEW_TOKENS, DEFAULT_TEMPERATURE, DEFAULT_TOP_P, MAX_TEMPERATURE
+from vlm_demo.schema import (
+    DEFAULT_BEAMS,
+    DEFAULT_MAX_NEW_TOKENS,
+    DEFAULT_TEMPERATURE,
+    DEFAULT_TOP_P,
+    MAX_BEAMS,
+    MAX_TEMPERATURE,
+    NORMAL,
+    STAGE_BEAM,
+)
 
 log = logging.getLogger(__name__)
 
@@ -103,9 +114,37 @@ CSS = (
     )
     + """
 #p_conclusion textarea { font-weight: 600; }
+.beam-search { font-size: 0.9em; border: 1px solid var(--border-color-primary); border-radius: 10px; padding: 6px 12px; }
+.beam-search .beam-head { font-weight: 600; margin-bottom: 4px; }
+.beam-search .beam-stage { margin: 6px 0; }
+.beam-search ol { margin: 2px 0 2px 1.2em; padding: 0; }
+.beam-search li.cand { opacity: 0.7; margin: 2px 0; }
+.beam-search li.winner { opacity: 1; font-weight: 600; }
+.beam-search .won { color: #166534; }
+.dark .beam-search .won { color: #86efac; }
+.beam-search pre { white-space: pre-wrap; margin: 2px 0; }
 #status { min-height: 1.5em; font-size: 0.95em; }
 """
 )
+
+
+# The API's optional trailing inputs: a client written for the first five inputs keeps working.
+OPTIONAL_INPUTS = {"ask": 2, "ask_batch": 2}
+
+
+class Page(gr.Blocks):
+    """``gr.Blocks`` that accepts calls leaving out an endpoint's optional trailing inputs.
+
+    gradio_client fills them in from the API description, but a raw HTTP or JavaScript client that
+    sends the original five values would be refused by Gradio's own count check; here the missing
+    ones arrive as ``None`` and the handlers read that as the defaults.
+    """
+
+    def validate_inputs(self, block_fn: Any, inputs: list[Any]) -> None:
+        missing = len(block_fn.inputs) - len(inputs)
+        if 0 < missing <= OPTIONAL_INPUTS.get(block_fn.api_name or "", 0):
+            inputs.extend([None] * missing)
+        super().validate_inputs(block_fn, inputs)
 
 
 class DemoUI:
@@ -130,7 +169,7 @@ class DemoUI:
 
     # ---- the page -----------------------------------------------------------------------------------
     def build(self) -> gr.Blocks:
-        with gr.Blocks(title="LLaVA-CoT demo") as demo:
+        with Page(title="LLaVA-CoT demo") as demo:
             gr.Markdown(
                 "# LLaVA-CoT · Llama-3.2V-11B-cot\n"
                 "Upload an image and ask about it. The model thinks in four stages, shown live as it writes: "
@@ -143,7 +182,7 @@ class DemoUI:
             # after the Ask button and the examples come last (below the row).
             with gr.Row(equal_height=False):
                 with gr.Column(scale=2, min_width=320):
-                    image, upload_error, question, ask, stop, clear, sliders = self._inputs()
+                    image, upload_error, question, ask, stop, clear, sliders, thinking = self._inputs()
                 with gr.Column(scale=3, min_width=360):
                     tracker = gr.HTML(tracker_html(parse_stages(""), None), label="stages_html", elem_id="stages")
                     status = gr.Markdown("", label="status", elem_id="status")
@@ -161,14 +200,15 @@ class DemoUI:
                         for stage in STAGES
                     ]
                     extra = gr.Textbox(label="extra", visible=False, elem_id="p_extra")  # the strip shows it
+                    beams_view = gr.HTML("", label="beams_html", elem_id="beams_view")
                     with gr.Accordion("Raw model output", open=False, elem_id="raw_box"):
                         raw = gr.Textbox(
                             label="raw", show_label=False, elem_id="raw", lines=8, interactive=False, buttons=["copy"]
                         )
             self._examples(image, question)
 
-            inputs = [image, question, *sliders]
-            outputs = [*panels, raw, status, extra, tracker]
+            inputs = [image, question, *sliders, *thinking]
+            outputs = [*panels, raw, status, extra, tracker, beams_view]
             self._wire(demo, inputs, outputs, image, upload_error, question, ask, stop, clear)
         limit = self._concurrency_limit()
         demo.queue(max_size=self.config.max_queue, default_concurrency_limit=limit)
@@ -186,6 +226,28 @@ class DemoUI:
             max_length=self.config.max_question_chars,
             placeholder="Ask something about the image…",
         )
+        with gr.Row(equal_height=True, elem_id="think"):
+            thinking = (
+                gr.Radio(
+                    [("Normal", NORMAL), ("Think harder", STAGE_BEAM)],
+                    value=NORMAL,
+                    label="Reasoning",
+                    info="Think harder: for each stage the model writes several candidates and judges which is "
+                    "best (LLaVA-CoT's stage-level beam search). Slower.",
+                    elem_id="reasoning",
+                    scale=3,
+                ),
+                gr.Slider(
+                    2,
+                    MAX_BEAMS,
+                    DEFAULT_BEAMS,
+                    step=1,
+                    precision=0,
+                    label="Candidates per stage",
+                    elem_id="beams",
+                    scale=2,
+                ),
+            )
         with gr.Row():
             ask = gr.Button("Ask", variant="primary", elem_id="ask", scale=2)
             stop = gr.Button("Stop", variant="stop", elem_id="stop", min_width=80)
@@ -212,7 +274,7 @@ class DemoUI:
                 ),
                 gr.Slider(MIN_TOP_P, 1.0, DEFAULT_TOP_P, step=0.05, label="Top-p", elem_id="top_p"),
             )
-        return image, upload_error, question, ask, stop, clear, sliders
+        return image, upload_error, question, ask, stop, clear, sliders, thinking
 
     def _examples(self, image: gr.Image, question: gr.Textbox) -> None:
         with gr.Row(equal_height=False):

@@ -33,7 +33,7 @@ from vlm_demo.errors import (
     RequestCancelledError,
 )
 from vlm_demo.ipc import Cancel, Fatal, Ready, Shutdown, Step, Submit
-from vlm_demo.schema import GenerationResult, ValidRequest
+from vlm_demo.schema import BeamView, GenerationResult, ValidRequest
 from vlm_demo.stream import OutputStream, run_all
 
 log = logging.getLogger(__name__)
@@ -53,6 +53,10 @@ class RemoteStream(OutputStream):
         super().__init__()
         self.rid = rid
         self._backend = backend
+        self._beam: BeamView | None = None  # the latest stage-beam view from the engine
+
+    def beam_view(self) -> BeamView | None:
+        return self._beam
 
     def cancel(self) -> None:
         """End the stream now; the engine frees the row at its next step."""
@@ -266,6 +270,10 @@ class EngineProcessBackend:
         self.messages_received += 1
         with self._lock:
             streams = self._streams
+            for rid, view in message.beams:  # before the text, so a stage's winner never shows without its view
+                stream = streams.get(rid)
+                if stream is not None:
+                    stream._beam = view
             for rid, text in message.text:
                 stream = streams.get(rid)
                 if stream is not None:

@@ -45,7 +45,7 @@ from vlm_demo.errors import (
     QueueFullError,
     RequestCancelledError,
 )
-from vlm_demo.schema import GenerationResult, SamplingParams, ValidRequest
+from vlm_demo.schema import STAGE_BEAM, GenerationResult, SamplingParams, ValidRequest
 from vlm_demo.stream import OutputStream, run_all
 
 log = logging.getLogger(__name__)
@@ -370,7 +370,14 @@ class TritonBackend:
             "temperature": np.array([params.temperature], dtype=np.float32),
             "top_p": np.array([params.top_p], dtype=np.float32),
             "seed": np.array([params.seed if params.seed is not None else 0], dtype=np.int64),
+            "reasoning": np.array([params.reasoning.encode("utf-8")], dtype=np.object_),
+            "beams": np.array([params.beams], dtype=np.int32),
         }
+        if params.reasoning == STAGE_BEAM and "reasoning" not in self.info.inputs:
+            raise InvalidRequestError(
+                f"The Triton model '{self.config.triton_model}' has no 'reasoning' input, so it cannot think harder "
+                "(stage beam search); ask in the normal mode."
+            )
         for name, value in extras.items():
             if name in self.info.inputs:
                 arrays[name] = value.reshape(lead + [1])
@@ -459,6 +466,9 @@ class TritonBackend:
             sampling["seed"] = params.seed
         if params.ignore_eos:
             sampling["ignore_eos"] = True
+        if params.reasoning == STAGE_BEAM:  # only then: a stock vLLM model would refuse the unknown keys
+            sampling["reasoning"] = params.reasoning
+            sampling["beams"] = params.beams
         return json.dumps(sampling)
 
     def _run_generate(self, stream: TritonStream, image: Any, question: str, params: SamplingParams) -> None:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from vlm_demo.engine.request import Request
 from vlm_demo.engine.sampler import RowSampling
@@ -67,6 +67,7 @@ class Row:
 
     request: Request
     streamer: RowStreamer
+    beam: Any = None  # the stage-beam search this row is a candidate of (``engine.beam.StageBeam``)
 
 
 @dataclass
@@ -79,6 +80,83 @@ class Prefill:
     lengths: list[int]  # each row's real prompt tokens (host side: no device reads to plan with them)
     cross_mask: torch.Tensor  # [n, 1, 1, vision tokens] additive mask for one query, in the layers' form
     row_mask: torch.Tensor  # [n, 1, 1, 1]: 0 for a row that sees no image tile
+
+    def select(self, index: list[int], cross_layers: frozenset[int]) -> Prefill:
+        """These rows only (in this order, repeats allowed), without columns that are padding for all of them."""
+        lengths = [self.lengths[i] for i in index]
+        first = self.attention_mask.shape[1] - max(lengths)
+        rows = torch.tensor(index, device=self.attention_mask.device)
+        layers = []
+        for number, layer in enumerate(self.cache.layers):
+            here = rows.to(layer.keys.device)
+            keys, values = layer.keys.index_select(0, here), layer.values.index_select(0, here)
+            if number not in cross_layers:
+                keys, values = keys[:, :, first:], values[:, :, first:]
+            layers.append((keys, values))
+        return Prefill(
+            DynamicCache(ddp_cache_data=layers),
+            self.logits.index_select(0, rows.to(self.logits.device)),
+            self.attention_mask.index_select(0, rows)[:, first:],
+            lengths,
+            self.cross_mask.index_select(0, rows.to(self.cross_mask.device)),
+            self.row_mask.index_select(0, rows.to(self.row_mask.device)),
+        )
+
+    def snapshot(self, row: int, cross_layers: frozenset[int]) -> Snapshot:
+        """Row ``row`` on its own, ready to fork: its first candidates sample from its last logits."""
+        length = self.lengths[row]
+        layers = []
+        for number, layer in enumerate(self.cache.layers):
+            keys, values = layer.keys[row : row + 1], layer.values[row : row + 1]
+            if number not in cross_layers:
+                keys, values = keys[:, :, keys.shape[2] - length :], values[:, :, values.shape[2] - length :]
+            layers.append((keys.clone(), values.clone()))  # clones: a view would keep the whole batch alive
+        return Snapshot(
+            layers,
+            self.cross_mask[row : row + 1].clone(),
+            self.row_mask[row : row + 1].clone(),
+            length,
+            logits=self.logits[row : row + 1].clone(),
+        )
+
+
+@dataclass
+class Snapshot:
+    """One row's cache at a stage boundary of a stage-beam search: what the stage's candidates fork from.
+
+    Forking copies these tensors into new rows instead of recomputing them: the prompt and image are
+    prefilled once per answer, and each stage continues from the winner's own cache. A snapshot taken
+    in the running batch may leave the image states out (``None`` for cross-attention layers); they
+    are the same for every candidate of one answer, so the search keeps one copy and passes it to ``fork``.
+    """
+
+    layers: list[tuple[torch.Tensor, torch.Tensor] | None]  # per layer [1, heads, n, dim]
+    cross_mask: torch.Tensor  # [1, 1, 1, vision tokens]
+    row_mask: torch.Tensor  # [1, 1, 1, 1]
+    length: int  # real tokens in the self-attention cache (= the position of the next input)
+    logits: torch.Tensor | None = None  # [1, vocab] after a prefill: candidates draw their first token from it
+    next_token: torch.Tensor | None = None  # [1] after a step: the row's next input, not yet in the cache
+
+    def fork(self, rows: int, image: Snapshot | None = None) -> Prefill:
+        """``rows`` copies of this row as a :class:`Prefill` that joins the running batch (``logits`` is
+        this row's, repeated, or empty when the copies continue from ``next_token``)."""
+        layers = []
+        for number, layer in enumerate(self.layers):
+            if layer is None:
+                assert image is not None and image.layers[number] is not None, "image states needed to fork"
+                layer = image.layers[number]
+            keys, values = layer
+            layers.append((keys.expand(rows, -1, -1, -1).contiguous(), values.expand(rows, -1, -1, -1).contiguous()))
+        device = self.cross_mask.device
+        logits = self.logits if self.logits is not None else torch.empty(1, 0, device=device)
+        return Prefill(
+            DynamicCache(ddp_cache_data=layers),
+            logits.expand(rows, -1),
+            torch.ones(rows, self.length, dtype=torch.bool, device=device),
+            [self.length] * rows,
+            self.cross_mask.expand(rows, -1, -1, -1).contiguous(),
+            self.row_mask.expand(rows, -1, -1, -1).contiguous(),
+        )
 
 
 def _pad_left(tensor: torch.Tensor, columns: int, dim: int) -> torch.Tensor:
@@ -178,6 +256,26 @@ class RunningBatch:
         """After a step: each row's next input is the token it just got (a device tensor, not read back)."""
         self.positions = self.positions + 1
         self.next_tokens = tokens.to(self.positions.device)
+
+    def snapshot(self, row: int) -> Snapshot:
+        """Row ``row``'s text cache and next input, copied out before it leaves (image states left out)."""
+        length = self.lengths[row]
+        layers: list[tuple[torch.Tensor, torch.Tensor] | None] = []
+        for number, layer in enumerate(self.cache.layers):
+            if number in self.cross_layers:
+                layers.append(None)
+                continue
+            start = layer.keys.shape[2] - length
+            layers.append(
+                (layer.keys[row : row + 1, :, start:].clone(), layer.values[row : row + 1, :, start:].clone())
+            )
+        return Snapshot(
+            layers,
+            self.cross_mask[row : row + 1],
+            self.row_mask[row : row + 1],
+            length,
+            next_token=self.next_tokens[row : row + 1].clone(),
+        )
 
     def keep(self, keep: list[int]) -> None:
         """Drop every row not listed; trim columns that are padding for all remaining rows.

@@ -28,10 +28,12 @@ import torch
 
 from vlm_demo.config import Config
 from vlm_demo.engine.batch_state import Prefill, Row, RunningBatch
+from vlm_demo.engine.beam import StageBeam
 from vlm_demo.engine.engine import Engine, error_for, is_out_of_memory, release
 from vlm_demo.engine.request import Request
 from vlm_demo.engine.sampler import RowSampling
 from vlm_demo.engine.streamer import RowStreamer
+from vlm_demo.schema import STAGE_BEAM
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +42,8 @@ RECOVERY_STEPS = 256
 
 
 class ContinuousEngine(Engine):
+    supports_stage_beam = True
+
     def __init__(self, worker: Any, config: Config | None = None) -> None:
         config = config or Config(batching="continuous")
         self.kv_token_budget = config.kv_token_budget
@@ -50,6 +54,7 @@ class ContinuousEngine(Engine):
         self.steps_run = 0
         self.prefills_run = 0
         self.recoveries = 0  # failed steps (or joins) whose rows were requeued
+        self.beams: list[StageBeam] = []  # stage-beam searches in progress (engine thread only)
         super().__init__(worker, config)
 
     # ---- observation -------------------------------------------------------------------------
@@ -62,6 +67,7 @@ class ContinuousEngine(Engine):
             row_limit=self.rows_allowed,
             steps_run=self.steps_run,
             prefills_run=self.prefills_run,
+            beam_searches=len(self.beams),
         )
         return stats
 
@@ -72,15 +78,63 @@ class ContinuousEngine(Engine):
     # ---- the loop ----------------------------------------------------------------------------
     def _loop(self) -> None:
         while not self._stop.is_set():
-            if not len(self.batch) and not self.scheduler.wait_for_work(timeout=0.5):
+            if not len(self.batch) and not self.beams and not self.scheduler.wait_for_work(timeout=0.5):
                 continue
+            self._advance_beams()
             self._admit()
             self._evict_finished()
             if len(self.batch):
                 self._step()
+            elif self.beams:  # searches waiting on nothing this engine runs (cannot last): do not spin
+                self.scheduler.wait_for_work(timeout=0.005)
         for row in self.batch.rows:
             row.request.cancel()
+        for beam in self.beams:
+            beam.request.cancel()
         self.batch.keep([])
+
+    # ---- stage-beam searches -------------------------------------------------------------------
+    def _advance_beams(self) -> None:
+        """Let each search move on (judged rounds, decided stages); its judge calls go first in line."""
+        for beam in list(self.beams):
+            judges = beam.advance()
+            if judges:
+                self.scheduler.requeue_front(judges)
+            if beam.finished:
+                beam.cancel_children()
+                self.beams.remove(beam)
+
+    def _join_forks(self, free: int) -> int | None:
+        """Fork the candidate rows searches want, before any newcomer: they are answers in progress.
+        Never past the row limit: a search with more candidates than free rows forks them in waves.
+        Returns the rows still free, or ``None`` when a search waits for rows (newcomers wait too)."""
+        for beam in self.beams:
+            wanted = beam.rows_wanted()
+            if not wanted:
+                continue
+            take = min(wanted, free)  # more candidates than free rows: they run in waves
+            if take <= 0:
+                return None
+            failure: Exception | None = None
+            try:
+                prefill, rows, sampling, tokens, own_first = beam.fork(take)
+                size = len(self.batch) + len(rows)
+                firsts = tokens.tolist() if own_first else [None] * len(rows)
+                for row, token in zip(rows, firsts, strict=True):
+                    row.request.batch_size = size
+                    if token is not None:
+                        row.streamer.feed(token)
+                self.batch.join(rows, prefill, tokens, sampling)
+            except Exception as exc:
+                failure = exc
+            if failure is not None:
+                beam.restart_stage(error_for(failure))  # its new rows never joined: write the stage again
+                self._recover(failure)
+                return None
+            free -= take
+            if take < wanted:
+                return None
+        return free
 
     def _fits(self) -> Callable[[Request], bool]:
         """Budget check for the next admission: the cache after it joins (padding and slack
@@ -91,26 +145,29 @@ class ContinuousEngine(Engine):
         def fits(request: Request) -> bool:
             nonlocal rows, length
             new_length = max(length, request.prompt_tokens)
-            over_tokens = 0 < self.kv_token_budget < (rows + 1) * new_length
-            over_bytes = 0 < budget < kv.batch_bytes(rows + 1, new_length)
+            need = request.rows_needed
+            over_tokens = 0 < self.kv_token_budget < (rows + need) * new_length
+            over_bytes = 0 < budget < kv.batch_bytes(rows + need, new_length)
             if rows and (over_tokens or over_bytes):
                 return False  # a lone request is always admitted, or it could never run
-            rows, length = rows + 1, new_length
+            rows, length = rows + need, new_length
             return True
 
         return fits
 
     def _admit(self) -> None:
-        free = self.rows_allowed - len(self.batch)
-        if free <= 0:
+        free = self._join_forks(self.rows_allowed - len(self.batch))
+        if free is None or free <= 0:
             return
-        newcomers = [r for r in self.scheduler.admit(free, self._fits()) if not r.done]
+        newcomers = [r for r in self.scheduler.admit(free, self._fits(), alone=not len(self.batch)) if not r.done]
         recoveries = self.recoveries
         for start in range(0, len(newcomers), self.prefill_batch_size):
             back = self._admit_group(newcomers[start : start + self.prefill_batch_size])
             if back or self.recoveries != recoveries:  # memory ran short: the rest wait too
                 self.scheduler.requeue_front(back + newcomers[start + self.prefill_batch_size :])
                 return
+        if any(r.params.reasoning == STAGE_BEAM for r in newcomers):  # new searches fork at once
+            self._join_forks(self.rows_allowed - len(self.batch))
 
     def _admit_group(self, group: list[Request]) -> list[Request]:
         """Prefill ``group`` together and join it; if that fails, retry in halves. Returns the
@@ -137,6 +194,20 @@ class ContinuousEngine(Engine):
                 return group
             self._fail(group[0], failure)
             return []
+        searches = [i for i, r in enumerate(group) if r.params.reasoning == STAGE_BEAM]
+        if searches:  # a search keeps its prompt's cache aside and forks candidates from it
+            for i in searches:
+                beam = StageBeam(group[i], prefill.snapshot(i, self.batch.cross_layers), self.worker)
+                group[i].beam = beam
+                self.beams.append(beam)
+            plain = [i for i in range(len(group)) if i not in searches]
+            if not plain:
+                return []
+            prefill = prefill.select(plain, self.batch.cross_layers)
+            sampling = sampling.select(plain)
+            tokens = tokens.index_select(0, torch.tensor(plain, device=tokens.device))
+            first = [first[i] for i in plain]
+            group = [group[i] for i in plain]
         rows = [Row(r, RowStreamer(self.worker.tokenizer, r, self.worker.eos_ids)) for r in group]
         size = len(self.batch) + len(rows)
         for row, token in zip(rows, first, strict=True):
@@ -160,8 +231,15 @@ class ContinuousEngine(Engine):
         return prefill, sampling, tokens, tokens.tolist()
 
     def _evict_finished(self) -> None:
-        """Finished and cancelled rows leave before the next step: they cost nothing more."""
-        keep = [i for i, row in enumerate(self.batch.rows) if not (row.streamer.done or row.request.done)]
+        """Finished and cancelled rows leave before the next step: they cost nothing more. A search's
+        candidate that reached its closing tag leaves a copy of its cache behind, in case it wins."""
+        keep = []
+        for i, row in enumerate(self.batch.rows):
+            beam = row.beam
+            if not (row.streamer.done or row.request.done or (beam is not None and beam.request.done)):
+                keep.append(i)
+            elif beam is not None and row.streamer.done and not beam.request.done and not row.request.cancelled:
+                beam.candidate_done(row, self.batch.snapshot(i) if row.streamer.reached_stop_text else None)
         self.batch.keep(keep)
 
     def _next_tokens(self) -> torch.Tensor:
@@ -197,12 +275,15 @@ class ContinuousEngine(Engine):
         over (clients see no repeats; seeded sampled rows redraw the same tokens), with half the
         row limit. A row that fails on its own gets the error. The cache and the failed attempt's
         memory are released before anything runs again."""
-        requests = [row.request for row in self.batch.rows]
+        requests = [row.request for row in self.batch.rows if row.beam is None]
         requests += [r for r in newcomers or [] if r not in requests]
+        searches = list({id(row.beam): row.beam for row in self.batch.rows if row.beam is not None}.values())
         self.batch.keep([])
         self.recoveries += 1
         release(exc)
-        if len(requests) > 1:
+        for beam in searches:  # a search writes its running stage again
+            beam.restart_stage(error_for(exc))
+        if len(requests) + len(searches) > 1:
             log.warning("step with %d rows failed (%s); requeueing with a lower row limit", len(requests), exc)
             self.row_limit = max(1, len(requests) // 2)
             self.good_steps = 0

@@ -38,6 +38,7 @@ class EngineCore:
         self.live: dict[int, Any] = {}  # rid -> engine Request
         self.rid_of: dict[int, int] = {}  # engine request_id -> rid (for queue positions)
         self.pending: list[Ended] = []  # refused at submit: reported with the next step
+        self.views: dict[int, Any] = {}  # rid -> the stage-beam view last sent
         self.batch_sizes: list[int] = []
         self.lock = threading.Lock()
         self.send_lock = threading.Lock()
@@ -118,6 +119,11 @@ class EngineCore:
                     text += more
             except DemoError as err:
                 error = err
+            if request.beam is not None:
+                view = request.beam_view()
+                if view != self.views.get(rid):
+                    self.views[rid] = view
+                    step.beams.append((rid, view))
             if text:
                 step.text.append((rid, text))
             if ended or error is not None:
@@ -127,6 +133,7 @@ class EngineCore:
             for rid, request_id in finished:
                 self.live.pop(rid, None)
                 self.rid_of.pop(request_id, None)
+                self.views.pop(rid, None)
         step.stats = self.stats()
         return step
 

@@ -26,8 +26,10 @@ from vlm_demo.errors import (
     DemoError,
     EngineStoppedError,
     GenerationError,
+    InvalidRequestError,
     OutOfMemoryError,
 )
+from vlm_demo.schema import STAGE_BEAM
 from vlm_demo.stream import run_all
 
 log = logging.getLogger(__name__)
@@ -80,6 +82,8 @@ def error_for(exc: Exception) -> DemoError:
 class Engine:
     """Dynamic batching over one :class:`Worker`. Thread-safe ``submit``; one engine thread."""
 
+    supports_stage_beam = False  # forking candidates out of a running batch needs continuous batching
+
     def __init__(self, worker: Worker, config: Config | None = None) -> None:
         self.worker = worker
         self.config = config or Config()
@@ -114,6 +118,10 @@ class Engine:
         """Preprocess on the caller's thread; only requests that passed the door get here."""
         if not isinstance(valid, ValidRequest):
             raise TypeError(f"the engine takes a ValidRequest (vlm_demo.schema.validate_request), not {type(valid)}")
+        if valid.params.reasoning == STAGE_BEAM and not self.supports_stage_beam:
+            raise InvalidRequestError(
+                "Stage-level beam search needs continuous batching (--batching continuous, the default)."
+            )
         request = Request(image=valid.image, question=valid.question, params=valid.params)
         request.inputs = self.worker.prepare(valid.image, valid.question)
         return request

@@ -14,7 +14,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vlm_demo.errors import RequestCancelledError
-from vlm_demo.schema import DEFAULT_MAX_NEW_TOKENS, GenerationResult, SamplingParams, ValidRequest
+from vlm_demo.schema import (
+    DEFAULT_MAX_NEW_TOKENS,
+    STAGE_BEAM,
+    BeamView,
+    GenerationResult,
+    SamplingParams,
+    ValidRequest,
+)
 from vlm_demo.stream import OutputStream
 
 __all__ = ["DEFAULT_MAX_NEW_TOKENS", "GenerationResult", "Request", "SamplingParams", "ValidRequest"]
@@ -39,6 +46,7 @@ class Request(OutputStream):
     batch_size: int = 0
     started: float | None = None
     first_token: float | None = None
+    beam: Any = None  # its stage-beam search (``engine.beam.StageBeam``) once admitted in that mode
 
     def __post_init__(self) -> None:
         OutputStream.__init__(self)
@@ -48,6 +56,16 @@ class Request(OutputStream):
     def prompt_tokens(self) -> int:
         ids = self.inputs.get("input_ids")
         return int(ids.shape[-1]) if ids is not None else 0
+
+    @property
+    def rows_needed(self) -> int:
+        """Rows of the running batch it takes at once: one, or a stage-beam search's candidates."""
+        p = self.params
+        return 1 if p.reasoning != STAGE_BEAM or p.beam_serial else p.beams
+
+    def beam_view(self) -> BeamView | None:
+        """Where its stage-beam search stands (``None`` in the normal mode or before it starts)."""
+        return self.beam.view() if self.beam is not None else None
 
     @property
     def cancelled(self) -> bool:
@@ -82,6 +100,7 @@ class Request(OutputStream):
                 queue_s=(self.started or now) - self.arrival,
                 ttft_s=(self.first_token or now) - self.arrival,
                 total_s=now - self.arrival,
+                beam=self.beam_view(),
             ),
             None,
         )

@@ -91,15 +91,24 @@ class Scheduler:
                 self._prune()
             return bool(self.waiting) and not self._closed
 
-    def admit(self, free_rows: int, fits: Callable[[Request], bool]) -> list[Request]:
-        """Continuous mode: at a step boundary, take waiting requests in arrival order while there
-        are free rows and ``fits`` says the cache budget allows. No overtaking: a large request at
-        the head is not starved by small ones behind it."""
+    def admit(self, free_rows: int, fits: Callable[[Request], bool], alone: bool = False) -> list[Request]:
+        """Continuous mode: at a step boundary, take waiting requests in arrival order while their
+        rows (a stage-beam search takes one per candidate) fit the free rows and ``fits`` says the
+        cache budget allows. No overtaking: a large request at the head is not starved by small
+        ones behind it. ``alone`` (nothing is running) admits the head even if it wants more rows
+        than are free, or it could never run."""
         taken: list[Request] = []
+        used = 0
         with self._cond:
             self._prune()
-            while self.waiting and len(taken) < free_rows and fits(self.waiting[0]):
+            while self.waiting:
+                need = self.waiting[0].rows_needed
+                if used + need > free_rows and not (alone and not taken):
+                    break
+                if not fits(self.waiting[0]):
+                    break
                 taken.append(self.waiting.popleft())
+                used += need
         return taken
 
     def requeue_front(self, requests: list[Request]) -> None:

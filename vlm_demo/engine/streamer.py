@@ -31,8 +31,11 @@ class RowStreamer:
     token; it runs for every row on every step, so the Python version is only the fallback.
     """
 
-    def __init__(self, tokenizer: Any, request: Request, eos_ids: Sequence[int]) -> None:
+    def __init__(
+        self, tokenizer: Any, request: Request, eos_ids: Sequence[int], stop_text: str | None = STOP_TEXT
+    ) -> None:
         self.tokenizer = tokenizer
+        self.stop_text = stop_text  # the row ends once its text contains this (a stage's closing tag)
         self.request = request
         self.eos_ids = set(eos_ids)
         self.ids: list[int] = []
@@ -40,6 +43,7 @@ class RowStreamer:
         self.prefix_offset = 0
         self.read_offset = 0
         self.done = False
+        self.reached_stop_text = False  # ended at ``stop_text`` (not at end of turn or a limit)
         self._backend = getattr(tokenizer, "backend_tokenizer", None)
         self._stream = DecodeStream(skip_special_tokens=True) if self._backend is not None else None
 
@@ -72,9 +76,11 @@ class RowStreamer:
         new = self._next_text()
         if new:
             self.text += new
-            end = self.text.find(STOP_TEXT, max(0, len(self.text) - len(new) - len(STOP_TEXT)))
+            stop = self.stop_text
+            end = self.text.find(stop, max(0, len(self.text) - len(new) - len(stop))) if stop else -1
             if end >= 0 and not params.ignore_eos:
-                self.text = self.text[: end + len(STOP_TEXT)]
+                self.text = self.text[: end + len(stop)]
+                self.reached_stop_text = True
                 request.push_text(self.text)
                 return self._stop("stop")
             request.push_text(self.text)
@@ -86,8 +92,8 @@ class RowStreamer:
         self.done = True
         if reason != "cancelled":
             full = self._decode(self.ids)
-            if STOP_TEXT in full and reason == "stop":
-                full = full[: full.index(STOP_TEXT) + len(STOP_TEXT)]
+            if self.stop_text and self.stop_text in full and reason == "stop":
+                full = full[: full.index(self.stop_text) + len(self.stop_text)]
             if full.startswith(self.text):  # flush anything held back (a trailing partial character)
                 self.text = full
             self.request.push_text(self.text)

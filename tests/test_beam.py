@@ -1,0 +1,264 @@
+"""Stage-level beam search on the real tiny Mllama, in the continuous engine.
+
+The tiny model is trained (``vlm_demo.tiny``) so that sampled CAPTION and CONCLUSION candidates sometimes
+name a wrong colour, and so that its judge prefers the candidate naming the image's colour. So these tests
+can check the search's decisions, not only that it runs.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+from support import door
+
+from vlm_demo.bench import BatchCounter
+from vlm_demo.config import Config
+from vlm_demo.cot import STAGES, parse_stages
+from vlm_demo.engine import Engine, SamplingParams
+from vlm_demo.engine.continuous import ContinuousEngine
+from vlm_demo.errors import InvalidRequestError, RequestCancelledError
+from vlm_demo.judge import judge_question, parse_choice
+from vlm_demo.schema import STAGE_BEAM, Limits, params_from_inputs
+from vlm_demo.tiny import COLOURS, answer_for, solid_image
+
+COLOUR_WORDS = re.compile(r"\b(" + "|".join(COLOURS) + r")\b")
+
+
+def beam(k: int, seed: int, temperature: float = 1.0, max_new_tokens: int = 300, **kw) -> SamplingParams:
+    return SamplingParams(max_new_tokens, temperature, 1.0, seed=seed, reasoning=STAGE_BEAM, beams=k, **kw)
+
+
+def names(text: str, colour: str) -> bool:
+    return colour in COLOUR_WORDS.findall(text)
+
+
+class Spy:
+    """Records what each real prefill call held (the worker's own method still runs)."""
+
+    def __init__(self, worker) -> None:
+        self.calls: list[list[str]] = []
+        self._prefill = worker.prefill
+
+    def __call__(self, requests):
+        self.calls.append([r.question for r in requests])
+        return self._prefill(requests)
+
+
+@pytest.fixture
+def make_engine(worker) -> Iterator:
+    engines: list[Engine] = []
+
+    def make(**kwargs) -> ContinuousEngine:
+        config = Config(**{"batching": "continuous", "max_batch_size": 8, "batch_window_ms": 0.0, **kwargs})
+        engine = ContinuousEngine(worker, config)
+        engines.append(engine)
+        return engine
+
+    yield make
+    for engine in engines:
+        engine.shutdown()
+
+
+def test_a_judge_prompt_reuses_the_prepared_image_exactly(worker) -> None:
+    image = solid_image("green", 300, 40)
+    prepared = worker.prepare(image, "What colour is this image?")
+    question = judge_question("caption", "What colour?", "The image is red.", "The image is green.")
+    direct = worker.prepare(image, question)
+    reused = worker.prepare_with(prepared, question)
+    assert direct.keys() == reused.keys()
+    for key in direct:
+        assert torch.equal(direct[key], reused[key]), key
+
+
+def test_parse_choice_reads_the_papers_format_and_never_raises() -> None:
+    assert parse_choice("Since response 2 names the colour, I choose response 2.") == 1
+    assert parse_choice("Since [it is clear], I choose response [1].") == 0
+    assert parse_choice("I CHOOSE THE RESPONSE 2") == 1
+    for junk in ["", "response 3", "choose response", "<CONCLUSION>", "\x00" * 5]:
+        assert parse_choice(junk) is None
+
+
+def test_the_door_takes_reasoning_and_beams_with_clear_errors() -> None:
+    limits = Limits()
+    assert params_from_inputs(10, 0, 1, limits).reasoning == "normal"
+    params = params_from_inputs(10, 0.5, 1, limits, "Stage_Beam", "4")
+    assert (params.reasoning, params.beams) == ("stage-beam", 4)
+    for reasoning, beams, message in [
+        ("tree-of-thought", 2, "reasoning must be one of"),
+        ("stage-beam", 1, "beams must be a whole number from 2 to 8"),
+        ("stage-beam", 9, "beams must be a whole number from 2 to 8"),
+        ("stage-beam", 2.5, "beams must be a whole number from 2 to 8"),
+        (3, 2, "reasoning must be one of"),
+    ]:
+        with pytest.raises(InvalidRequestError, match=message):
+            params_from_inputs(10, 0.5, 1, limits, reasoning, beams)
+
+
+def test_the_tiny_judge_sees_the_image_and_answers_in_the_papers_form(worker, make_engine) -> None:
+    """Judge prompts alone, both orders, three stages: the tiny judge names the image's colour and gives a
+    choice we can parse. (Its choice itself is not reliable: see the module docstring of ``vlm_demo.tiny``.)"""
+    engine = make_engine()
+    cases = []
+    for colour, wrong in [("red", "blue"), ("yellow", "black"), ("white", "green")]:
+        image = solid_image(colour, 48, 48)
+        for stage in ("caption", "reasoning", "conclusion"):
+            right_text = parse_stages(answer_for(colour, "What colour?"), final=True).text(stage)
+            wrong_text = parse_stages(answer_for(wrong, "What colour?"), final=True).text(stage)
+            for first, second in [(right_text, wrong_text), (wrong_text, right_text)]:
+                cases.append((image, judge_question(stage, "What colour is it?", first, second), colour))
+    handles = [engine.submit(door(image, q, SamplingParams(96, 0.0))) for image, q, _ in cases]
+    for handle, (_, _, colour) in zip(handles, cases, strict=True):
+        text = handle.result(120).text
+        assert text.startswith(f"Since the image is {colour}") and parse_choice(text) in (0, 1), text
+
+
+def test_winners_follow_the_judges_answers(worker, make_engine) -> None:
+    """Sampled at temperature 1, candidates disagree; each stage's winner is the one the judge calls chose
+    (knockout replayed from the recorded answers); identical candidates are not judged."""
+    engine = make_engine()
+    jobs = [(colour, seed) for seed in range(3) for colour in COLOURS]
+    handles = [
+        engine.submit(door(solid_image(colour, 40, 40), "What colour is this image?", beam(4, seed)))
+        for colour, seed in jobs
+    ]
+    contested = 0
+    for handle in handles:
+        result = handle.result(300)
+        view = result.beam
+        assert view is not None and view.phase == "done"
+        assert [s.stage for s in view.stages] == list(STAGES)
+        for choice in view.stages:
+            assert len(choice.candidates) == 4 and choice.winner is not None
+            # the engine judges the candidates that reached the closing tag (all of them if none did)
+            closed = [text for text, tagged in zip(choice.candidates, choice.closed, strict=True) if tagged]
+            closed = closed or list(choice.candidates)
+            unique = list(dict.fromkeys(closed))
+            if len(unique) > 1:
+                contested += 1
+                assert choice.judgements, choice
+                if len(choice.judgements) == len(unique) - 1:  # every distinct candidate contended (all tagged)
+                    assert choice.candidates[choice.winner] == replay_knockout(unique, choice.judgements), choice
+            else:
+                assert not choice.judgements, "identical candidates must not be judged"
+        assert result.text.startswith("<SUMMARY>") and result.batch_size >= 4, result.text
+        assert result.finish_reason in ("stop", "length")
+    assert contested >= 3, "sampled candidates should sometimes disagree: the judging was hardly tested"
+
+
+def replay_knockout(contenders: list[str], said: tuple[str, ...]) -> str:
+    """The winner the recorded judge answers imply: pairs in order, a last odd one goes through."""
+    answers = iter(said)
+    while len(contenders) > 1:
+        winners = [b if parse_choice(next(answers)) == 1 else a for a, b in zip(contenders[::2], contenders[1::2])]
+        contenders = winners + contenders[len(winners) * 2 :]
+    return contenders[0]
+
+
+def test_the_prompt_is_prefilled_once_and_a_rounds_judge_calls_run_as_one_batch(worker, make_engine) -> None:
+    engine = make_engine(prefill_batch_size=8)
+    spy = Spy(worker)
+    worker.prefill = spy
+    try:
+        question = "Which colour fills it?"
+        seen_judging = False
+        for seed in range(6):  # hot sampling and 6 candidates: distinct candidates, rounds of several judge calls
+            result = engine.generate(door(solid_image("blue", 32, 64), question, beam(6, seed, temperature=1.5)))
+            assert result.beam is not None
+            if result.beam.judge_calls >= 2:
+                seen_judging = True
+    finally:
+        del worker.prefill
+    prompt_calls = [call for call in spy.calls if question in call]
+    assert len(prompt_calls) == 6, "each answer's prompt and image are prefilled once; stages fork, not recompute"
+    judge_calls = [call for call in spy.calls if question not in call]
+    assert seen_judging and any(len(call) >= 2 for call in judge_calls), "a round's judge calls share a prefill"
+
+
+def test_batched_and_serial_searches_give_the_same_answer(worker, make_engine) -> None:
+    """fp32: each candidate's seeded draws do not depend on its neighbours, so running them one at a time
+    changes the cost, not the text or the decisions."""
+    engine = make_engine()
+    image = solid_image("green", 64, 32)
+    for seed in (1, 2):
+        batched = engine.generate(door(image, "What colour?", beam(3, seed)))
+        serial = engine.generate(door(image, "What colour?", beam(3, seed, beam_serial=True)))
+        assert serial.text == batched.text
+        assert serial.beam == batched.beam
+        assert batched.batch_size >= 3 and serial.batch_size == 1
+
+
+def test_greedy_beam_search_keeps_the_trained_answer_and_the_normal_mode_is_untouched(worker, make_engine) -> None:
+    engine = make_engine()
+    image = solid_image("red", 50, 50)
+    normal = engine.generate(door(image, "What colour is this image?", SamplingParams(200, 0.0)))
+    assert normal.text == answer_for("red", "What colour is this image?") and normal.beam is None
+    searched = engine.generate(door(image, "What colour is this image?", beam(2, 0, temperature=0.0)))
+    assert parse_stages(searched.text, final=True).conclusion == "The image is red."
+
+
+def test_missing_tags_never_crash_the_search_fuzzed(worker, make_engine) -> None:
+    """Hot sampling and tiny token budgets make candidates miss their closing tags (or every tag);
+    each search still ends with a result or a clean length stop, and normal rows beside them are unharmed."""
+    engine = make_engine(max_batch_size=16)
+    rng = random.Random(7)
+    handles = []
+    for i in range(24):
+        params = beam(
+            rng.randint(2, 5), seed=i, temperature=rng.choice([1.0, 1.6, 2.0]), max_new_tokens=rng.randint(1, 90)
+        )
+        colour = rng.choice(list(COLOURS))
+        handles.append(engine.submit(door(solid_image(colour, rng.randint(16, 200), 40), "colour?", params)))
+    plain = engine.submit(door(solid_image("black", 40, 40), "What colour is this image?", SamplingParams(200, 0.0)))
+    for handle in handles:
+        result = handle.result(300)
+        assert result.finish_reason in ("stop", "length")
+        assert result.completion_tokens <= handle.params.max_new_tokens
+        assert result.beam is not None and result.beam.phase == "done"
+        parse_stages(result.text, final=True)
+    assert plain.result(120).text == answer_for("black", "What colour is this image?")
+    deadline = time.monotonic() + 10
+    while engine.beams or len(engine.batch):
+        assert time.monotonic() < deadline, "searches or rows were left behind"
+        time.sleep(0.05)
+
+
+def test_cancelling_a_search_frees_its_rows_and_spares_others(worker, make_engine) -> None:
+    engine = make_engine()
+    long = door(solid_image("blue", 40, 40), "Describe this image in detail.", beam(4, 3, max_new_tokens=800))
+    search = engine.submit(long)
+    other = engine.submit(door(solid_image("white", 40, 40), "What colour is this image?", SamplingParams(200, 0.0)))
+    deadline = time.monotonic() + 60
+    while len(engine.batch) < 4:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    search.cancel()
+    with pytest.raises(RequestCancelledError):
+        search.result(10)
+    assert other.result(60).text == answer_for("white", "What colour is this image?")
+    deadline = time.monotonic() + 10
+    while engine.beams or len(engine.batch):
+        assert time.monotonic() < deadline, "the cancelled search kept rows"
+        time.sleep(0.05)
+
+
+def test_dynamic_batching_refuses_stage_beam_clearly(worker) -> None:
+    engine = Engine(worker, Config(batching="dynamic", max_batch_size=2))
+    try:
+        with pytest.raises(InvalidRequestError, match="continuous batching"):
+            engine.submit(door(solid_image("red", 20, 20), "colour?", beam(2, 0)))
+    finally:
+        engine.shutdown()
+
+
+def test_more_candidates_than_free_rows_run_in_waves_within_the_row_limit(worker, make_engine) -> None:
+    engine = make_engine(max_batch_size=4)
+    sizes = BatchCounter()
+    engine.add_listener(sizes)
+    result = engine.generate(door(solid_image("yellow", 30, 30), "What colour is this image?", beam(6, 4)))
+    assert result.beam is not None and [len(c.candidates) for c in result.beam.stages] == [6, 6, 6, 6]
+    assert max(sizes.sizes) == 4, "the row limit was exceeded (or the candidates never shared a step)"

@@ -1,0 +1,306 @@
+"""Stage-level beam search (LLaVA-CoT's inference-time scaling), run inside the continuous engine.
+
+For each stage in turn (SUMMARY → CAPTION → REASONING → CONCLUSION):
+
+1. *fork*: the stage's starting row is copied into K candidate rows of the running batch. The first
+   stage starts from the prompt right after its prefill (prompt and image are prefilled once per
+   answer); every later stage starts from the previous winner's own cache, so nothing is recomputed.
+2. *write*: the K candidates decode together, alongside everyone else's rows, each with its own seed,
+   and each stops at the stage's closing tag.
+3. *judge*: the same model compares candidates in pairs with a per-stage rubric
+   (:mod:`vlm_demo.judge`), knockout style; the judge calls of one round run as one batch. The winner's
+   tokens and cache are where the next stage starts.
+
+A candidate that misses its closing tag (end of turn, out of tokens) is dropped when another one has
+it; when none has it, the winner ends the answer there, as a normal answer would end. Identical
+candidates are judged once. The engine owns the rows (:mod:`vlm_demo.engine.continuous`); this class
+owns the decisions. ``beam_serial`` (benchmarks only) runs the same search one candidate and one
+judge call at a time.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+from vlm_demo.cot import STAGES, _without_tags, parse_stages
+from vlm_demo.engine.batch_state import Prefill, Row, Snapshot
+from vlm_demo.engine.request import Request, SamplingParams
+from vlm_demo.engine.sampler import RowSampling
+from vlm_demo.engine.streamer import RowStreamer
+from vlm_demo.errors import DemoError
+from vlm_demo.judge import judge_question, parse_choice
+from vlm_demo.schema import BeamView, StageChoice
+
+log = logging.getLogger(__name__)
+
+PAPER_TEMPERATURE, PAPER_TOP_P = 0.6, 0.9  # candidates of a greedy request sample as the paper's do
+JUDGE_MAX_NEW_TOKENS = 96  # "Since [reason], I choose response [1/2]." with room for a reason
+MAX_STAGE_RETRIES = 2  # an out-of-memory step restarts the running stage at most this often
+
+
+class InternalRequest(Request):
+    """A candidate row or a judge call of a search: the search reads its text, nobody streams it."""
+
+    def _send(self, delta: str) -> None:
+        pass
+
+
+def candidate_seed(seed: int, stage: int, candidate: int) -> int:
+    """A distinct, reproducible seed per (answer, stage, candidate)."""
+    return (seed ^ (0x9E3779B97F4A7C15 * (stage * 64 + candidate + 1))) % 2**63
+
+
+@dataclass(eq=False)
+class Candidate:
+    request: InternalRequest
+    streamer: RowStreamer
+    snapshot: Snapshot | None = None  # its cache at the closing tag (only when it reached the tag)
+    finished: bool = False
+
+    @property
+    def ids(self) -> list[int]:
+        return self.streamer.ids
+
+    @property
+    def tagged(self) -> bool:
+        return self.streamer.reached_stop_text
+
+    def inner(self, stage: str) -> str:
+        """The stage's text without tags (what the judge and the page see)."""
+        text = self.request.text
+        return parse_stages(text, final=self.finished).text(stage) or _without_tags(text).strip()
+
+
+@dataclass(eq=False)
+class Judgement:
+    request: InternalRequest
+    first: Candidate
+    second: Candidate
+
+    def winner(self) -> Candidate:
+        """The judged better one; the first when the judge failed or named neither."""
+        if self.request.error is not None:
+            return self.first
+        choice = parse_choice(self.request.text)
+        return self.second if choice == 1 else self.first
+
+
+@dataclass(eq=False)
+class StageBeam:
+    """One answer's stage-level beam search; driven by the engine thread."""
+
+    request: Request  # the visitor's: winners' text streams into it
+    start: Snapshot  # the prompt after prefill: image states, and where the first stage forks from
+    worker: Any  # tokenizer, eos ids, device, ``prepare_with`` for judge prompts
+    stage_index: int = 0
+    tokens: list[int] = field(default_factory=list)  # the winners' tokens so far
+    text: str = ""
+    candidates: list[Candidate] = field(default_factory=list)
+    started: int = 0  # candidates forked in this stage
+    contenders: list[Candidate] = field(default_factory=list)
+    judgements: list[Judgement] = field(default_factory=list)  # this round's
+    queued: list[Judgement] = field(default_factory=list)  # not yet handed to the engine (serial mode)
+    said: list[str] = field(default_factory=list)  # this stage's judge answers so far
+    history: list[StageChoice] = field(default_factory=list)
+    phase: str = "writing"
+    judge_calls: int = 0
+    retries: int = 0
+    rows_seen: int = 0
+
+    def __post_init__(self) -> None:
+        self.params = self.request.params
+        self.base = self.start
+
+    # ---- what the engine asks --------------------------------------------------------------------
+    @property
+    def finished(self) -> bool:
+        return self.phase == "done" or self.request.done
+
+    @property
+    def stage(self) -> str:
+        return STAGES[self.stage_index]
+
+    def rows_wanted(self) -> int:
+        """Candidate rows to fork now: all K at a stage's start, or one at a time in serial mode."""
+        if self.finished or self.phase != "writing" or self.started >= self.params.beams:
+            return 0
+        if self.params.beam_serial:
+            return 1 if all(c.finished for c in self.candidates) else 0
+        return self.params.beams - self.started
+
+    def fork(self, rows: int) -> tuple[Prefill, list[Row], RowSampling, torch.Tensor, bool]:
+        """``rows`` new candidates from the stage's start: their cache (copied), their rows, sampling,
+        next input tokens, and whether those tokens are the candidates' own first output (after a
+        prefill they are drawn now; after a stage they are the winner's last token, already written)."""
+        base = self.base
+        prefill = base.fork(rows, self.start)
+        params = [self._candidate_params(self.started + i) for i in range(rows)]
+        sampling = RowSampling(params, prefill.attention_mask.device)
+        new_rows = []
+        for p in params:
+            request = InternalRequest(image=None, question="", params=p)
+            streamer = RowStreamer(self.worker.tokenizer, request, self.worker.eos_ids, f"</{self.stage.upper()}>")
+            self.candidates.append(Candidate(request, streamer))
+            new_rows.append(Row(request, streamer, beam=self))
+        self.started += rows
+        if base.logits is not None:
+            return prefill, new_rows, sampling, sampling.sample(prefill.logits), True
+        return prefill, new_rows, sampling, base.next_token.expand(rows), False
+
+    def candidate_done(self, row: Row, snapshot: Snapshot | None) -> None:
+        """A candidate row left the batch (closing tag, end of turn or out of tokens)."""
+        for candidate in self.candidates:
+            if candidate.request is row.request:
+                candidate.snapshot = snapshot
+                candidate.finished = True
+                self.rows_seen = max(self.rows_seen, row.request.batch_size)
+
+    def advance(self) -> list[Request]:
+        """Move on when a phase is complete; returns judge calls for the engine to queue (first in line)."""
+        if self.finished:
+            self.phase = "done"
+            return []
+        if self.phase == "writing" and self.started >= self.params.beams and all(c.finished for c in self.candidates):
+            self._judge_or_decide()
+        elif self.phase == "judging" and all(j.request.done for j in self.judgements) and not self.queued:
+            self._after_round()
+        if self.phase == "judging" and self.queued:
+            if not self.params.beam_serial:
+                calls, self.queued = self.queued, []
+                return [j.request for j in calls]
+            if all(j.request.done for j in self.judgements if j not in self.queued):
+                return [self.queued.pop(0).request]
+        return []
+
+    def restart_stage(self, error: DemoError) -> None:
+        """The running stage's rows were lost to a failed step: write it again (or give up)."""
+        self.retries += 1
+        if self.retries > MAX_STAGE_RETRIES:
+            self.fail(error)
+            return
+        for judgement in self.judgements:
+            judgement.request.cancel()
+        self.candidates, self.started, self.judgements, self.queued, self.said = [], 0, [], [], []
+        self.phase = "writing"
+
+    def fail(self, error: DemoError) -> None:
+        self.cancel_children()
+        self.request.fail(error)
+        self.phase = "done"
+
+    def cancel_children(self) -> None:
+        for candidate in self.candidates:
+            candidate.request.cancel()
+        for judgement in self.judgements:
+            judgement.request.cancel()
+
+    # ---- the page's view -------------------------------------------------------------------------
+    def view(self) -> BeamView:
+        """Decided stages, then the running one (read from other threads: copies, never raises)."""
+        stages = list(self.history)
+        if self.phase != "done" and self.stage_index < len(STAGES):
+            stage = self.stage
+            texts = tuple(c.inner(stage) for c in list(self.candidates))
+            stages.append(StageChoice(stage, texts, None, tuple(self.said)))
+        return BeamView(tuple(stages), self.phase, self.params.beams, self.judge_calls)
+
+    # ---- decisions --------------------------------------------------------------------------------
+    def _candidate_params(self, index: int) -> SamplingParams:
+        p = self.params
+        return replace(
+            p,
+            max_new_tokens=max(1, p.max_new_tokens - len(self.tokens)),
+            temperature=p.temperature if p.temperature > 0 else PAPER_TEMPERATURE,
+            top_p=p.top_p if p.temperature > 0 else PAPER_TOP_P,
+            seed=candidate_seed(p.seed or 0, self.stage_index, index),
+            reasoning="normal",
+        )
+
+    def _judge_or_decide(self) -> None:
+        """Drop candidates without the closing tag (if any has it) and repeats, then judge the rest."""
+        pool = [c for c in self.candidates if c.tagged] or [c for c in self.candidates if c.ids] or self.candidates
+        unique: list[Candidate] = []
+        seen: set[tuple[int, ...]] = set()
+        for candidate in pool:
+            key = tuple(candidate.ids)
+            if key not in seen:
+                seen.add(key)
+                unique.append(candidate)
+        self.contenders = unique
+        if len(unique) == 1:
+            self._decide(unique[0])
+        else:
+            self._new_round()
+
+    def _new_round(self) -> None:
+        """Pair the contenders in order (a last odd one goes through) and queue one judge call per pair."""
+        pairs = list(zip(self.contenders[0::2], self.contenders[1::2], strict=False))
+        self.judgements = [Judgement(self._judge_request(a, b), a, b) for a, b in pairs]
+        self.queued = list(self.judgements)
+        self.judge_calls += len(pairs)
+        self.phase = "judging"
+
+    def _judge_request(self, first: Candidate, second: Candidate) -> InternalRequest:
+        text = judge_question(self.stage, self.request.question, first.inner(self.stage), second.inner(self.stage))
+        request = InternalRequest(
+            image=None, question=text, params=SamplingParams(JUDGE_MAX_NEW_TOKENS, 0.0, 1.0, seed=0)
+        )
+        request.inputs = self.worker.prepare_with(self.request.inputs, text)
+        return request
+
+    def _after_round(self) -> None:
+        winners = [j.winner() for j in self.judgements]
+        self.said += [j.request.text.strip() for j in self.judgements]
+        if len(self.contenders) % 2:
+            winners.append(self.contenders[-1])
+        self.contenders, self.judgements = winners, []
+        if len(winners) == 1:
+            self._decide(winners[0])
+        else:
+            self._new_round()
+
+    def _decide(self, winner: Candidate) -> None:
+        """Keep the winner: its tokens extend the answer and its cache starts the next stage."""
+        stage = self.stage
+        self.history.append(
+            StageChoice(
+                stage,
+                tuple(c.inner(stage) for c in self.candidates),
+                self.candidates.index(winner),
+                tuple(self.said),
+                tuple(c.tagged for c in self.candidates),
+            )
+        )
+        self.rows_seen = max([self.rows_seen, *(c.request.batch_size for c in self.candidates)])
+        self.tokens += winner.ids
+        self.text += self.worker.tokenizer.decode(winner.ids, skip_special_tokens=True)
+        request = self.request
+        request.token_ids = list(self.tokens)
+        request.batch_size = max(request.batch_size, self.rows_seen)
+        request.push_text(self.text)
+        self.candidates, self.started, self.judgements, self.queued, self.said = [], 0, [], [], []
+        if not winner.tagged:  # it ended the answer (end of turn) or ran out of tokens
+            self._finish(winner.streamer.request.finish_reason or "stop")
+        elif self.stage_index == len(STAGES) - 1:
+            self._finish("stop")
+        elif len(self.tokens) >= self.params.max_new_tokens:
+            self._finish("length")
+        else:
+            self.base = winner.snapshot  # type: ignore[assignment]  # a tagged candidate always has one
+            if self.stage_index == 0:  # from now on only the image states of the prompt's cache are needed
+                cross = self.worker.cross_attention_layers
+                layers = [layer if i in cross else None for i, layer in enumerate(self.start.layers)]
+                self.start = replace(self.start, layers=layers, logits=None)
+            self.stage_index += 1
+            self.phase = "writing"
+
+    def _finish(self, reason: str) -> None:
+        self.phase = "done"
+        if "</CONCLUSION>" in self.text:
+            self.text = self.text[: self.text.index("</CONCLUSION>") + len("</CONCLUSION>")]
+            self.request.text = self.text
+        self.request.finish(reason)
