@@ -44,8 +44,8 @@ judge's answer starts "Since the image is <the image's colour>" and ``parse_choi
 choice: the model has not learnt the comparison; its verdicts follow the responses' order, not the image
 (this form and each of these stayed at 50% on pairs where exactly one candidate names the colour): deciding in
 one step ("response 2 says red"), copying both colours before choosing, a right/wrong verdict, an induction
-form ("red is response 2"), 2000 extra judge-only steps, and the cross-attention layer at 1 instead of 2
-(which also broke greedy answers). The same model learns "Is the image X?" → yes/no in 200 steps, so
+form ("red is response 2"), 2000 extra judge-only steps, the cross-attention layer at 1 instead of 2
+(which also broke greedy answers), and a fifth text layer (two self-attention layers after the image). The same model learns "Is the image X?" → yes/no in 200 steps, so
 comparing a word with the image is learnable; with two caption-like candidates in the prompt it is not (yet).
 
 The stage tags (``<SUMMARY>`` ...) are ordinary text split into several tokens, as in the real model.
