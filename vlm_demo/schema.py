@@ -86,9 +86,8 @@ class SamplingParams:
 def check_beams(beams: Any, low: int = 2) -> int:
     """``beams`` as a whole number from ``low`` to :data:`MAX_BEAMS` (the API allows 2 and up; one
     candidate per stage exists for benchmarks only)."""
-    if isinstance(beams, bool) or not isinstance(beams, (int, float)) or int(beams) != beams:
-        raise InvalidRequestError(f"beams must be a whole number from {low} to {MAX_BEAMS}.")
-    if not low <= beams <= MAX_BEAMS:
+    whole = not isinstance(beams, bool) and isinstance(beams, (int, float)) and int(beams) == beams
+    if not whole or not low <= beams <= MAX_BEAMS:
         raise InvalidRequestError(f"beams must be a whole number from {low} to {MAX_BEAMS}.")
     return int(beams)
 

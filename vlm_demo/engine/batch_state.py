@@ -105,12 +105,10 @@ class Prefill:
     def snapshot(self, row: int, cross_layers: frozenset[int]) -> Snapshot:
         """Row ``row`` on its own, ready to fork: its first candidates sample from its last logits."""
         length = self.lengths[row]
-        layers = []
-        for number, layer in enumerate(self.cache.layers):
-            keys, values = layer.keys[row : row + 1], layer.values[row : row + 1]
-            if number not in cross_layers:
-                keys, values = keys[:, :, keys.shape[2] - length :], values[:, :, values.shape[2] - length :]
-            layers.append((keys.clone(), values.clone()))  # clones: a view would keep the whole batch alive
+        layers = [
+            _copy_row(layer, row, None if number in cross_layers else length)
+            for number, layer in enumerate(self.cache.layers)
+        ]
         return Snapshot(
             layers,
             self.cross_mask[row : row + 1].clone(),
@@ -157,6 +155,15 @@ class Snapshot:
             self.cross_mask.expand(rows, -1, -1, -1).contiguous(),
             self.row_mask.expand(rows, -1, -1, -1).contiguous(),
         )
+
+
+def _copy_row(layer: Any, row: int, length: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One row of a cache layer's keys and values, copied (a view would keep the whole batch alive);
+    with ``length``, only its last ``length`` columns (its real tokens, right-aligned)."""
+    keys, values = layer.keys[row : row + 1], layer.values[row : row + 1]
+    if length is not None:
+        keys, values = keys[:, :, keys.shape[2] - length :], values[:, :, values.shape[2] - length :]
+    return keys.clone(), values.clone()
 
 
 def _pad_left(tensor: torch.Tensor, columns: int, dim: int) -> torch.Tensor:
@@ -260,15 +267,10 @@ class RunningBatch:
     def snapshot(self, row: int) -> Snapshot:
         """Row ``row``'s text cache and next input, copied out before it leaves (image states left out)."""
         length = self.lengths[row]
-        layers: list[tuple[torch.Tensor, torch.Tensor] | None] = []
-        for number, layer in enumerate(self.cache.layers):
-            if number in self.cross_layers:
-                layers.append(None)
-                continue
-            start = layer.keys.shape[2] - length
-            layers.append(
-                (layer.keys[row : row + 1, :, start:].clone(), layer.values[row : row + 1, :, start:].clone())
-            )
+        layers = [
+            None if number in self.cross_layers else _copy_row(layer, row, length)
+            for number, layer in enumerate(self.cache.layers)
+        ]
         return Snapshot(
             layers,
             self.cross_mask[row : row + 1],

@@ -20,7 +20,6 @@ judge call at a time.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -34,8 +33,6 @@ from vlm_demo.engine.streamer import RowStreamer
 from vlm_demo.errors import DemoError
 from vlm_demo.judge import judge_question, parse_choice
 from vlm_demo.schema import BeamView, StageChoice
-
-log = logging.getLogger(__name__)
 
 PAPER_TEMPERATURE, PAPER_TOP_P = 0.6, 0.9  # candidates of a greedy request sample as the paper's do
 JUDGE_MAX_NEW_TOKENS = 96  # "Since [reason], I choose response [1/2]." with room for a reason
@@ -109,7 +106,6 @@ class StageBeam:
     phase: str = "writing"
     judge_calls: int = 0
     retries: int = 0
-    rows_seen: int = 0
 
     def __post_init__(self) -> None:
         self.params = self.request.params
@@ -157,7 +153,7 @@ class StageBeam:
             if candidate.request is row.request:
                 candidate.snapshot = snapshot
                 candidate.finished = True
-                self.rows_seen = max(self.rows_seen, row.request.batch_size)
+                return
 
     def advance(self) -> list[Request]:
         """Move on when a phase is complete; returns judge calls for the engine to queue (first in line)."""
@@ -275,12 +271,11 @@ class StageBeam:
                 tuple(c.tagged for c in self.candidates),
             )
         )
-        self.rows_seen = max([self.rows_seen, *(c.request.batch_size for c in self.candidates)])
         self.tokens += winner.ids
         self.text += self.worker.tokenizer.decode(winner.ids, skip_special_tokens=True)
         request = self.request
         request.token_ids = list(self.tokens)
-        request.batch_size = max(request.batch_size, self.rows_seen)
+        request.batch_size = max(request.batch_size, *(c.request.batch_size for c in self.candidates))
         request.push_text(self.text)
         self.candidates, self.started, self.judgements, self.queued, self.said = [], 0, [], [], []
         if not winner.tagged:  # it ended the answer (end of turn) or ran out of tokens
