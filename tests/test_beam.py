@@ -20,6 +20,7 @@ from vlm_demo.bench import BatchCounter
 from vlm_demo.config import Config
 from vlm_demo.cot import STAGES, parse_stages
 from vlm_demo.engine import Engine, SamplingParams
+from vlm_demo.engine.beam import StageBeam
 from vlm_demo.engine.continuous import ContinuousEngine
 from vlm_demo.errors import InvalidRequestError, RequestCancelledError
 from vlm_demo.judge import judge_question, parse_choice
@@ -33,8 +34,10 @@ def beam(k: int, seed: int, temperature: float = 1.0, max_new_tokens: int = 300,
     return SamplingParams(max_new_tokens, temperature, 1.0, seed=seed, reasoning=STAGE_BEAM, beams=k, **kw)
 
 
-def names(text: str, colour: str) -> bool:
-    return colour in COLOUR_WORDS.findall(text)
+def ends_on(text: str, colour: str) -> bool:
+    """The last colour the text names is ``colour`` (what the tiny judge reads of a candidate)."""
+    said = COLOUR_WORDS.findall(text)
+    return bool(said) and said[-1] == colour
 
 
 class Spy:
@@ -99,35 +102,18 @@ def test_the_door_takes_reasoning_and_beams_with_clear_errors() -> None:
             params_from_inputs(10, 0.5, 1, limits, reasoning, beams)
 
 
-def test_the_tiny_judge_sees_the_image_and_answers_in_the_papers_form(worker, make_engine) -> None:
-    """Judge prompts alone, both orders, three stages: the tiny judge names the image's colour and gives a
-    choice we can parse. (Its choice itself is not reliable: see the module docstring of ``vlm_demo.tiny``.)"""
-    engine = make_engine()
-    cases = []
-    for colour, wrong in [("red", "blue"), ("yellow", "black"), ("white", "green")]:
-        image = solid_image(colour, 48, 48)
-        for stage in ("caption", "reasoning", "conclusion"):
-            right_text = parse_stages(answer_for(colour, "What colour?"), final=True).text(stage)
-            wrong_text = parse_stages(answer_for(wrong, "What colour?"), final=True).text(stage)
-            for first, second in [(right_text, wrong_text), (wrong_text, right_text)]:
-                cases.append((image, judge_question(stage, "What colour is it?", first, second), colour))
-    handles = [engine.submit(door(image, q, SamplingParams(96, 0.0))) for image, q, _ in cases]
-    for handle, (_, _, colour) in zip(handles, cases, strict=True):
-        text = handle.result(120).text
-        assert text.startswith(f"Since the image is {colour}") and parse_choice(text) in (0, 1), text
-
-
-def test_winners_follow_the_judges_answers(worker, make_engine) -> None:
-    """Sampled at temperature 1, candidates disagree; each stage's winner is the one the judge calls chose
-    (knockout replayed from the recorded answers); identical candidates are not judged."""
+def test_winners_follow_the_judges_answers_and_name_the_images_colour(worker, make_engine) -> None:
+    """Sampled at temperature 1, candidates disagree. Each stage's winner is the one the judge calls chose
+    (knockout replayed from the recorded answers); identical candidates are not judged; and the tiny judge's
+    rule holds: whenever a candidate's last colour is the image's, so is the winner's."""
     engine = make_engine()
     jobs = [(colour, seed) for seed in range(3) for colour in COLOURS]
     handles = [
         engine.submit(door(solid_image(colour, 40, 40), "What colour is this image?", beam(4, seed)))
         for colour, seed in jobs
     ]
-    contested = 0
-    for handle in handles:
+    contested = wrong_beaten = 0
+    for handle, (colour, _) in zip(handles, jobs, strict=True):
         result = handle.result(300)
         view = result.beam
         assert view is not None and view.phase == "done"
@@ -138,16 +124,23 @@ def test_winners_follow_the_judges_answers(worker, make_engine) -> None:
             closed = [text for text, tagged in zip(choice.candidates, choice.closed, strict=True) if tagged]
             closed = closed or list(choice.candidates)
             unique = list(dict.fromkeys(closed))
+            winner = choice.candidates[choice.winner]
             if len(unique) > 1:
                 contested += 1
                 assert choice.judgements, choice
+                # a judge's row stops at its choice: no end of turn, no words after it
+                assert all(re.search(r"I choose response [12]$", said) for said in choice.judgements), choice
                 if len(choice.judgements) == len(unique) - 1:  # every distinct candidate contended (all tagged)
-                    assert choice.candidates[choice.winner] == replay_knockout(unique, choice.judgements), choice
+                    assert winner == replay_knockout(unique, choice.judgements), choice
+                if any(ends_on(text, colour) for text in unique):
+                    assert ends_on(winner, colour), choice
+                    wrong_beaten += any(COLOUR_WORDS.search(t) and not ends_on(t, colour) for t in unique)
             else:
                 assert not choice.judgements, "identical candidates must not be judged"
         assert result.text.startswith("<SUMMARY>") and result.batch_size >= 4, result.text
         assert result.finish_reason in ("stop", "length")
     assert contested >= 3, "sampled candidates should sometimes disagree: the judging was hardly tested"
+    assert wrong_beaten >= 3, "a candidate naming a wrong colour should sometimes lose to a right one"
 
 
 def replay_knockout(contenders: list[str], said: tuple[str, ...]) -> str:
@@ -179,17 +172,31 @@ def test_the_prompt_is_prefilled_once_and_a_rounds_judge_calls_run_as_one_batch(
     assert seen_judging and any(len(call) >= 2 for call in judge_calls), "a round's judge calls share a prefill"
 
 
-def test_batched_and_serial_searches_give_the_same_answer(worker, make_engine) -> None:
+def test_batched_and_serial_searches_give_the_same_answer(worker, make_engine, monkeypatch) -> None:
     """fp32: each candidate's seeded draws do not depend on its neighbours, so running them one at a time
-    changes the cost, not the text or the decisions."""
+    changes the cost, not the text or the decisions. That holds for the batched search's speculation too:
+    while a stage is judged it writes the next stage ahead from one contender, and keeps those rows when
+    that one wins or starts over from the winner (both responses win last rounds here)."""
+    forks: list[bool] = []
+    fork = StageBeam.fork
+
+    def spy(self, rows):
+        forks.append(self.speculating)
+        return fork(self, rows)
+
+    monkeypatch.setattr(StageBeam, "fork", spy)
     engine = make_engine()
     image = solid_image("green", 64, 32)
-    for seed in (1, 2):
-        batched = engine.generate(door(image, "What colour?", beam(3, seed)))
-        serial = engine.generate(door(image, "What colour?", beam(3, seed, beam_serial=True)))
+    last_rounds = set()
+    for k, seed in [(3, 1), (3, 2), (4, 5), (4, 7), (4, 8), (4, 11)]:
+        batched = engine.generate(door(image, "What colour?", beam(k, seed)))
+        serial = engine.generate(door(image, "What colour?", beam(k, seed, beam_serial=True)))
         assert serial.text == batched.text
         assert serial.beam == batched.beam
-        assert batched.batch_size >= 3 and serial.batch_size == 1
+        assert batched.batch_size >= k and serial.batch_size == 1
+        last_rounds |= {parse_choice(c.judgements[-1]) for c in batched.beam.stages[:-1] if c.judgements}
+    assert last_rounds == {0, 1}, "the judge should both keep response 1 and choose response 2 in a last round"
+    assert any(forks), "the next stage was never written ahead"
 
 
 def test_greedy_beam_search_keeps_the_trained_answer_and_the_normal_mode_is_untouched(worker, make_engine) -> None:
@@ -262,3 +269,24 @@ def test_more_candidates_than_free_rows_run_in_waves_within_the_row_limit(worker
     result = engine.generate(door(solid_image("yellow", 30, 30), "What colour is this image?", beam(6, 4)))
     assert result.beam is not None and [len(c.candidates) for c in result.beam.stages] == [6, 6, 6, 6]
     assert max(sizes.sizes) == 4, "the row limit was exceeded (or the candidates never shared a step)"
+
+
+def test_a_rambling_candidate_is_cut_and_does_not_hold_the_answer(worker, make_engine) -> None:
+    """At temperature 1, one REASONING candidate of this seed drifts into the long form (~200 tokens) while
+    the other three close the stage in 19. Once half have closed, it may take 2 x 19 + 16 tokens: it is cut
+    there, without its tag, so it is not judged; batched and serial searches cut it alike, and the batched
+    one stops its row instead of writing the rest (the steps are counted)."""
+    engine = make_engine()
+    image, question = solid_image("yellow", 64, 64), "Which colour do you see here?"
+    before = engine.steps_run
+    batched = engine.generate(door(image, question, beam(4, 1003)))
+    steps = engine.steps_run - before
+    serial = engine.generate(door(image, question, beam(4, 1003, beam_serial=True)))
+    assert serial.text == batched.text and serial.beam == batched.beam
+    reasoning = batched.beam.stages[2]
+    assert reasoning.closed.count(False) == 1, reasoning
+    cut = reasoning.candidates[reasoning.closed.index(False)]
+    assert "part 1 is" in cut and " so " not in cut, cut  # the long form, stopped before its end
+    assert reasoning.closed[reasoning.winner] and not reasoning.judgements  # the three closed ones are identical
+    assert parse_stages(batched.text, final=True).text("reasoning") == reasoning.candidates[reasoning.winner]
+    assert steps < 200, f"the straggler's row ran on: {steps} steps"  # its long form alone takes ~200

@@ -56,4 +56,5 @@ def test_stage_beam_bench_runs_batched_and_serial_on_the_same_seeds(tiny_dir, tm
     # the same seeds: serial runs the same search, so the same answers and judge calls
     assert by[("batched", 2)].judge_calls == by[("serial", 2)].judge_calls
     assert by[("batched", 2)].tokens == by[("serial", 2)].tokens
+    assert by[("batched", 1)].vs_k1 == 1.0 and all(r.vs_k1 > 0 for r in runs)  # costs over K=1, pair by pair
     assert len(json.loads(out.read_text())) == 5

@@ -239,28 +239,40 @@ def test_sampled_answers_differ_and_sometimes_name_a_wrong_caption(loaded) -> No
 
 
 def test_judge_answer_rule() -> None:
-    """Response 2 only if it names the image's colour and response 1 does not; parse_choice reads every answer."""
+    """Response 2 if it names the image's colour, else response 1; parse_choice reads every answer."""
     assert parse_choice(tiny.judge_answer("red", "blue", "red")) == 1
     assert parse_choice(tiny.judge_answer("red", "red", "blue")) == 0
-    assert parse_choice(tiny.judge_answer("red", "red", "red")) == 0
     assert parse_choice(tiny.judge_answer("red", "blue", "green")) == 0
     assert parse_choice(tiny.judge_answer("red", None, None)) == 0
-    assert all(tiny.judge_answer("red", a, b).startswith("Since ") for a in ("red", "blue") for b in ("red", None))
+    assert "not green" in tiny.judge_answer("red", "red", "green")
 
 
-def test_judge_prompts_get_a_parsable_choice(loaded) -> None:
-    """The model answers a judge prompt in the paper's form ("Since ..., I choose response N.")."""
+def test_training_judge_pairs_differ_and_put_the_right_colour_on_either_side() -> None:
+    rng = random.Random(3)
+    pairs = [tiny._candidate_colours(rng, "red") for _ in range(400)]
+    assert all(first != second for first, second in pairs)
+    assert 150 < sum(second == "red" for _, second in pairs) < 220
+    assert 150 < sum(first == "red" for first, _ in pairs) < 220
+
+
+def test_the_judge_picks_the_candidate_that_names_the_images_colour(loaded) -> None:
+    """The trained rule on the model itself: every stage with a colour, both orders, and two wrong colours."""
     processor = loaded[1]
+
+    def prompt(stage: str, first: str, second: str) -> str:
+        return judge_question(
+            stage, "What colour is this?", tiny.stage_text(stage, "x", first), tiny.stage_text(stage, "x", second)
+        )
+
     cases = [
-        (stage, colour, judge_question(stage, "What colour is this?", *texts))
+        (colour, first, second, prompt(stage, first, second))
         for stage in ("caption", "reasoning", "conclusion")
-        for colour in ("red", "black")
-        for texts in [
-            (tiny.stage_text(stage, "x", colour), tiny.stage_text(stage, "x", "blue")),
-            (tiny.stage_text(stage, "x", "blue"), tiny.stage_text(stage, "x", colour)),
-        ]
+        for colour, wrong in (("red", "blue"), ("black", "yellow"))
+        for first, second in ((colour, wrong), (wrong, colour), (wrong, "green"))
     ]
-    rows = _generate(loaded, [_conversation(colour, 64, 48, 0, text) for _, colour, text in cases], 40)
-    for case, tokens in zip(cases, rows):
+    plans = "I will describe the image.", "I will find the colour of the image."
+    cases.append(("white", None, None, judge_question("summary", "Why?", *plans)))
+    rows = _generate(loaded, [_conversation(colour, 64, 48, 0, text) for colour, _, _, text in cases], 40)
+    for (colour, first, second, _), tokens in zip(cases, rows, strict=True):
         text = processor.tokenizer.decode(tokens, skip_special_tokens=True).strip()
-        assert text.startswith(f"Since the image is {case[1]}") and parse_choice(text) is not None, (case, text)
+        assert text == tiny.judge_answer(colour, first, second), (colour, first, second, text)

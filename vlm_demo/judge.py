@@ -18,23 +18,27 @@ RUBRIC: dict[str, str] = {
     "conclusion": "gives the correct final answer to the question",
 }
 
-_CHOICE = re.compile(r"choose\s+(?:the\s+)?response\s*\[?\s*([12])\b", re.IGNORECASE)
+# The choice. The judge's answer ends at its first match (the engine stops the row there).
+CHOICE = re.compile(r"choose\s+(?:the\s+)?response\s*\[?\s*([12])\b", re.IGNORECASE)
 
 
 def judge_question(stage: str, question: str, first: str, second: str) -> str:
-    """The judge's user turn (the image goes before it, as in the answer's own prompt)."""
+    """The judge's user turn (the image goes before it, as in the answer's own prompt).
+
+    The instruction comes first and the candidates last, so the answer starts right after response 2.
+    """
     name = stage.upper()
     return (
         f"You are a judge. Two responses give the {name} stage of an answer to the question below. "
-        f"Choose the better one: the one that {RUBRIC[stage]}.\n"
+        f"Choose the better one: the one that {RUBRIC[stage]}. "
+        "Answer in the form: Since [reason], I choose response [1/2].\n"
         f"Question: {question}\n"
         f"Response 1: {first}\n"
-        f"Response 2: {second}\n"
-        "Answer in the form: Since [reason], I choose response [1/2]."
+        f"Response 2: {second}"
     )
 
 
 def parse_choice(text: str) -> int | None:
     """0 for response 1, 1 for response 2, ``None`` when the judge named neither (the caller keeps the first)."""
-    matches = _CHOICE.findall(text)
+    matches = CHOICE.findall(text)
     return int(matches[-1]) - 1 if matches else None

@@ -1,6 +1,6 @@
 """A tiny, real Mllama model trained offline to answer like LLaVA-CoT, so everything runs without the 21 GB model.
 
-``python -m vlm_demo.tiny OUT_DIR`` builds it in about 150-180 s on one CPU core (no network, deterministic): a
+``python -m vlm_demo.tiny OUT_DIR`` builds it in about 3.5 minutes on one CPU core (no network, deterministic): a
 byte-level BPE tokenizer with the Llama-3 specials, the Llama-3.2-Vision chat template, an
 ``MllamaImageProcessor`` with 16-pixel tiles (4 tiles at most), and a ~331k-parameter
 ``MllamaForConditionalGeneration`` trained on solid-colour images. Everything loads with transformers' own
@@ -36,17 +36,17 @@ unchanged; at temperature 1 / top-p 1 about a quarter of the CAPTIONs name a wro
 temperature 0.6 / top-p 0.9 about 1%.
 
 The judge task: with the image and the text ``vlm_demo.judge.judge_question(stage, question, first,
-second)`` (candidate stage texts as ``stage_text`` writes them), the model answers ``judge_answer``'s text,
-e.g. "Since the image is red, response 1 says green, so no, and response 2 says red, so yes. I choose
-response 2." The trained rule: response 2 if it names the image's colour and response 1 does not, otherwise
-response 1. What tests can rely on: the
-judge's answer starts "Since the image is <the image's colour>" and ``parse_choice`` reads it. Not on the
-choice: the model has not learnt the comparison; its verdicts follow the responses' order, not the image
-(this form and each of these stayed at 50% on pairs where exactly one candidate names the colour): deciding in
-one step ("response 2 says red"), copying both colours before choosing, a right/wrong verdict, an induction
-form ("red is response 2"), 2000 extra judge-only steps, the cross-attention layer at 1 instead of 2
-(which also broke greedy answers), and a fifth text layer (two self-attention layers after the image). The same model learns "Is the image X?" → yes/no in 200 steps, so
-comparing a word with the image is learnable; with two caption-like candidates in the prompt it is not (yet).
+second)`` (two different candidate stage texts as ``stage_text`` writes them), the model answers
+``judge_answer``'s text, e.g. "Since response 2 says green and the image is not green, I choose response 1."
+The rule: response 2 if the colour it names (the last one, if it names several) is the image's, otherwise
+response 1 (for SUMMARY candidates, which name
+no colour: "Since neither response names a colour, I choose response 1."). The engine only judges candidates
+that differ, so in a knockout the winner names the image's colour whenever a candidate does. Earlier judge answers stayed
+at chance on pairs where one candidate names the colour (the model kept to response 1): one that named the
+image's colour, then each response's colour with a yes/no or right/wrong verdict, then the choice; one that
+chose in a single step; one that quoted response 2's colour and the image's, then chose (it quoted both
+right but could not compare them). A verdict a few tokens after the quoted colour ("is red" / "is not red") trained
+in a few hundred steps, like "Is the image X? yes/no" does.
 
 The stage tags (``<SUMMARY>`` ...) are ordinary text split into several tokens, as in the real model.
 """
@@ -76,7 +76,7 @@ from vlm_demo.judge import judge_question
 
 log = logging.getLogger(__name__)
 
-TINY_VERSION = "4"  # bump when the recipe changes: cached copies with another stamp are rebuilt
+TINY_VERSION = "5"  # bump when the recipe changes: cached copies with another stamp are rebuilt
 VERSION_FILE = "tiny_version.txt"
 TINY_DIR_ENV = "VLM_TINY_DIR"
 
@@ -122,7 +122,7 @@ BPE_VOCAB_SIZE = 1000
 LONG_STEPS = 30
 CROSS_LAYERS = [2]  # the text layers that attend to the image (of 4)
 
-TRAIN_STEPS = 680
+TRAIN_STEPS = 1000
 BATCH_SIZE = 12
 LONG_BATCH_SIZE = 6
 JUDGE_BATCH_SIZE = 12
@@ -139,7 +139,7 @@ TWIN_SHARE = 0.5  # short rows followed by a twin with the long trigger (and the
 LEARNING_RATE = 3e-3
 SUMMARY_TOKENS = 16  # answer tokens up to the end of the SUMMARY sentence
 SUMMARY_WEIGHT = 10.0
-CHOICE_WEIGHT = 30.0  # the judge's "1" or "2"
+CHOICE_WEIGHT = 30.0  # the judge's decisions: the colour it quotes, "not", "1" or "2"
 WARMUP_STEPS = 20
 BUILD_THREADS = 1  # fixed for reproducible sums; 2 threads ran 13x slower when another process shared the 2 cores
 
@@ -273,20 +273,21 @@ def noisy_answer_for(rng: random.Random, colour: str, question: str) -> str:
 
 
 def judge_answer(image_colour: str, first: str | None, second: str | None) -> str:
-    """The judge's answer: response 2 only if it names the image's colour and response 1 does not.
+    """The judge's answer: response 2 if it names the image's colour, otherwise response 1.
 
     ``first`` / ``second`` are the colours the candidates name (``None``: no colour, as in a SUMMARY). The
-    answer names the image's colour, each response's colour with a yes/no verdict, then the choice.
+    answer quotes response 2's colour and says whether the image is that colour ("is red" / "is not
+    red"): a comparison of the image with a word just written, which the tiny model learns (the earlier
+    answers in the module docstring it did not). Identical candidates never reach the judge (the engine keeps the first), so on two different
+    candidates of a CAPTION or CONCLUSION this is "prefer the one that names the image's colour": if
+    response 2 does not, response 1 is no worse.
     """
-
-    def said(colour: str | None) -> str:
-        return f"{colour or 'no colour'}, so {'yes' if colour == image_colour else 'no'}"
-
-    choice = 2 if second == image_colour and first != image_colour else 1
-    return (
-        f"Since the image is {image_colour}, response 1 says {said(first)}, and response 2 says {said(second)}. "
-        f"I choose response {choice}."
-    )
+    if first is None and second is None:
+        return "Since neither response names a colour, I choose response 1."
+    said = second or "no colour"
+    if second == image_colour:
+        return f"Since response 2 says {said} and the image is {said}, I choose response 2."
+    return f"Since response 2 says {said} and the image is not {said}, I choose response 1."
 
 
 @dataclass(frozen=True)
@@ -382,15 +383,17 @@ def _answer_example(rng: random.Random, question: str) -> Example:
 
 
 def _candidate_colours(rng: random.Random, colour: str) -> tuple[str, str]:
-    """Mostly exactly one candidate names the image's colour (either one); else both do or neither does."""
+    """Two different colours: mostly one of them the image's (either one), else neither.
+
+    Never the same colour twice: the engine judges only candidates that differ.
+    """
     draw = rng.random()
-    if draw < 0.4:
+    if draw < 0.45:
         return colour, _other_colour(rng, colour)
-    if draw < 0.8:
-        return _other_colour(rng, colour), colour
     if draw < 0.9:
-        return colour, colour
-    return _other_colour(rng, colour), _other_colour(rng, colour)
+        return _other_colour(rng, colour), colour
+    first = _other_colour(rng, colour)
+    return first, rng.choice([c for c in COLOURS if c not in (colour, first)])
 
 
 def _judge_example(rng: random.Random, question: str, stage: str) -> Example:
@@ -609,23 +612,28 @@ def encode_batch(processor, examples: list[Example]) -> dict[str, torch.Tensor]:
     return {
         **batch,
         "labels": labels,
-        "weights": _loss_weights(labels, examples, tuple(processor.tokenizer.convert_tokens_to_ids(["1", "2"]))),
+        "weights": _loss_weights(labels, examples, decision_ids(processor.tokenizer)),
     }
 
 
-def _loss_weights(labels: torch.Tensor, examples: list[Example], choice_ids: tuple[int, int]) -> torch.Tensor:
-    """Per-token loss weights: the first ``SUMMARY_TOKENS`` of an answer, a judge's colours and its choice weigh more.
+def decision_ids(tokenizer) -> torch.Tensor:
+    """The tokens a judge's answer turns on: the choice ("1", "2"), the colours it quotes and "not"."""
+    words = ["1", "2", "Ġnot", *(f"Ġ{c}" for c in COLOURS)]
+    return torch.tensor(tokenizer.convert_tokens_to_ids(words))
 
-    They carry the decisions (the SUMMARY's trigger and colour words; the judge's choice, most of all);
-    unweighted, the model fits the rest long before those generalise. ``choice_ids``: the tokens "1" and "2".
+
+def _loss_weights(labels: torch.Tensor, examples: list[Example], decisions: torch.Tensor) -> torch.Tensor:
+    """Per-token loss weights: the first ``SUMMARY_TOKENS`` of an answer, and a judge's decisions, weigh more.
+
+    They carry the decisions (the SUMMARY's trigger and colour words; the judge's quote, verdict and choice,
+    ``decision_ids``, most of all); unweighted, the model fits the rest long before those generalise.
     """
     weights = (labels != -100).float()
     for row, ex in enumerate(examples):
         positions = (labels[row] != -100).nonzero().flatten()
         if ex.judge:
             weights[row, positions] = SUMMARY_WEIGHT
-            digits = positions[(labels[row, positions] == choice_ids[0]) | (labels[row, positions] == choice_ids[1])]
-            weights[row, digits] = CHOICE_WEIGHT
+            weights[row, positions[torch.isin(labels[row, positions], decisions)]] = CHOICE_WEIGHT
         else:
             weights[row, positions[:SUMMARY_TOKENS]] = SUMMARY_WEIGHT
     return weights
@@ -666,7 +674,7 @@ def weighted_loss(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
 
 
 def train(model, processor, seed: int, steps: int = TRAIN_STEPS) -> None:
-    """AdamW with warm-up and linear decay, one thread; 680 steps take the loss from ~6.7 to ~0.02-0.2 in ~150-180 s."""
+    """AdamW with warm-up and linear decay, one thread; 1000 steps take the loss from ~6.7 to ~0.01-0.1 in ~3.5 min."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: min(1.0, (s + 1) / WARMUP_STEPS) * max(0.05, 1 - s / max(1, steps))

@@ -11,10 +11,20 @@ For each stage in turn (SUMMARY → CAPTION → REASONING → CONCLUSION):
    (:mod:`vlm_demo.judge`), knockout style; the judge calls of one round run as one batch. The winner's
    tokens and cache are where the next stage starts.
 
+While a stage is judged, rows would sit idle and the visitor would wait on the judge alone, so the next
+stage is written ahead from one contender (*speculation*, only when no other request waits for rows):
+the one most of the K candidates agree on (the first on a tie), as self-consistency would pick. If it
+wins, those candidates simply carry on; once it loses a round, they are dropped and the stage forks
+from the winner. Seeds are per (answer, stage, candidate), so the
+answer is the same either way; only the wait changes.
+
 A candidate that misses its closing tag (end of turn, out of tokens) is dropped when another one has
 it; when none has it, the winner ends the answer there, as a normal answer would end. Identical
-candidates are judged once. The engine owns the rows (:mod:`vlm_demo.engine.continuous`); this class
-owns the decisions. ``beam_serial`` (benchmarks only) runs the same search one candidate and one
+candidates are judged once. A straggler is cut: once half the candidates have closed the stage, one
+still writing past twice their length (plus some slack) ends there without its tag, so one rambling
+or looping candidate does not hold the whole answer (and the visitor) for up to ``max_new_tokens``.
+A judge call ends at its choice. The engine owns the rows (:mod:`vlm_demo.engine.continuous`); this
+class owns the decisions. ``beam_serial`` (benchmarks only) runs the same search one candidate and one
 judge call at a time.
 """
 
@@ -31,12 +41,13 @@ from vlm_demo.engine.request import Request, SamplingParams
 from vlm_demo.engine.sampler import RowSampling
 from vlm_demo.engine.streamer import RowStreamer
 from vlm_demo.errors import DemoError
-from vlm_demo.judge import judge_question, parse_choice
+from vlm_demo.judge import CHOICE, judge_question, parse_choice
 from vlm_demo.schema import BeamView, StageChoice
 
 PAPER_TEMPERATURE, PAPER_TOP_P = 0.6, 0.9  # candidates of a greedy request sample as the paper's do
 JUDGE_MAX_NEW_TOKENS = 96  # "Since [reason], I choose response [1/2]." with room for a reason
 MAX_STAGE_RETRIES = 2  # an out-of-memory step restarts the running stage at most this often
+STRAGGLER_FACTOR, STRAGGLER_SLACK = 2, 16  # a candidate's stage may take 2x the quorum's length + 16 tokens
 
 
 class InternalRequest(Request):
@@ -44,6 +55,12 @@ class InternalRequest(Request):
 
     def _send(self, delta: str) -> None:
         pass
+
+
+class JudgeRequest(InternalRequest):
+    """A judge call: its row stops once the choice is written ("I choose response 2"), not at end of turn."""
+
+    stop_text = CHOICE
 
 
 def candidate_seed(seed: int, stage: int, candidate: int) -> int:
@@ -57,18 +74,21 @@ class Candidate:
     streamer: RowStreamer
     snapshot: Snapshot | None = None  # its cache at the closing tag (only when it reached the tag)
     finished: bool = False
+    cut_at: int | None = None  # a straggler: only its first ``cut_at`` tokens count, and it has no tag
 
     @property
     def ids(self) -> list[int]:
-        return self.streamer.ids
+        return self.streamer.ids if self.cut_at is None else self.streamer.ids[: self.cut_at]
 
     @property
     def tagged(self) -> bool:
-        return self.streamer.reached_stop_text
+        return self.streamer.reached_stop_text and self.cut_at is None
 
     def inner(self, stage: str) -> str:
         """The stage's text without tags (what the judge and the page see)."""
         text = self.request.text
+        if self.cut_at is not None:
+            text = self.streamer.tokenizer.decode(self.ids, skip_special_tokens=True)
         return parse_stages(text, final=self.finished).text(stage) or _without_tags(text).strip()
 
 
@@ -101,6 +121,8 @@ class StageBeam:
     contenders: list[Candidate] = field(default_factory=list)
     judgements: list[Judgement] = field(default_factory=list)  # this round's
     queued: list[Judgement] = field(default_factory=list)  # not yet handed to the engine (serial mode)
+    spec_from: Candidate | None = None  # the likelier winner, whose next stage is written ahead
+    spec: list[Candidate] = field(default_factory=list)  # that next stage's candidates
     said: list[str] = field(default_factory=list)  # this stage's judge answers so far
     history: list[StageChoice] = field(default_factory=list)
     phase: str = "writing"
@@ -120,36 +142,55 @@ class StageBeam:
     def stage(self) -> str:
         return STAGES[self.stage_index]
 
-    def rows_wanted(self) -> int:
-        """Candidate rows to fork now: all K at a stage's start, or one at a time in serial mode."""
-        if self.finished or self.phase != "writing" or self.started >= self.params.beams:
+    @property
+    def speculating(self) -> bool:
+        return self.phase == "judging" and self.spec_from is not None
+
+    def rows_wanted(self, spare: bool = True) -> int:
+        """Candidate rows to fork now: all K at a stage's start, or one at a time in serial mode; while
+        a last round is judged and ``spare`` (nobody else waits for rows), the next stage's, ahead."""
+        if self.finished:
+            return 0
+        if self.speculating:
+            judged = all(j.request.started is not None for j in self.judgements)  # the judge goes first
+            return self.params.beams - len(self.spec) if spare and judged else 0
+        if self.phase != "writing" or self.started >= self.params.beams:
             return 0
         if self.params.beam_serial:
             return 1 if all(c.finished for c in self.candidates) else 0
         return self.params.beams - self.started
 
     def fork(self, rows: int) -> tuple[Prefill, list[Row], RowSampling, torch.Tensor, bool]:
-        """``rows`` new candidates from the stage's start: their cache (copied), their rows, sampling,
-        next input tokens, and whether those tokens are the candidates' own first output (after a
-        prefill they are drawn now; after a stage they are the winner's last token, already written)."""
-        base = self.base
+        """``rows`` new candidates from the stage's start (while speculating: the next stage's, from the
+        likelier winner): their cache (copied), their rows, sampling, next input tokens, and
+        whether those tokens are the candidates' own first output (after a prefill they are drawn now;
+        after a stage they are the winner's last token, already written)."""
+        ahead = self.spec_from if self.speculating else None
+        base = ahead.snapshot if ahead is not None else self.base
+        assert base is not None, "a speculated stage starts from a candidate that closed its stage"
+        stage_index = self.stage_index + (ahead is not None)
+        written = len(self.tokens) + (len(ahead.ids) if ahead is not None else 0)
+        into = self.spec if ahead is not None else self.candidates
+        first = len(into) if ahead is not None else self.started
         prefill = base.fork(rows, self.start)
-        params = [self._candidate_params(self.started + i) for i in range(rows)]
+        params = [self._candidate_params(stage_index, first + i, written) for i in range(rows)]
         sampling = RowSampling(params, prefill.attention_mask.device)
+        stop = f"</{STAGES[stage_index].upper()}>"
         new_rows = []
         for p in params:
             request = InternalRequest(image=None, question="", params=p)
-            streamer = RowStreamer(self.worker.tokenizer, request, self.worker.eos_ids, f"</{self.stage.upper()}>")
-            self.candidates.append(Candidate(request, streamer))
+            streamer = RowStreamer(self.worker.tokenizer, request, self.worker.eos_ids, stop)
+            into.append(Candidate(request, streamer))
             new_rows.append(Row(request, streamer, beam=self))
-        self.started += rows
+        if ahead is None:
+            self.started += rows
         if base.logits is not None:
             return prefill, new_rows, sampling, sampling.sample(prefill.logits), True
         return prefill, new_rows, sampling, base.next_token.expand(rows), False
 
     def candidate_done(self, row: Row, snapshot: Snapshot | None) -> None:
         """A candidate row left the batch (closing tag, end of turn or out of tokens)."""
-        for candidate in self.candidates:
+        for candidate in self.candidates + self.spec:
             if candidate.request is row.request:
                 candidate.snapshot = snapshot
                 candidate.finished = True
@@ -160,6 +201,8 @@ class StageBeam:
         if self.finished:
             self.phase = "done"
             return []
+        if self.phase == "writing":
+            self._cut_stragglers()
         if self.phase == "writing" and self.started >= self.params.beams and all(c.finished for c in self.candidates):
             self._judge_or_decide()
         elif self.phase == "judging" and all(j.request.done for j in self.judgements) and not self.queued:
@@ -180,6 +223,7 @@ class StageBeam:
             return
         for judgement in self.judgements:
             judgement.request.cancel()
+        self._drop_speculation()
         self.candidates, self.started, self.judgements, self.queued, self.said = [], 0, [], [], []
         self.phase = "writing"
 
@@ -189,6 +233,7 @@ class StageBeam:
         self.phase = "done"
 
     def cancel_children(self) -> None:
+        self._drop_speculation()
         for candidate in self.candidates:
             candidate.request.cancel()
         for judgement in self.judgements:
@@ -205,19 +250,45 @@ class StageBeam:
         return BeamView(tuple(stages), self.phase, self.params.beams, self.judge_calls)
 
     # ---- decisions --------------------------------------------------------------------------------
-    def _candidate_params(self, index: int) -> SamplingParams:
+    def _candidate_params(self, stage_index: int, index: int, written: int) -> SamplingParams:
+        """Candidate ``index`` of stage ``stage_index``, after ``written`` answer tokens."""
         p = self.params
         return replace(
             p,
-            max_new_tokens=max(1, p.max_new_tokens - len(self.tokens)),
+            max_new_tokens=max(1, p.max_new_tokens - written),
             temperature=p.temperature if p.temperature > 0 else PAPER_TEMPERATURE,
             top_p=p.top_p if p.temperature > 0 else PAPER_TOP_P,
-            seed=candidate_seed(p.seed or 0, self.stage_index, index),
+            seed=candidate_seed(p.seed or 0, stage_index, index),
             reasoning="normal",
         )
 
+    def stage_limit(self) -> int | None:
+        """The tokens a candidate of this stage may take, known once half of the K have closed the stage.
+
+        It depends only on the candidates' lengths, not on when they finished, so a search with all K
+        candidates at once, in waves, or one at a time (``beam_serial``) cuts the same candidates at the
+        same token; when more short ones close later (waves), the limit only goes down.
+        """
+        quorum = (self.params.beams + 1) // 2
+        closed = sorted(len(c.streamer.ids) for c in self.candidates if c.streamer.reached_stop_text)
+        return STRAGGLER_FACTOR * closed[quorum - 1] + STRAGGLER_SLACK if len(closed) >= quorum else None
+
+    def _cut_stragglers(self) -> None:
+        """Stop candidate rows that can no longer close the stage within the limit (they leave the batch)."""
+        limit = self.stage_limit()
+        if limit is None:
+            return
+        for candidate in self.candidates:
+            if not candidate.finished and len(candidate.streamer.ids) >= limit:
+                candidate.streamer.cut()
+
     def _judge_or_decide(self) -> None:
-        """Drop candidates without the closing tag (if any has it) and repeats, then judge the rest."""
+        """Cut stragglers; drop candidates without the closing tag (if any has it) and repeats; judge the rest."""
+        limit = self.stage_limit()
+        for candidate in self.candidates:
+            length = len(candidate.streamer.ids)
+            if limit is not None and (length > limit or (length == limit and not candidate.streamer.reached_stop_text)):
+                candidate.cut_at = limit
         pool = [c for c in self.candidates if c.tagged] or [c for c in self.candidates if c.ids] or self.candidates
         unique: list[Candidate] = []
         seen: set[tuple[int, ...]] = set()
@@ -229,8 +300,17 @@ class StageBeam:
         self.contenders = unique
         if len(unique) == 1:
             self._decide(unique[0])
-        else:
-            self._new_round()
+            return
+        self._new_round()
+        # Write the next stage ahead from the contender most candidates agree on (the first on a tie).
+        likelier = max(unique, key=lambda c: sum(x.tagged and x.ids == c.ids for x in self.candidates))
+        if (
+            not self.params.beam_serial
+            and self.stage_index < len(STAGES) - 1
+            and len(self.tokens) + len(likelier.ids) < self.params.max_new_tokens
+            and likelier.tagged
+        ):
+            self.spec_from = likelier
 
     def _new_round(self) -> None:
         """Pair the contenders in order (a last odd one goes through) and queue one judge call per pair."""
@@ -240,11 +320,14 @@ class StageBeam:
         self.judge_calls += len(pairs)
         self.phase = "judging"
 
-    def _judge_request(self, first: Candidate, second: Candidate) -> InternalRequest:
+    def _drop_speculation(self) -> None:
+        for candidate in self.spec:
+            candidate.request.cancel()
+        self.spec_from, self.spec = None, []
+
+    def _judge_request(self, first: Candidate, second: Candidate) -> JudgeRequest:
         text = judge_question(self.stage, self.request.question, first.inner(self.stage), second.inner(self.stage))
-        request = InternalRequest(
-            image=None, question=text, params=SamplingParams(JUDGE_MAX_NEW_TOKENS, 0.0, 1.0, seed=0)
-        )
+        request = JudgeRequest(image=None, question=text, params=SamplingParams(JUDGE_MAX_NEW_TOKENS, 0.0, 1.0, seed=0))
         request.inputs = self.worker.prepare_with(self.request.inputs, text)
         return request
 
@@ -254,10 +337,19 @@ class StageBeam:
         if len(self.contenders) % 2:
             winners.append(self.contenders[-1])
         self.contenders, self.judgements = winners, []
-        if len(winners) == 1:
-            self._decide(winners[0])
-        else:
+        if self.spec_from is not None and self.spec_from not in winners:
+            self._drop_speculation()  # the guess lost a round: free its rows now
+        if len(winners) > 1:
             self._new_round()
+            return
+        ahead, self.spec = (self.spec, []) if winners[0] is self.spec_from else ([], self.spec)
+        self._drop_speculation()  # the guess lost: the next stage forks from the winner now
+        self._decide(winners[0])
+        if ahead and self.phase == "writing":  # the judge kept response 1: its next stage is under way
+            self.candidates, self.started = ahead, len(ahead)
+        else:
+            for candidate in ahead:
+                candidate.request.cancel()
 
     def _decide(self, winner: Candidate) -> None:
         """Keep the winner: its tokens extend the answer and its cache starts the next stage."""

@@ -108,11 +108,14 @@ class ContinuousEngine(Engine):
         """Fork the candidate rows searches want, before any newcomer: they are answers in progress.
         Never past the row limit: a search with more candidates than free rows forks them in waves.
         Returns the rows still free, or ``None`` when a search waits for rows (newcomers wait too)."""
+        spare = not self.scheduler.depth  # nobody waits: a search may write its next stage ahead
         for beam in self.beams:
-            wanted = beam.rows_wanted()
+            wanted = beam.rows_wanted(spare)
             if not wanted:
                 continue
             take = min(wanted, free)  # more candidates than free rows: they run in waves
+            if take <= 0 and beam.speculating:
+                continue  # a guess takes only rows nobody wants, and never blocks other forks
             if take <= 0:
                 return None
             failure: Exception | None = None
@@ -132,7 +135,7 @@ class ContinuousEngine(Engine):
                 self._recover(failure)
                 return None
             free -= take
-            if take < wanted:
+            if take < wanted and not beam.speculating:
                 return None
         return free
 
@@ -166,7 +169,7 @@ class ContinuousEngine(Engine):
             if back or self.recoveries != recoveries:  # memory ran short: the rest wait too
                 self.scheduler.requeue_front(back + newcomers[start + self.prefill_batch_size :])
                 return
-        if any(r.params.reasoning == STAGE_BEAM for r in newcomers):  # new searches fork at once
+        if newcomers and self.beams:  # new searches fork at once, and judged ones may write ahead
             self._join_forks(self.rows_allowed - len(self.batch))
 
     def _admit_group(self, group: list[Request]) -> list[Request]:
@@ -208,7 +211,7 @@ class ContinuousEngine(Engine):
             tokens = tokens.index_select(0, torch.tensor(plain, device=tokens.device))
             first = [first[i] for i in plain]
             group = [group[i] for i in plain]
-        rows = [Row(r, RowStreamer(self.worker.tokenizer, r, self.worker.eos_ids)) for r in group]
+        rows = [Row(r, RowStreamer(self.worker.tokenizer, r, self.worker.eos_ids, r.stop_text)) for r in group]
         size = len(self.batch) + len(rows)
         for row, token in zip(rows, first, strict=True):
             row.request.batch_size = max(row.request.batch_size, size)

@@ -8,10 +8,11 @@ thread reads from it (``stream`` / ``result``, from :class:`~vlm_demo.stream.Out
 from __future__ import annotations
 
 import itertools
+import re
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from vlm_demo.errors import RequestCancelledError
 from vlm_demo.schema import (
@@ -28,10 +29,14 @@ __all__ = ["DEFAULT_MAX_NEW_TOKENS", "GenerationResult", "Request", "SamplingPar
 
 _ids = itertools.count(1)
 
+STOP_TEXT = "</CONCLUSION>"  # an answer's rows stop here even if the model writes on
+
 
 @dataclass(eq=False)
 class Request(OutputStream):
     """A request moving through the engine; also the handle its submitter holds."""
+
+    stop_text: ClassVar[str | re.Pattern[str]] = STOP_TEXT  # where its row stops, besides end of turn and limits
 
     image: Any  # PIL.Image.Image, RGB
     question: str

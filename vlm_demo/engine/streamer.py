@@ -9,6 +9,7 @@ Each row decodes incrementally, streams its own text, and stops on its own: end 
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -16,9 +17,9 @@ import torch
 from tokenizers.decoders import DecodeStream
 from transformers import StoppingCriteria
 
-from vlm_demo.engine.request import Request
+from vlm_demo.engine.request import STOP_TEXT, Request
 
-STOP_TEXT = "</CONCLUSION>"
+__all__ = ["STOP_TEXT", "BatchStreamer", "RowStreamer"]
 
 
 class RowStreamer:
@@ -32,10 +33,15 @@ class RowStreamer:
     """
 
     def __init__(
-        self, tokenizer: Any, request: Request, eos_ids: Sequence[int], stop_text: str | None = STOP_TEXT
+        self,
+        tokenizer: Any,
+        request: Request,
+        eos_ids: Sequence[int],
+        stop_text: str | re.Pattern[str] | None = STOP_TEXT,
     ) -> None:
         self.tokenizer = tokenizer
-        self.stop_text = stop_text  # the row ends once its text contains this (a stage's closing tag)
+        # The row ends once its text contains this (a stage's closing tag) or matches it (a judge's choice).
+        self.stop_text = stop_text
         self.request = request
         self.eos_ids = set(eos_ids)
         self.ids: list[int] = []
@@ -61,6 +67,18 @@ class RowStreamer:
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         return window[len(prefix) :]
 
+    def _stop_end(self, text: str, new: int) -> int:
+        """Where the stop rule's first match in ``text`` ends (-1: none); only the last ``new`` characters
+        are new, so a stop string is looked for near the end."""
+        stop = self.stop_text
+        if not stop:
+            return -1
+        if isinstance(stop, str):
+            at = text.find(stop, max(0, len(text) - new - len(stop)))
+            return at + len(stop) if at >= 0 else -1
+        match = stop.search(text)
+        return match.end() if match else -1
+
     def feed(self, token_id: int) -> bool:
         """Take the row's next token; return True once the row has finished."""
         if self.done:
@@ -76,10 +94,9 @@ class RowStreamer:
         new = self._next_text()
         if new:
             self.text += new
-            stop = self.stop_text
-            end = self.text.find(stop, max(0, len(self.text) - len(new) - len(stop))) if stop else -1
+            end = self._stop_end(self.text, len(new))
             if end >= 0 and not params.ignore_eos:
-                self.text = self.text[: end + len(stop)]
+                self.text = self.text[:end]
                 self.reached_stop_text = True
                 request.push_text(self.text)
                 return self._stop("stop")
@@ -88,12 +105,18 @@ class RowStreamer:
             return self._stop("length")
         return False
 
+    def cut(self) -> None:
+        """End the row here, as if it ran out of tokens (a stage-beam straggler)."""
+        if not self.done:
+            self._stop("length")
+
     def _stop(self, reason: str) -> bool:
         self.done = True
         if reason != "cancelled":
             full = self._decode(self.ids)
-            if self.stop_text and self.stop_text in full and reason == "stop":
-                full = full[: full.index(self.stop_text) + len(self.stop_text)]
+            end = self._stop_end(full, len(full)) if reason == "stop" else -1
+            if end >= 0:
+                full = full[:end]
             if full.startswith(self.text):  # flush anything held back (a trailing partial character)
                 self.text = full
             self.request.push_text(self.text)
