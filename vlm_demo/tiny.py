@@ -242,16 +242,15 @@ def stage_text(stage: str, question: str, colour: str) -> str:
     return f"The image is {colour}."
 
 
-def _answer(question: str, caption_colour: str, conclusion_colour: str) -> str:
-    """The four stages; the REASONING follows the CAPTION, as a real chain of thought does."""
-    colours = {"summary": "", "caption": caption_colour, "reasoning": caption_colour, "conclusion": conclusion_colour}
-    tagged = (f"<{s.upper()}> {stage_text(s, question, colours[s])} </{s.upper()}>" for s in STAGES)
-    return "\n\n".join(tagged)
+def _tagged(question: str, caption: str, reasoning: str, conclusion: str) -> str:
+    """The four tagged stages, each naming the colour given for it (the SUMMARY names none)."""
+    colours = {"summary": "", "caption": caption, "reasoning": reasoning, "conclusion": conclusion}
+    return "\n\n".join(f"<{s.upper()}> {stage_text(s, question, colours[s])} </{s.upper()}>" for s in STAGES)
 
 
 def answer_for(colour: str, question: str) -> str:
     """The four-stage answer the tiny model gives under greedy decoding (without the closing ``<|eot_id|>``)."""
-    return _answer(question, colour, colour)
+    return _tagged(question, colour, colour, colour)
 
 
 def _other_colour(rng: random.Random, colour: str) -> str:
@@ -268,8 +267,7 @@ def noisy_answer_for(rng: random.Random, colour: str, question: str) -> str:
     """
     caption = _other_colour(rng, colour) if rng.random() < CAPTION_NOISE else colour
     conclusion = _other_colour(rng, colour) if rng.random() < CONCLUSION_NOISE else colour
-    colours = {"summary": "", "caption": caption, "reasoning": colour, "conclusion": conclusion}
-    return "\n\n".join(f"<{s.upper()}> {stage_text(s, question, colours[s])} </{s.upper()}>" for s in STAGES)
+    return _tagged(question, caption, colour, conclusion)
 
 
 def judge_answer(image_colour: str, first: str | None, second: str | None) -> str:

@@ -37,7 +37,7 @@ import torch
 
 from vlm_demo.cot import STAGES, _without_tags, parse_stages
 from vlm_demo.engine.batch_state import Prefill, Row, Snapshot
-from vlm_demo.engine.request import Request, SamplingParams
+from vlm_demo.engine.request import STOP_TEXT, Request, SamplingParams
 from vlm_demo.engine.sampler import RowSampling
 from vlm_demo.engine.streamer import RowStreamer
 from vlm_demo.errors import DemoError
@@ -83,6 +83,11 @@ class Candidate:
     @property
     def tagged(self) -> bool:
         return self.streamer.reached_stop_text and self.cut_at is None
+
+    def misses(self, limit: int) -> bool:
+        """It did not close the stage within ``limit`` tokens (a running row that reached it cannot)."""
+        length = len(self.streamer.ids)
+        return length > limit or (length == limit and not self.streamer.reached_stop_text)
 
     def inner(self, stage: str) -> str:
         """The stage's text without tags (what the judge and the page see)."""
@@ -279,15 +284,14 @@ class StageBeam:
         if limit is None:
             return
         for candidate in self.candidates:
-            if not candidate.finished and len(candidate.streamer.ids) >= limit:
+            if not candidate.finished and candidate.misses(limit):
                 candidate.streamer.cut()
 
     def _judge_or_decide(self) -> None:
         """Cut stragglers; drop candidates without the closing tag (if any has it) and repeats; judge the rest."""
         limit = self.stage_limit()
         for candidate in self.candidates:
-            length = len(candidate.streamer.ids)
-            if limit is not None and (length > limit or (length == limit and not candidate.streamer.reached_stop_text)):
+            if limit is not None and candidate.misses(limit):
                 candidate.cut_at = limit
         pool = [c for c in self.candidates if c.tagged] or [c for c in self.candidates if c.ids] or self.candidates
         unique: list[Candidate] = []
@@ -343,9 +347,9 @@ class StageBeam:
             self._new_round()
             return
         ahead, self.spec = (self.spec, []) if winners[0] is self.spec_from else ([], self.spec)
-        self._drop_speculation()  # the guess lost: the next stage forks from the winner now
+        self._drop_speculation()  # cancels the guess's rows unless it won (then they were taken out above)
         self._decide(winners[0])
-        if ahead and self.phase == "writing":  # the judge kept response 1: its next stage is under way
+        if ahead and self.phase == "writing":  # the guess won: its next stage is under way
             self.candidates, self.started = ahead, len(ahead)
         else:
             for candidate in ahead:
@@ -387,7 +391,7 @@ class StageBeam:
 
     def _finish(self, reason: str) -> None:
         self.phase = "done"
-        if "</CONCLUSION>" in self.text:
-            self.text = self.text[: self.text.index("</CONCLUSION>") + len("</CONCLUSION>")]
+        if STOP_TEXT in self.text:
+            self.text = self.text[: self.text.index(STOP_TEXT) + len(STOP_TEXT)]
             self.request.text = self.text
         self.request.finish(reason)
