@@ -1,7 +1,7 @@
 """Start the LLaVA-CoT web demo: ``python app.py [--model tiny] [--port 7860] [--share --auth U:P]``.
 
 Also the ``app_file`` of the Hugging Face Space. It only parses options and launches; see
-``vlm_demo/server.py`` (web server) and ``vlm_demo/ui.py`` (the page). Options are parsed before
+``vlm_demo/web/server.py`` (web server) and ``vlm_demo/web/page.py`` (the page). Options are parsed before
 Gradio and torch are imported, so ``--help`` and a mistyped flag answer at once.
 """
 
@@ -19,7 +19,7 @@ def main(argv: list[str] | None = None) -> None:
 
     config = load_config(argv, description="LLaVA-CoT (Llama-3.2V-11B-cot) web demo")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from vlm_demo.server import serve  # imports gradio and torch: seconds
+    from vlm_demo.web.server import serve  # imports gradio and torch: seconds
 
     serve(config)
 

@@ -14,7 +14,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 @pytest.fixture(scope="session")
 def tiny_dir() -> str:
     """Path of the trained tiny model folder (built on first use, then cached)."""
-    from vlm_demo.tiny import ensure_tiny
+    from vlm_demo.models.tiny import ensure_tiny
 
     return ensure_tiny()
 
@@ -22,6 +22,6 @@ def tiny_dir() -> str:
 @pytest.fixture(scope="session")
 def worker(tiny_dir):
     """One loaded tiny-model worker shared by the engine tests (loading twice wastes CPU)."""
-    from vlm_demo.engine.worker import Worker
+    from vlm_demo.engine.loader import load
 
-    return Worker.load(tiny_dir, device="cpu")
+    return load(tiny_dir, device="cpu")

@@ -1,14 +1,157 @@
-"""Small helpers shared by the test modules (importable because pytest puts ``tests/`` on the path)."""
+"""Helpers shared by the test modules (importable because pytest puts ``tests/`` on the path): the door with
+test limits, free loopback ports, and the servers the end-to-end tests start (``app.py``, our Triton)."""
 
 from __future__ import annotations
 
+import os
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
+
+import pytest
+import requests
 
 from vlm_demo.schema import Limits, SamplingParams, ValidRequest, validate_request
 
+ROOT = Path(__file__).resolve().parents[1]
 TEST_LIMITS = Limits(max_new_tokens=10_000)  # long forced answers in the engine tests
 
 
 def door(image: Any, question: Any, params: SamplingParams | None = None) -> ValidRequest:
     """The shared door with generous limits: what every backend's caller does before submitting."""
     return validate_request(image, question, params, TEST_LIMITS)
+
+
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct free loopback ports (all held until each is known, then released)."""
+    socks = [socket.socket() for _ in range(count)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def free_port() -> int:
+    return free_ports(1)[0]
+
+
+def server_env(**extra: str) -> dict[str, str]:
+    """The environment a test server runs in: offline, no analytics, unbuffered logs."""
+    return dict(os.environ, GRADIO_ANALYTICS_ENABLED="False", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1", **extra)
+
+
+# ---- the web app ---------------------------------------------------------------------------------------
+
+
+def start_app(port: int, *extra: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """``python app.py --model tiny`` on a loopback port (``extra`` flags after the defaults win)."""
+    cmd = [sys.executable, "app.py", "--model", "tiny", "--host", "127.0.0.1", "--port", str(port), *extra]
+    return subprocess.Popen(
+        cmd, cwd=ROOT, env=env or server_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+
+
+def wait_ready(proc: subprocess.Popen, url: str, timeout: float = 240) -> None:
+    """Until ``/health`` says ready; the server's output if it exits first."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError("server exited:\n" + (proc.stdout.read() if proc.stdout else ""))
+        try:
+            if requests.get(url + "/health", timeout=2).json().get("ready"):
+                return
+        except (requests.RequestException, ValueError):
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"server at {url} not ready in {timeout} s")
+
+
+def stop_app(proc: subprocess.Popen) -> str:
+    """SIGTERM, then its whole output."""
+    proc.terminate()
+    try:
+        out, _ = proc.communicate(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, _ = proc.communicate()
+    return out or ""
+
+
+@contextmanager
+def running_app(*extra: str, env: dict[str, str] | None = None) -> Iterator[str]:
+    """A tiny-model ``app.py`` on a free loopback port; on exit, its log must hold no traceback."""
+    port = free_port()
+    proc = start_app(port, *extra, env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(proc, url)
+        yield url
+    finally:
+        serving_log = stop_app(proc).split("Shutting down")[0]  # open SSE streams may be cut at exit
+        assert "Traceback" not in serving_log, serving_log[-4000:]
+
+
+def metric(url: str, name: str, auth: Any = None) -> float:
+    """One sample of the app's ``/metrics`` (the first line for ``name``, labelled or not)."""
+    for line in requests.get(url + "/metrics", timeout=10, auth=auth).text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise KeyError(name)
+
+
+# ---- our Triton server ---------------------------------------------------------------------------------
+
+
+def start_triton(
+    args: list[str], models: list[str], log_path: Path, wait_s: float = 300
+) -> tuple[subprocess.Popen, int, int]:
+    """``python -m vlm_demo.triton.serve ARGS`` on free loopback ports; returns once every model is ready."""
+    http, grpc, metrics = free_ports(3)
+    env = dict(os.environ, LD_LIBRARY_PATH=sysconfig.get_config_var("LIBDIR"), PYTHONPATH=str(ROOT))
+    log = open(log_path, "w")  # noqa: SIM115 - closed with the process
+    cmd = [sys.executable, "-m", "vlm_demo.triton.serve", *args,
+           "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics)]  # fmt: skip
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + wait_s
+    pending = list(models)
+    while pending:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            stop_triton(proc)
+            pytest.fail(f"Triton did not start ({pending} not ready):\n{log_path.read_text()[-3000:]}")
+        try:
+            if requests.get(f"http://127.0.0.1:{http}/v2/models/{pending[0]}/ready", timeout=2).status_code == 200:
+                pending.pop(0)
+                continue
+        except requests.RequestException:
+            pass
+        time.sleep(0.5)
+    return proc, http, grpc
+
+
+def stop_triton(proc: subprocess.Popen, http_port: int | None = None) -> None:
+    """SIGTERM (PyTriton ignores SIGINT in the background), then wait until tritonserver has let go of the port.
+
+    The launcher can exit while its tritonserver child still drains in-flight requests (up to 30 s).
+    """
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+    deadline = time.monotonic() + 60
+    while http_port is not None and time.monotonic() < deadline:
+        with socket.socket() as probe:
+            if probe.connect_ex(("127.0.0.1", http_port)) != 0:
+                return
+        time.sleep(0.5)

@@ -1,6 +1,6 @@
 """Stage-level beam search on the real tiny Mllama, in the continuous engine.
 
-The tiny model is trained (``vlm_demo.tiny``) so that sampled CAPTION and CONCLUSION candidates sometimes
+The tiny model is trained (``vlm_demo.models.tiny``) so that sampled CAPTION and CONCLUSION candidates sometimes
 name a wrong colour, and so that its judge prefers the candidate naming the image's colour. So these tests
 can check the search's decisions, not only that it runs.
 """
@@ -16,16 +16,17 @@ import pytest
 import torch
 from support import door
 
-from vlm_demo.bench import BatchCounter
 from vlm_demo.config import Config
 from vlm_demo.cot import STAGES, parse_stages
-from vlm_demo.engine import Engine, SamplingParams
+from vlm_demo.engine.base import Engine as BaseEngine
 from vlm_demo.engine.beam import StageBeam
 from vlm_demo.engine.continuous import ContinuousEngine
+from vlm_demo.engine.dynamic import DynamicEngine
 from vlm_demo.errors import InvalidRequestError, RequestCancelledError
 from vlm_demo.judge import judge_question, parse_choice
-from vlm_demo.schema import STAGE_BEAM, Limits, params_from_inputs
-from vlm_demo.tiny import COLOURS, answer_for, solid_image
+from vlm_demo.models.tiny import COLOURS, answer_for, solid_image
+from vlm_demo.schema import STAGE_BEAM, Limits, SamplingParams, params_from_inputs
+from vlm_demo.tools.bench import BatchCounter
 
 COLOUR_WORDS = re.compile(r"\b(" + "|".join(COLOURS) + r")\b")
 
@@ -54,11 +55,11 @@ class Spy:
 
 @pytest.fixture
 def make_engine(worker) -> Iterator:
-    engines: list[Engine] = []
+    engines: list[BaseEngine] = []
 
     def make(**kwargs) -> ContinuousEngine:
         config = Config(**{"batching": "continuous", "max_batch_size": 8, "batch_window_ms": 0.0, **kwargs})
-        engine = ContinuousEngine(worker, config)
+        engine = ContinuousEngine(worker, config).start()
         engines.append(engine)
         return engine
 
@@ -254,7 +255,7 @@ def test_cancelling_a_search_frees_its_rows_and_spares_others(worker, make_engin
 
 
 def test_dynamic_batching_refuses_stage_beam_clearly(worker) -> None:
-    engine = Engine(worker, Config(batching="dynamic", max_batch_size=2))
+    engine = DynamicEngine(worker, Config(batching="dynamic", max_batch_size=2)).start()
     try:
         with pytest.raises(InvalidRequestError, match="continuous batching"):
             engine.submit(door(solid_image("red", 20, 20), "colour?", beam(2, 0)))

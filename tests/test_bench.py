@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from vlm_demo import bench
+from vlm_demo.tools import bench
 
 
 @pytest.mark.slow
@@ -46,7 +46,7 @@ def test_mixed_workload_checks_the_colour_in_the_conclusion() -> None:
 
 
 def test_stage_beam_bench_runs_batched_and_serial_on_the_same_seeds(tiny_dir, tmp_path) -> None:
-    from vlm_demo import bench_beam
+    from vlm_demo.tools import bench_beam
 
     out = tmp_path / "beam.json"
     runs = bench_beam.main(["--beams", "1,2", "--answers", "3", "--json", str(out)])

@@ -20,11 +20,11 @@ from typing import Any
 
 import pytest
 from gradio_client import Client, handle_file
-from test_app import metric, running_server
+from support import ROOT, metric, running_app
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[1]
+
 CHROMIUM = "/usr/bin/chromium"
 FLAGS = [
     "--headless",
@@ -68,7 +68,7 @@ def shots(tmp_path_factory) -> Path:
 def server(tiny_dir: str, tracked_before) -> Iterator[str]:
     # Continuous batching lets a second visitor's request join the browser's running batch, so Stop is
     # tested on one row of a live batch.
-    with running_server("--max-batch-size", "4", "--batching", "continuous") as url:
+    with running_app("--max-batch-size", "4", "--batching", "continuous") as url:
         yield url
 
 

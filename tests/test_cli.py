@@ -19,15 +19,14 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 
 import pytest
+from support import ROOT
 
 from vlm_demo.backends.triton import Endpoint, check_ready
 from vlm_demo.config import Config, env_name
 from vlm_demo.errors import BackendTimeoutError, BackendUnavailableError
 
-ROOT = Path(__file__).resolve().parents[1]
 HEAVY = ("gradio", "torch", "transformers")
 # Runs app.py as `python app.py ...` does, then reports which heavy packages got imported (even on exit).
 IMPORT_WATCH = (

@@ -12,14 +12,17 @@ import pytest
 import torch
 from support import door
 
-from vlm_demo.bench import BatchCounter
 from vlm_demo.config import Config, load_config
-from vlm_demo.engine import Engine, SamplingParams
+from vlm_demo.engine import make_engine as build_engine
+from vlm_demo.engine.base import Engine as BaseEngine
 from vlm_demo.engine.continuous import ContinuousEngine
+from vlm_demo.engine.dynamic import DynamicEngine
+from vlm_demo.engine.loader import load
 from vlm_demo.engine.memory import KVShape
-from vlm_demo.engine.worker import Worker
 from vlm_demo.errors import RequestCancelledError
-from vlm_demo.tiny import COLOURS, solid_image
+from vlm_demo.models.tiny import COLOURS, solid_image
+from vlm_demo.schema import SamplingParams
+from vlm_demo.tools.bench import BatchCounter
 
 GREEDY = SamplingParams(max_new_tokens=200, temperature=0.0)
 LONG = SamplingParams(max_new_tokens=120, temperature=0.0, ignore_eos=True)
@@ -33,12 +36,12 @@ def conclusion(text: str) -> str:
 
 @pytest.fixture
 def make_engine(worker) -> Iterator:
-    engines: list[Engine] = []
+    engines: list[BaseEngine] = []
 
     def make(**kwargs) -> ContinuousEngine:
         engine = ContinuousEngine(
             worker, Config(**{"batching": "continuous", "max_batch_size": 4, "batch_window_ms": 0.0, **kwargs})
-        )
+        ).start()
         engines.append(engine)
         return engine
 
@@ -48,7 +51,7 @@ def make_engine(worker) -> Iterator:
 
 
 def single(worker, image, question, params) -> str:
-    engine = Engine(worker, Config(max_batch_size=1, batch_window_ms=0.0))
+    engine = DynamicEngine(worker, Config(max_batch_size=1, batch_window_ms=0.0)).start()
     try:
         return engine.generate(door(image, question, params)).text
     finally:
@@ -131,7 +134,7 @@ def test_limits_hold_and_memory_returns_to_baseline(make_engine) -> None:
     ]
     while not all(h.done for h in handles):
         stats = engine.stats()
-        peaks.append((stats["running"], stats["cached_token_slots"]))
+        peaks.append((stats.running, stats.cached_token_slots))
         time.sleep(0.002)
     assert all(h.result().completion_tokens == 60 for h in handles)
     assert max(sizes.sizes) <= 3 and max(r for r, _ in peaks) <= 3
@@ -139,9 +142,9 @@ def test_limits_hold_and_memory_returns_to_baseline(make_engine) -> None:
     assert max(slots for _, slots in peaks) <= budget + 3 * 60
     # A row's request ends inside the step that fed its last token; the engine evicts it right after.
     deadline = time.monotonic() + 5
-    while engine.stats()["cached_token_slots"] and time.monotonic() < deadline:
+    while engine.stats().cached_token_slots and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert engine.stats()["cached_token_slots"] == 0
+    assert engine.stats().cached_token_slots == 0
     assert engine.batch.cache is None
 
 
@@ -165,7 +168,7 @@ class FakeOOMWorker:
 
 def test_out_of_memory_step_requeues_rows_and_everyone_finishes(worker) -> None:
     fake = FakeOOMWorker(worker, max_rows=2)
-    engine = ContinuousEngine(fake, Config(batching="continuous", max_batch_size=4, batch_window_ms=0.0))
+    engine = ContinuousEngine(fake, Config(batching="continuous", max_batch_size=4, batch_window_ms=0.0)).start()
     try:
         jobs = [(solid_image(c, 70, 70), "Colour?", GREEDY) for c in ("red", "green", "blue", "yellow")]
         expected = [single(worker, *job) for job in jobs]
@@ -194,7 +197,7 @@ def test_budget_flags_change_admission_end_to_end(tiny_dir, flag, value) -> None
     def peak_rows(extra: list[str]) -> tuple[int, dict]:
         argv = ["--model", "tiny", "--tiny-dir", tiny_dir, "--device", "cpu", "--batching", "continuous"]
         config = load_config([*argv, "--max-batch-size", "4", "--batch-window-ms", "0", *extra])
-        engine = Engine.from_config(config)
+        engine = build_engine(config)
         sizes = BatchCounter()
         engine.add_listener(sizes)
         try:
@@ -207,9 +210,9 @@ def test_budget_flags_change_admission_end_to_end(tiny_dir, flag, value) -> None
             engine.shutdown()
 
     rows, stats = peak_rows([])
-    assert rows == 4 and stats["max_batch_size"] == 4
-    prompt = Worker.load(tiny_dir, device="cpu").prepare(solid_image("red", 64, 64), "Colour?")["input_ids"].shape[1]
-    one_row = KVShape(stats["kv_bytes_per_token"], stats["kv_bytes_per_row"]).batch_bytes(1, prompt)
+    assert rows == 4 and stats.max_batch_size == 4
+    prompt = load(tiny_dir, device="cpu").prepare(solid_image("red", 64, 64), "Colour?")["input_ids"].shape[1]
+    one_row = KVShape(stats.kv_bytes_per_token, stats.kv_bytes_per_row).batch_bytes(1, prompt)
     limited, stats = peak_rows([flag, str(value(prompt, one_row))])
     assert limited == 2, (flag, stats)
 
@@ -228,7 +231,7 @@ def test_newcomers_arriving_together_are_prefilled_together(make_engine, worker)
         handles = [engine.submit(door(*job)) for job in jobs]
     assert [h.result(timeout=120).text for h in handles] == expected
     first.result(timeout=120)
-    assert engine.stats()["prefills_run"] == 2  # the first request, then the three in one forward pass
+    assert engine.stats().prefills_run == 2  # the first request, then the three in one forward pass
     assert all(h.result().batch_size == 4 for h in handles)
 
 
@@ -258,7 +261,7 @@ class FakeOOMPrefillWorker:
 
 def test_out_of_memory_group_prefill_is_split_after_its_memory_is_freed(worker) -> None:
     fake = FakeOOMPrefillWorker(worker)
-    engine = ContinuousEngine(fake, Config(batching="continuous", max_batch_size=4, batch_window_ms=0.0))
+    engine = ContinuousEngine(fake, Config(batching="continuous", max_batch_size=4, batch_window_ms=0.0)).start()
     try:
         jobs = [(solid_image(c, 70, 70), "Colour?", GREEDY) for c in ("red", "green", "blue", "yellow")]
         expected = [single(worker, *job) for job in jobs]
@@ -325,7 +328,7 @@ def test_a_decode_step_reads_the_device_once(worker) -> None:
     ]
     with HostReads() as reads:
         CountingEngine.reads = reads
-        engine = CountingEngine(worker, Config(batching="continuous", max_batch_size=4, batch_window_ms=0.0))
+        engine = CountingEngine(worker, Config(batching="continuous", max_batch_size=4, batch_window_ms=0.0)).start()
         engine.reads_per_step = []
         try:
             with engine.scheduler._cond:

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vlm_demo.engine import SamplingParams
 from vlm_demo.engine.batch_state import Row, RunningBatch, SlackLayer
 from vlm_demo.engine.request import Request
 from vlm_demo.engine.sampler import RowSampling
-from vlm_demo.tiny import solid_image
+from vlm_demo.models.tiny import solid_image
+from vlm_demo.schema import SamplingParams
 
 
 def running_batch(worker, jobs, group: int = 1) -> RunningBatch:

@@ -15,7 +15,8 @@ from PIL import Image
 from support import door
 
 from vlm_demo.config import Config
-from vlm_demo.engine import Engine, SamplingParams
+from vlm_demo.engine.base import Engine as BaseEngine
+from vlm_demo.engine.dynamic import DynamicEngine
 from vlm_demo.engine.streamer import STOP_TEXT, RowStreamer
 from vlm_demo.errors import (
     InvalidRequestError,
@@ -23,7 +24,8 @@ from vlm_demo.errors import (
     QueueFullError,
     RequestCancelledError,
 )
-from vlm_demo.tiny import COLOURS, solid_image
+from vlm_demo.models.tiny import COLOURS, solid_image
+from vlm_demo.schema import SamplingParams
 
 GREEDY = SamplingParams(max_new_tokens=160, temperature=0.0)
 
@@ -56,10 +58,10 @@ def four_stages(text: str) -> bool:
 
 @pytest.fixture
 def make_engine(worker) -> Iterator:
-    engines: list[Engine] = []
+    engines: list[BaseEngine] = []
 
-    def make(**kwargs) -> Engine:
-        engine = Engine(worker, Config(**{"max_batch_size": 8, "batch_window_ms": 300.0, **kwargs}))
+    def make(**kwargs) -> DynamicEngine:
+        engine = DynamicEngine(worker, Config(**{"max_batch_size": 8, "batch_window_ms": 300.0, **kwargs})).start()
         engines.append(engine)
         return engine
 
@@ -71,7 +73,7 @@ def make_engine(worker) -> Iterator:
 @pytest.fixture(scope="module")
 def singles(worker) -> dict[tuple, str]:
     """Each case run alone (batch of one): the reference every batched row must equal."""
-    engine = Engine(worker, Config(max_batch_size=1, batch_window_ms=0.0))
+    engine = DynamicEngine(worker, Config(max_batch_size=1, batch_window_ms=0.0)).start()
     try:
         out = {}
         for colour, w, h, q in CASES:
@@ -84,7 +86,7 @@ def singles(worker) -> dict[tuple, str]:
         engine.shutdown()
 
 
-def submit_all(engine: Engine, jobs: list[tuple]) -> list:
+def submit_all(engine: BaseEngine, jobs: list[tuple]) -> list:
     """Submit together so they land in one batch."""
     return [engine.submit(door(img, q, p)) for img, q, p in jobs]
 
@@ -190,9 +192,9 @@ def test_cancel_stops_the_stream_at_once_and_frees_the_batch(make_engine) -> Non
     assert "blue" in conclusion(short.result(timeout=60).text)
     # The batch ends once every row is done or cancelled, not after 5000 tokens.
     deadline = time.monotonic() + 30
-    while engine.stats()["running"] and time.monotonic() < deadline:
+    while engine.stats().running and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert engine.stats()["running"] == 0
+    assert engine.stats().running == 0
     assert len(long.token_ids) < 5000
 
 
@@ -230,7 +232,7 @@ class FakeOOMWorker:
 
 def test_oom_batch_is_split_and_retried_until_requests_succeed(worker, singles) -> None:
     fake = FakeOOMWorker(worker, fails=lambda batch: len(batch) > 2)
-    engine = Engine(fake, Config(max_batch_size=6, batch_window_ms=300.0))
+    engine = DynamicEngine(fake, Config(max_batch_size=6, batch_window_ms=300.0)).start()
     try:
         handles = submit_all(engine, [(solid_image(c, w, h), q, GREEDY) for c, w, h, q in CASES])
         results = [h.result(timeout=120) for h in handles]
@@ -269,7 +271,7 @@ def test_failed_attempts_memory_is_freed_before_the_retry(worker, singles) -> No
     """Retrying while the failed attempt's cache is alive (e.g. inside the ``except`` block, whose
     traceback holds the attempt's frames) makes one out-of-memory error cascade through every retry."""
     fake = FakeOOMAfterAllocWorker(worker)
-    engine = Engine(fake, Config(max_batch_size=4, batch_window_ms=300.0))
+    engine = DynamicEngine(fake, Config(max_batch_size=4, batch_window_ms=300.0)).start()
     try:
         handles = submit_all(engine, [(solid_image(c, w, h), q, GREEDY) for c, w, h, q in CASES[:4]])
         results = [h.result(timeout=120) for h in handles]
@@ -283,7 +285,7 @@ def test_failed_attempts_memory_is_freed_before_the_retry(worker, singles) -> No
 
 def test_request_that_fails_alone_gets_a_specific_error_and_others_go_on(worker) -> None:
     fake = FakeOOMWorker(worker, fails=lambda batch: any(r.question == "poison" for r in batch))
-    engine = Engine(fake, Config(max_batch_size=4, batch_window_ms=300.0))
+    engine = DynamicEngine(fake, Config(max_batch_size=4, batch_window_ms=300.0)).start()
     try:
         handles = submit_all(
             engine,

@@ -10,8 +10,9 @@ import sys
 import pytest
 import torch
 
-from vlm_demo import gpucheck, realshape
 from vlm_demo.engine.placement import weight_bytes
+from vlm_demo.models import realshape
+from vlm_demo.tools import gpucheck
 
 
 def test_bandwidth_bound_for_the_11b_model() -> None:
@@ -68,6 +69,8 @@ def test_a_dry_run_on_cpu_goes_through_every_stage(tiny_dir, tmp_path, monkeypat
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
 def test_without_cuda_it_says_so_and_exits_2() -> None:
-    done = subprocess.run([sys.executable, "-m", "vlm_demo.gpucheck"], capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "vlm_demo.tools.gpucheck"], capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 2
     assert "needs a CUDA GPU" in done.stderr and "Traceback" not in done.stderr

@@ -11,12 +11,12 @@ import dataclasses
 import pytest
 import torch
 
-from vlm_demo import realshape
 from vlm_demo.config import Config
-from vlm_demo.engine import Engine
+from vlm_demo.engine.dynamic import DynamicEngine
 from vlm_demo.engine.memory import CPU_BATCH_SIZE, MAX_AUTO_BATCH_SIZE, KVShape, plan
 from vlm_demo.engine.placement import Gpu, check_on_gpus, load_kwargs, weight_bytes
 from vlm_demo.errors import ModelLoadError
+from vlm_demo.models import realshape
 
 GiB = 1024**3
 FULL = realshape.full_config()
@@ -98,10 +98,10 @@ def test_weights_off_the_gpu_are_a_loud_error(worker) -> None:
 
 
 def test_the_engine_publishes_its_memory_plan(worker) -> None:
-    engine = Engine(worker, Config(batching="dynamic"))
+    engine = DynamicEngine(worker, Config(batching="dynamic")).start()
     try:
         stats = engine.stats()
     finally:
         engine.shutdown()
-    assert stats["max_batch_size"] == CPU_BATCH_SIZE and stats["kv_budget_bytes"] == 0
-    assert stats["kv_bytes_per_token"] == KVShape.of(worker.model.config, worker.dtype).bytes_per_token > 0
+    assert stats.max_batch_size == CPU_BATCH_SIZE and stats.kv_budget_bytes == 0
+    assert stats.kv_bytes_per_token == KVShape.of(worker.model.config, worker.dtype).bytes_per_token > 0

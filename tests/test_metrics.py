@@ -6,7 +6,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from vlm_demo.engine.request import Request, SamplingParams
 from vlm_demo.errors import OutOfMemoryError
-from vlm_demo.metrics import Metrics
+from vlm_demo.web.metrics import Metrics
 
 
 def samples(metrics: Metrics) -> dict[tuple[str, tuple], float]:

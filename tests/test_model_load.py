@@ -7,14 +7,15 @@ import torch
 from transformers import LlamaConfig
 
 from vlm_demo.config import Config
-from vlm_demo.engine import Engine
-from vlm_demo.engine.worker import Worker, looks_like_path
+from vlm_demo.engine import make_engine
+from vlm_demo.engine.loader import load, looks_like_path
+from vlm_demo.engine.worker import Worker
 from vlm_demo.errors import ModelLoadError
 
 
 def load_error(model: str, **kwargs) -> ModelLoadError:
     with pytest.raises(ModelLoadError) as info:
-        Worker.load(model, **kwargs)
+        load(model, **kwargs)
     error = info.value
     assert error.code == "model_load_failed"
     assert "\n" not in str(error) and "Traceback" not in str(error)
@@ -64,11 +65,11 @@ def test_a_folder_without_a_config_is_refused(tmp_path) -> None:
 def test_the_engine_reports_the_same_error(tmp_path) -> None:
     """``Engine.from_config`` (what the engine process runs) raises the error, for a one-line ``Fatal``."""
     with pytest.raises(ModelLoadError, match="does not exist"):
-        Engine.from_config(Config(model=str(tmp_path / "missing"), device="cpu"))
+        make_engine(Config(model=str(tmp_path / "missing"), device="cpu"))
 
 
 def test_the_tiny_model_still_loads(tiny_dir) -> None:
-    worker = Worker.load(tiny_dir, device="cpu")
+    worker = load(tiny_dir, device="cpu")
     assert worker.device == torch.device("cpu") and worker.dtype == torch.float32
 
 

@@ -12,19 +12,18 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
-from support import door
+from support import ROOT, door
 
 from vlm_demo.backends import make_backend
-from vlm_demo.backends.process import EngineProcessBackend
+from vlm_demo.backends.engine_client import EngineProcessBackend
 from vlm_demo.config import Config
-from vlm_demo.engine import Engine, SamplingParams
+from vlm_demo.engine.dynamic import DynamicEngine
 from vlm_demo.errors import EngineStoppedError, RequestCancelledError
-from vlm_demo.tiny import solid_image
+from vlm_demo.models.tiny import solid_image
+from vlm_demo.schema import SamplingParams
 
-ROOT = Path(__file__).resolve().parents[1]
 GREEDY = SamplingParams(max_new_tokens=200, temperature=0.0)
 CASES = [("red", 64, 64), ("green", 300, 40), ("blue", 33, 200), ("yellow", 120, 120), ("white", 90, 60)]
 
@@ -47,8 +46,8 @@ def wait_until(predicate, timeout: float, what: str) -> None:
 
 def test_importing_the_page_and_the_triton_client_does_not_import_torch() -> None:
     code = (
-        "import sys; import vlm_demo.ui, vlm_demo.handlers, vlm_demo.server, vlm_demo.schema, "
-        "vlm_demo.backends.triton, vlm_demo.backends.process; "
+        "import sys; import vlm_demo.web.page, vlm_demo.web.handlers, vlm_demo.web.server, vlm_demo.schema, "
+        "vlm_demo.backends.triton, vlm_demo.backends.engine_client; "
         "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
@@ -69,7 +68,7 @@ def test_every_config_field_has_a_reader() -> None:
 
 
 def test_rows_streamed_from_the_engine_process_equal_the_in_process_engine(backend, worker) -> None:
-    local = Engine(worker, Config(max_batch_size=1, batch_window_ms=0.0))
+    local = DynamicEngine(worker, Config(max_batch_size=1, batch_window_ms=0.0)).start()
     try:
         expected = [local.generate(door(solid_image(c, w, h), "What colour is it?", GREEDY)).text for c, w, h in CASES]
     finally:
@@ -96,8 +95,8 @@ def test_cancel_crosses_the_boundary_and_frees_the_row(backend) -> None:
     with pytest.raises(RequestCancelledError):
         victim.result(timeout=1)
     assert "red" in neighbour.result(timeout=60).text.split("<CONCLUSION>")[-1]
-    wait_until(lambda: backend.health().get("running") == 0, 10, "the engine to drop the cancelled row")
-    assert backend.health()["in_flight"] == 0
+    wait_until(lambda: backend.health().engine.running == 0, 10, "the engine to drop the cancelled row")
+    assert backend.health().in_flight == 0
 
 
 def test_queue_position_is_reported_while_waiting(backend) -> None:
@@ -123,7 +122,7 @@ def test_engine_death_fails_requests_at_once_and_the_engine_comes_back(backend) 
         with pytest.raises(EngineStoppedError, match="stopped unexpectedly .*SIGKILL"):
             stream.result(timeout=10)
     assert time.monotonic() - killed < 10  # errors, not hangs
-    wait_until(lambda: backend.health()["ready"], 60, "the restarted engine")
+    wait_until(lambda: backend.health().ready, 60, "the restarted engine")
     assert backend.restarts == restarts + 1 and backend.pid != pid
     answer = backend.submit(door(solid_image("yellow", 50, 50), "What colour is it?", GREEDY)).result(timeout=60)
     assert "yellow" in answer.text.split("<CONCLUSION>")[-1]

@@ -16,14 +16,16 @@ import torch
 from PIL import Image
 from support import door
 
-from vlm_demo import realshape
 from vlm_demo.config import Config
-from vlm_demo.engine import Engine, SamplingParams
+from vlm_demo.engine import make_engine
 from vlm_demo.engine.batch_state import Row, RunningBatch
+from vlm_demo.engine.dynamic import DynamicEngine
 from vlm_demo.engine.placement import parameter_count
 from vlm_demo.engine.request import Request
 from vlm_demo.engine.sampler import RowSampling
 from vlm_demo.engine.worker import Worker
+from vlm_demo.models import realshape
+from vlm_demo.schema import SamplingParams
 
 N = 8  # tokens per answer: enough to cross padding, cheap at a 128k vocabulary
 GREEDY = SamplingParams(max_new_tokens=N, temperature=0.0, ignore_eos=True)
@@ -66,7 +68,7 @@ def worker(processor) -> Worker:
 @pytest.fixture(scope="module")
 def sampled_alone(worker) -> list[int]:
     """The seeded sampled row run on its own (dynamic batch of one)."""
-    engine = Engine(worker, Config(batching="dynamic", max_batch_size=1, batch_window_ms=0.0))
+    engine = DynamicEngine(worker, Config(batching="dynamic", max_batch_size=1, batch_window_ms=0.0)).start()
     try:
         handle = engine.submit(door(IMAGES[2], CASES[2][1], SAMPLED))
         handle.result(timeout=300)
@@ -124,7 +126,7 @@ def test_full_config_is_the_11b_architecture() -> None:
 def test_batched_rows_equal_single_runs_at_real_shapes(worker, references, sampled_alone, batching) -> None:
     """fp32: every row of a batch (1-4 tiles, left-padded prompts, a seeded sampled row beside
     them) gives the tokens of its single run."""
-    engine = Engine.create(worker, Config(batching=batching, max_batch_size=5, batch_window_ms=3000.0))
+    engine = make_engine(Config(batching=batching, max_batch_size=5, batch_window_ms=3000.0), worker)
     try:
         if batching == "continuous":  # one row runs first; the others join it mid-flight, prefilled together
             first = engine.submit(door(IMAGES[0], CASES[0][1], GREEDY))
@@ -146,7 +148,7 @@ def test_batched_rows_equal_single_runs_at_real_shapes(worker, references, sampl
     assert max(r.batch_size for r in results) >= 4
     assert sampled.token_ids == sampled_alone and sampled_result.batch_size > 1
     if batching == "continuous":
-        assert stats["prefills_run"] == 2  # the first row alone, then four newcomers in one forward pass
+        assert stats.prefills_run == 2  # the first row alone, then four newcomers in one forward pass
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from vlm_demo import tiny
 from vlm_demo.judge import judge_question, parse_choice
-from vlm_demo.tiny import COLOURS, LONG_QUESTIONS, solid_image
+from vlm_demo.models import tiny
+from vlm_demo.models.tiny import COLOURS, LONG_QUESTIONS, solid_image
 
 STAGES = re.compile(
     r"^<SUMMARY>(.+?)</SUMMARY>\s*<CAPTION>(.+?)</CAPTION>\s*<REASONING>(.+?)</REASONING>\s*"

@@ -9,33 +9,17 @@ from __future__ import annotations
 import base64
 import io
 import json
-import os
-import signal
 import socket
-import subprocess
-import sys
-import sysconfig
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
 import requests
-from support import door
+from support import door, start_triton, stop_triton
 
-from vlm_demo.backends.triton import (
-    ENSEMBLE_MODEL,
-    GENERATE_MODEL,
-    Endpoint,
-    TritonBackend,
-    chat_prompt,
-    error_from_text,
-    error_text,
-    question_from_prompt,
-    to_demo_error,
-)
+from vlm_demo.backends.triton import Endpoint, TritonBackend, to_demo_error
 from vlm_demo.config import Config
-from vlm_demo.engine import Engine, SamplingParams
+from vlm_demo.engine.dynamic import DynamicEngine
 from vlm_demo.errors import (
     BackendTimeoutError,
     BackendUnavailableError,
@@ -45,9 +29,17 @@ from vlm_demo.errors import (
     QueueFullError,
     RequestCancelledError,
 )
-from vlm_demo.schema import Limits
-from vlm_demo.tiny import LONG_QUESTIONS, solid_image
-from vlm_demo.triton_serve import (
+from vlm_demo.models.tiny import LONG_QUESTIONS, solid_image
+from vlm_demo.schema import Limits, SamplingParams
+from vlm_demo.triton.contract import (
+    ENSEMBLE_MODEL,
+    GENERATE_MODEL,
+    chat_prompt,
+    error_from_text,
+    error_text,
+    question_from_prompt,
+)
+from vlm_demo.triton.handlers import (
     config_from_model_config,
     decode_generate_request,
     decode_infer_request,
@@ -56,66 +48,6 @@ from vlm_demo.triton_serve import (
 
 GREEDY = SamplingParams(max_new_tokens=160, temperature=0.0)
 QUESTION = "What colour is this image?"
-ROOT = Path(__file__).resolve().parent.parent
-
-
-# ---- launching servers (also used by test_triton_repo.py) ----------------------------------------------
-
-
-def free_ports(count: int) -> list[int]:
-    socks = [socket.socket() for _ in range(count)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
-
-
-def start_server(
-    args: list[str], models: list[str], log_path: Path, wait_s: float = 300
-) -> tuple[subprocess.Popen, int, int]:
-    """``python -m vlm_demo.triton_serve ARGS`` on free loopback ports; returns once every model is ready."""
-    http, grpc, metrics = free_ports(3)
-    env = dict(os.environ, LD_LIBRARY_PATH=sysconfig.get_config_var("LIBDIR"), PYTHONPATH=str(ROOT))
-    log = open(log_path, "w")  # noqa: SIM115 - closed with the process
-    cmd = [sys.executable, "-m", "vlm_demo.triton_serve", *args,
-           "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics)]  # fmt: skip
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + wait_s
-    pending = list(models)
-    while pending:
-        if proc.poll() is not None or time.monotonic() > deadline:
-            stop_server(proc)
-            pytest.fail(f"Triton did not start ({pending} not ready):\n{log_path.read_text()[-3000:]}")
-        try:
-            if requests.get(f"http://127.0.0.1:{http}/v2/models/{pending[0]}/ready", timeout=2).status_code == 200:
-                pending.pop(0)
-                continue
-        except requests.RequestException:
-            pass
-        time.sleep(0.5)
-    return proc, http, grpc
-
-
-def stop_server(proc: subprocess.Popen, http_port: int | None = None) -> None:
-    """SIGTERM (PyTriton ignores SIGINT in the background), then wait until tritonserver has let go of the port.
-
-    The launcher can exit while its tritonserver child still drains in-flight requests (up to 30 s).
-    """
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
-    deadline = time.monotonic() + 60
-    while http_port is not None and time.monotonic() < deadline:
-        with socket.socket() as probe:
-            if probe.connect_ex(("127.0.0.1", http_port)) != 0:
-                return
-        time.sleep(0.5)
 
 
 # ---- fixtures ------------------------------------------------------------------------------------------
@@ -125,17 +57,17 @@ def stop_server(proc: subprocess.Popen, http_port: int | None = None) -> None:
 def server(tiny_dir, tmp_path_factory):
     """Our PyTriton server with the tiny model: both contracts on one HTTP and one gRPC port."""
     log_path = tmp_path_factory.mktemp("triton") / "triton_serve.log"
-    proc, http, grpc = start_server(
+    proc, http, grpc = start_triton(
         ["--model", "tiny", "--tiny-dir", tiny_dir, "--device", "cpu"], [ENSEMBLE_MODEL, GENERATE_MODEL], log_path
     )
     yield {"proc": proc, "port": http, "http": f"http://127.0.0.1:{http}", "grpc": f"grpc://127.0.0.1:{grpc}"}
-    stop_server(proc, http)
+    stop_triton(proc, http)
 
 
 @pytest.fixture(scope="module")
 def engine(worker):
     """The local engine the Triton answers are compared with."""
-    eng = Engine(worker)
+    eng = DynamicEngine(worker).start()
     yield eng
     eng.shutdown()
 
@@ -203,7 +135,7 @@ def test_infer_request_decoding_keeps_a_bad_row_apart():
 
 
 def _result(text: str):
-    from vlm_demo.engine import GenerationResult
+    from vlm_demo.schema import GenerationResult
 
     return GenerationResult(text, "stop", 1, 3, 4, 0.0, 0.0, 0.0)
 
@@ -278,7 +210,7 @@ def test_triton_answers_equal_the_local_engine(server, engine, scheme, model):
         assert len(pieces) > 10  # streamed token by token, not one blob
     result = stream.result(1)
     assert result.completion_tokens > 0 and result.finish_reason == "stop"
-    assert backend.health()["ready"] is True
+    assert backend.health().ready is True
 
 
 @pytest.mark.slow
@@ -288,7 +220,7 @@ def test_think_harder_reaches_the_served_engine(server, worker, scheme, model):
     engine runs the same seeded stage-beam search as a local continuous engine."""
     from vlm_demo.engine.continuous import ContinuousEngine
 
-    local = ContinuousEngine(worker, Config(batching="continuous"))
+    local = ContinuousEngine(worker, Config(batching="continuous")).start()
     try:
         params = SamplingParams(300, 1.0, 1.0, seed=11, reasoning="stage-beam", beams=3)
         item = door(solid_image("yellow", 40, 40), "What colour is it?", params)
@@ -347,7 +279,7 @@ def test_unknown_model_is_named_at_start_and_at_run_time(server):
     with pytest.raises(BackendUnavailableError, match="no_such_model"):
         backend.submit(door(solid_image("red", 20, 20), QUESTION, GREEDY)).result(10)
     health = backend.health()
-    assert health["ready"] is False and "no_such_model" in health["error"]
+    assert health.ready is False and "no_such_model" in (health.error or "")
 
 
 @pytest.mark.slow
@@ -357,9 +289,9 @@ def test_unknown_model_is_named_at_start_and_at_run_time(server):
 )
 def test_timeout_gives_a_typed_error_within_the_timeout(server, scheme, model):
     backend = backend_for(server, scheme, model)
-    backend.config.triton_timeout = 0.3  # far shorter than the tiny model's long answer (~240 tokens)
+    backend.config.triton_timeout = 0.05  # far shorter than the tiny model's long answer (~240 tokens, ~0.25 s)
     started = time.monotonic()
-    with pytest.raises(BackendTimeoutError, match="0.3 s"):
+    with pytest.raises(BackendTimeoutError, match="0.05 s"):
         backend.submit(door(solid_image("red", 20, 20), LONG_QUESTIONS[0], SamplingParams(1000, 0.0))).result(5)
     assert time.monotonic() - started < 1.5
 
@@ -373,21 +305,21 @@ def test_cancel_stops_a_remote_stream(server):
     stream.cancel()
     with pytest.raises(RequestCancelledError):
         list(pieces)
-    assert backend.health()["queue_depth"] == 0
+    assert backend.health().queue_depth == 0
 
 
 @pytest.mark.slow
 def test_stopped_server_gives_a_clear_error_quickly(server):
     """Runs last: a backend connected while the server was up gets 'unreachable' once it is stopped."""
     backends = [backend_for(server, "http", ENSEMBLE_MODEL), backend_for(server, "grpc", GENERATE_MODEL)]
-    stop_server(server["proc"], server["port"])
+    stop_triton(server["proc"], server["port"])
     for backend in backends:
         started = time.monotonic()
         # "unreachable" once the port is closed; "not available" while tritonserver is still draining.
         with pytest.raises(BackendUnavailableError, match="unreachable|not available"):
             backend.submit(door(solid_image("red", 20, 20), QUESTION, GREEDY)).result(10)
         assert time.monotonic() - started < 5
-        assert backend.health()["ready"] is False
+        assert backend.health().ready is False
     with pytest.raises(SystemExit, match="unreachable"):
         TritonBackend.from_config(Config(triton_url=server["grpc"], triton_model=GENERATE_MODEL, triton_timeout=3))
 
@@ -411,4 +343,4 @@ def test_many_waiting_requests_are_refused_not_queued_forever():
         with pytest.raises(DemoError):
             stream.result(5)
     listener.close()
-    assert backend.health()["queue_depth"] == 0
+    assert backend.health().queue_depth == 0

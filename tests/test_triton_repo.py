@@ -1,4 +1,4 @@
-"""The classic model repository (``vlm_demo/triton_repo``): its ``model.py`` glue and a real tritonserver on it.
+"""The classic model repository (``vlm_demo/triton/repo``): its ``model.py`` glue and a real tritonserver on it.
 
 ``model.py`` needs ``triton_python_backend_utils``, which exists only inside Triton; ``StandInPbUtils`` below
 stands in for that module (not a fault injection) so ``execute`` runs here with the real engine. The slow
@@ -15,23 +15,18 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from support import door
-from test_triton import start_server, stop_server
+from support import door, start_triton, stop_triton
 
-from vlm_demo.backends.triton import (
-    ENSEMBLE_MODEL,
-    GENERATE_MODEL,
-    TritonBackend,
-    chat_prompt,
-    encode_image,
-    error_from_text,
-)
+from vlm_demo.backends.triton import TritonBackend, encode_image
 from vlm_demo.config import Config
-from vlm_demo.engine import Engine, SamplingParams
+from vlm_demo.engine.base import Engine as BaseEngine
+from vlm_demo.engine.dynamic import DynamicEngine
 from vlm_demo.errors import InvalidRequestError
-from vlm_demo.tiny import solid_image
+from vlm_demo.models.tiny import solid_image
+from vlm_demo.schema import SamplingParams
+from vlm_demo.triton.contract import ENSEMBLE_MODEL, GENERATE_MODEL, chat_prompt, error_from_text
 
-REPO = Path(__file__).resolve().parent.parent / "vlm_demo" / "triton_repo"
+REPO = Path(__file__).resolve().parent.parent / "vlm_demo" / "triton" / "repo"
 GREEDY = SamplingParams(max_new_tokens=160, temperature=0.0)
 FINAL = 1
 
@@ -84,7 +79,7 @@ class StandInRequest:
         return self.cancel_after is not None and len(self.sent) >= self.cancel_after
 
 
-def load_model_py(model: str, engine: Engine):
+def load_model_py(model: str, engine: BaseEngine):
     """Import ``model.py`` from the repository and give its ``TritonPythonModel`` our engine."""
     spec = importlib.util.spec_from_file_location(f"repo_{model}", REPO / model / "1" / "model.py")
     module = importlib.util.module_from_spec(spec)
@@ -97,7 +92,7 @@ def load_model_py(model: str, engine: Engine):
 
 @pytest.fixture(scope="module")
 def engine(worker):
-    eng = Engine(worker)
+    eng = DynamicEngine(worker).start()
     yield eng
     eng.shutdown()
 
@@ -160,7 +155,7 @@ def test_generate_model_py_streams_stops_on_cancel_and_reports_errors(engine):
     cancelled = StandInRequest(_generate_request("Colour?"), cancel_after=3)
     model.respond(cancelled)
     assert len(cancelled.sent) == 4 and cancelled.sent[-1] == (None, FINAL)
-    assert engine.stats()["queue_depth"] == 0
+    assert engine.stats().queue_depth == 0
 
     bad = StandInRequest({**_generate_request("Colour?"), "image": np.array([b"not base64!"], dtype=object)})
     model.respond(bad)
@@ -172,7 +167,7 @@ def test_generate_model_py_streams_stops_on_cancel_and_reports_errors(engine):
 def test_real_tritonserver_serves_the_repository(tiny_dir, tmp_path, engine):
     """The shipped config.pbtxt files load in a real tritonserver and both contracts answer like the engine."""
     args = ["--model", "tiny", "--tiny-dir", tiny_dir, "--model-repository", str(REPO)]
-    proc, http, grpc = start_server(args, [ENSEMBLE_MODEL, GENERATE_MODEL], tmp_path / "repo.log")
+    proc, http, grpc = start_triton(args, [ENSEMBLE_MODEL, GENERATE_MODEL], tmp_path / "repo.log")
     try:
         image = solid_image("white", 40, 64)
         expected = engine.generate(door(image, "What colour is it?", GREEDY)).text
@@ -180,4 +175,4 @@ def test_real_tritonserver_serves_the_repository(tiny_dir, tmp_path, engine):
             backend = TritonBackend.from_config(Config(triton_url=url, triton_model=model, triton_timeout=60))
             assert backend.submit(door(image, "What colour is it?", GREEDY)).result(90).text == expected
     finally:
-        stop_server(proc, http)
+        stop_triton(proc, http)

@@ -7,19 +7,22 @@ The browser tests (``test_browser.py``) check the same page rendered, on the tin
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
 from typing import Any
 
 import pytest
+from support import ROOT
 
+from vlm_demo.backends.base import Health
 from vlm_demo.config import Config
-from vlm_demo.metrics import Metrics
 from vlm_demo.schema import GenerationResult, ValidRequest
 from vlm_demo.stream import OutputStream
-from vlm_demo.ui import DemoUI
+from vlm_demo.web import contract
+from vlm_demo.web.metrics import Metrics
+from vlm_demo.web.page import DemoUI
 
-ROOT = Path(__file__).resolve().parents[1]
 RED = str(ROOT / "assets" / "tiny" / "red.png")
+# The public contract as users' scripts know it, pinned here: the page takes its names from
+# ``vlm_demo.web.contract``, and this test fails if that module (or the page) drifts from them.
 INPUTS = ["image", "question", "max_new_tokens", "temperature", "top_p", "reasoning", "beams"]
 OUTPUTS = ["summary", "caption", "reasoning", "conclusion", "raw", "status", "extra", "stages_html", "beams_html"]
 
@@ -29,10 +32,13 @@ class ScriptedStream(OutputStream):
 
     def __init__(self) -> None:
         super().__init__()
-        self.ahead = 2
+        self.waiting = 2
+
+    def ahead(self) -> int | None:
+        return self.waiting
 
     def write(self, text: str) -> None:
-        self.ahead = 0
+        self.waiting = 0
         self._send(text)
 
     def finish(self, text: str, reason: str = "stop") -> None:
@@ -45,6 +51,7 @@ class ScriptedStream(OutputStream):
 class ScriptedBackend:
     name = "scripted"
     model = "scripted-model"
+    notice = None
 
     def __init__(self) -> None:
         self.streams: list[ScriptedStream] = []
@@ -56,11 +63,14 @@ class ScriptedBackend:
     def run_batch(self, items: list[ValidRequest]) -> list[Any]:
         raise AssertionError("not used here")
 
-    def health(self) -> dict[str, Any]:
-        return {"ready": True, "queue_depth": 0}
+    def health(self) -> Health:
+        return Health(True, 0)
 
     def add_listener(self, listener: Any) -> None:
         pass
+
+    def pids(self) -> dict[str, int]:
+        return {}
 
     def close(self) -> None:
         pass
@@ -74,6 +84,19 @@ def page() -> DemoUI:
 @pytest.fixture(scope="module")
 def api(page: DemoUI) -> dict[str, Any]:
     return page.build().get_api_info()["named_endpoints"]
+
+
+def test_the_contract_module_is_the_published_one_and_handlers_must_follow_it(page: DemoUI) -> None:
+    assert list(contract.INPUTS) == INPUTS and list(contract.OUTPUTS) == OUTPUTS
+    assert contract.OPTIONAL_INPUTS == ("reasoning", "beams")
+
+    def drifted(image, prompt, max_new_tokens, temperature, top_p, reasoning=None, beams=None):  # noqa: ANN001, ANN202
+        pass
+
+    with pytest.raises(TypeError, match="contract"):
+        contract.check_signature(drifted)
+    for handler in (page.handlers.ask, page.handlers.ask_page, page.handlers.ask_batch):
+        contract.check_signature(handler)
 
 
 def test_the_api_page_lists_only_ask_and_ask_batch_with_named_typed_parameters_and_outputs(api) -> None:

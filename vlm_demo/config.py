@@ -217,13 +217,15 @@ def _help(f: dataclasses.Field) -> str:
     return text.replace("%", "%%")  # argparse %-formats help strings
 
 
-def build_parser(description: str, only: Sequence[str] | None = None) -> argparse.ArgumentParser:
+def build_parser(
+    description: str, only: Sequence[str] | None = None, prog: str | None = None
+) -> argparse.ArgumentParser:
     """An argparse parser with one flag per config field (or just those named in ``only``).
 
     Values are converted and checked here (type, choices, range), so a bad flag ends in one
     ``error:`` line naming it, before the caller imports anything heavy.
     """
-    parser = OneLineParser(description=description)
+    parser = OneLineParser(prog=prog, description=description)
     for f in settings():
         if only is not None and f.name not in only:
             continue

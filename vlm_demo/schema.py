@@ -134,6 +134,30 @@ class GenerationResult:
 
 
 @dataclass(frozen=True)
+class EngineStats:
+    """What an engine reports about itself, in one shape for both batching modes: ``/health`` shows it,
+    ``/metrics`` reads the queue depth from it, the engine process sends it with every step message."""
+
+    ready: bool
+    batching: str  # "dynamic" or "continuous"
+    queue_depth: int  # requests waiting to be admitted
+    running: int  # requests (rows) in the running batch
+    batches_run: int  # dynamic batches, or continuous decode steps
+    device: str
+    max_batch_size: int
+    kv_budget_bytes: int  # 0 = no limit
+    kv_bytes_per_token: int
+    kv_bytes_per_row: int
+    memory_plan: str  # where the numbers came from
+    cached_token_slots: int = 0  # continuous mode: KV columns held, padding included
+    cached_bytes: int = 0
+    row_limit: int = 0  # continuous mode: rows allowed now (lowered after an out-of-memory step)
+    steps_run: int = 0
+    prefills_run: int = 0
+    beam_searches: int = 0  # stage-beam searches in progress
+
+
+@dataclass(frozen=True)
 class Limits:
     """The caps a request is checked against (from :class:`~vlm_demo.config.Config`)."""
 

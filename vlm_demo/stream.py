@@ -1,8 +1,9 @@
 """The handle every backend returns: text deltas from a producer thread, then one result or one error.
 
-The local engine's ``Request`` and the Triton backend's ``TritonStream`` both build on this, so the UI,
-the metrics and the benchmark read any backend the same way: iterate ``stream()``, then ``result()``,
-and ``cancel()`` from any thread at any time.
+:class:`Stream` is the contract the web layer, the metrics and the benchmark read: iterate ``stream()``
+(or poll ``drain()``), then ``result()``, and ``cancel()`` from any thread at any time. The local
+engine's ``Request``, the engine process's ``RemoteStream`` and the Triton backend's ``TritonStream``
+all build on :class:`OutputStream`, which implements it once.
 """
 
 from __future__ import annotations
@@ -11,14 +12,59 @@ import logging
 import queue
 import threading
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Protocol
 
 from vlm_demo.errors import BackendTimeoutError, DemoError
-from vlm_demo.schema import BeamView, GenerationResult
+from vlm_demo.schema import BeamView, GenerationResult, ValidRequest
 
 log = logging.getLogger(__name__)
 
 _END = object()
+
+
+class Stream(Protocol):
+    """A running request: text deltas, then a final result or a typed error; cancellable from any thread."""
+
+    @property
+    def done(self) -> bool: ...
+
+    @property
+    def error(self) -> DemoError | None:
+        """The typed error it ended with (``None`` while running or when it succeeded)."""
+        ...
+
+    @property
+    def finish_reason(self) -> str | None:
+        """ "stop", "length" or "cancelled" once finished, the error's code once failed, else ``None``."""
+        ...
+
+    def stream(self, timeout: float | None = None) -> Iterator[str]: ...
+
+    def drain(self) -> tuple[str, bool]:
+        """Text that arrived so far without waiting, and whether the stream ended (raises its error)."""
+        ...
+
+    def add_done_callback(self, fn: Callable[[Stream], None]) -> None: ...
+
+    def result(self, timeout: float | None = None) -> GenerationResult: ...
+
+    def cancel(self) -> None: ...
+
+    def beam_view(self) -> BeamView | None:
+        """Where its stage-beam search stands; ``None`` in the normal mode."""
+        ...
+
+    def ahead(self) -> int | None:
+        """Requests ahead of it in the queue; ``None`` once it runs or where nobody knows (a remote)."""
+        ...
+
+
+class Listener(Protocol):
+    """Observes a backend or an engine (metrics, the engine process); called from their threads, must not block."""
+
+    def on_batch(self, size: int) -> None: ...
+
+    def on_request_done(self, request: Stream) -> None: ...
 
 
 class OutputStream:
@@ -30,8 +76,8 @@ class OutputStream:
         self._lock = threading.Lock()
         self._result: GenerationResult | None = None
         self._error: DemoError | None = None
-        self._callbacks: list[Callable[[Any], None]] = []
-        self.finish_reason: str | None = None
+        self._callbacks: list[Callable[[Stream], None]] = []
+        self._finish_reason: str | None = None
 
     @property
     def done(self) -> bool:
@@ -41,8 +87,16 @@ class OutputStream:
     def error(self) -> DemoError | None:
         return self._error
 
+    @property
+    def finish_reason(self) -> str | None:
+        return self._finish_reason
+
     def beam_view(self) -> BeamView | None:
         """Where a stage-beam search stands (candidates, judged winners); ``None`` when not searching."""
+        return None
+
+    def ahead(self) -> int | None:
+        """Requests ahead of this one in the queue (``None``: running, or not known here)."""
         return None
 
     def stream(self, timeout: float | None = None) -> Iterator[str]:
@@ -90,7 +144,7 @@ class OutputStream:
         assert self._result is not None
         return self._result
 
-    def add_done_callback(self, fn: Callable[[Any], None]) -> None:
+    def add_done_callback(self, fn: Callable[[Stream], None]) -> None:
         """Call ``fn(self)`` once when the stream ends, whichever way."""
         self._callbacks.append(fn)
 
@@ -107,7 +161,7 @@ class OutputStream:
             if self._done.is_set():
                 return False
             self._result, self._error = result, error
-            self.finish_reason = result.finish_reason if result is not None else error.code  # type: ignore[union-attr]
+            self._finish_reason = result.finish_reason if result is not None else error.code  # type: ignore[union-attr]
             self._done.set()
         self._events.put(_END)
         for fn in self._callbacks:
@@ -119,10 +173,10 @@ class OutputStream:
 
 
 def run_all(
-    submit: Callable[[Any], OutputStream], items: list[Any], timeout: float | None = None
+    submit: Callable[[ValidRequest], Stream], items: list[ValidRequest], timeout: float | None = None
 ) -> list[GenerationResult | DemoError]:
     """Submit every item before waiting on any (so they can share batches); each failure stays in its slot."""
-    handles: list[OutputStream | DemoError] = []
+    handles: list[Stream | DemoError] = []
     for item in items:
         try:
             handles.append(submit(item))
@@ -138,6 +192,6 @@ def run_all(
         except DemoError as exc:
             results.append(exc)
         except TimeoutError:
-            handle.cancel()  # type: ignore[attr-defined]
+            handle.cancel()
             results.append(BackendTimeoutError(f"No answer within {timeout:g} s."))
     return results

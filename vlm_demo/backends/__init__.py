@@ -19,7 +19,7 @@ def make_backend(config: Config) -> Backend:
 
         return TritonBackend.from_config(config)
     if config.engine_process:
-        from vlm_demo.backends.process import EngineProcessBackend, EngineStartError
+        from vlm_demo.backends.engine_client import EngineProcessBackend, EngineStartError
 
         try:
             return EngineProcessBackend.from_config(config)
@@ -27,7 +27,7 @@ def make_backend(config: Config) -> Backend:
             raise SystemExit(f"Cannot start the model: {err}") from None
     from vlm_demo.backends.local import LocalBackend
     from vlm_demo.errors import DemoError
-    from vlm_demo.model_choice import choose_model
+    from vlm_demo.models.choice import choose_model
 
     config, notice = choose_model(config)
     try:

@@ -1,36 +1,67 @@
-"""The one interface the UI, server and benchmark talk to, whatever generates the answer."""
+"""The one interface the web layer, the server and the benchmark talk to, whatever generates the answer."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import dataclasses
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from vlm_demo.errors import DemoError
-from vlm_demo.schema import GenerationResult, ValidRequest
+from vlm_demo.schema import EngineStats, GenerationResult, ValidRequest
+from vlm_demo.stream import Listener, Stream
+
+__all__ = ["Backend", "Health", "Listener", "RemoteStatus", "Stream"]
 
 
-class Stream(Protocol):
-    """A running request: text deltas, then a final result; cancellable from any thread."""
+@dataclass(frozen=True)
+class RemoteStatus:
+    """A remote (Triton) model as the backend last saw it."""
 
-    @property
-    def done(self) -> bool: ...
+    url: str
+    model: str
+    protocol: str  # "infer" or "generate"
+    server_ready: bool = False
+    model_ready: bool = False
 
-    def stream(self, timeout: float | None = None) -> Iterator[str]: ...
 
-    def drain(self) -> tuple[str, bool]:
-        """Text that arrived so far without waiting, and whether the stream ended (raises its error)."""
-        ...
+@dataclass(frozen=True)
+class Health:
+    """What a backend says about itself: ``ready`` and ``queue_depth`` for everyone, the rest for operators."""
 
-    def add_done_callback(self, fn: Callable[[Any], None]) -> None: ...
+    ready: bool
+    queue_depth: int = 0
+    max_batch_size: int = 0  # rows the engine batches; 0 where the remote side decides (Triton)
+    in_flight: int = 0  # requests handed to the backend and not finished
+    engine: EngineStats | None = None  # a local engine's own report
+    engine_pid: int | None = None  # the engine process, when the engine runs in one
+    engine_restarts: int = 0
+    remote: RemoteStatus | None = None
+    error: str | None = None  # why it is not ready
 
-    def result(self, timeout: float | None = None) -> GenerationResult: ...
-
-    def cancel(self) -> None: ...
+    def details(self) -> dict[str, Any]:
+        """Everything but ``ready`` and ``queue_depth``, flat (``/health``'s ``details``)."""
+        out: dict[str, Any] = dataclasses.asdict(self.engine) if self.engine is not None else {}
+        for name in ("ready", "queue_depth"):
+            out.pop(name, None)
+        if self.engine is not None or self.engine_pid is not None:
+            out.update(engine_pid=self.engine_pid, engine_restarts=self.engine_restarts, in_flight=self.in_flight)
+        if self.remote is not None:
+            out.update(
+                url=self.remote.url,
+                triton_model=self.remote.model,
+                protocol=self.remote.protocol,
+                server_ready=self.remote.server_ready,
+                model_ready=self.remote.model_ready,
+            )
+        if self.error:
+            out["error"] = self.error
+        return out
 
 
 class Backend(Protocol):
     name: str  # "local" or "triton"
     model: str  # what the page and /health show
+    notice: str | None  # the page's banner when the model is not the real one (the tiny test model)
 
     def submit(self, request: ValidRequest) -> Stream:
         """Enqueue a request that passed the door; raise a :class:`DemoError` at once when it cannot be taken."""
@@ -40,12 +71,14 @@ class Backend(Protocol):
         """Run many requests together; one item's failure is returned in its slot, never raised."""
         ...
 
-    def health(self) -> dict[str, Any]:
-        """At least ``ready`` (bool) and ``queue_depth`` (int)."""
+    def health(self) -> Health: ...
+
+    def add_listener(self, listener: Listener) -> None:
+        """Register an observer of batches and finished requests (metrics)."""
         ...
 
-    def add_listener(self, listener: Any) -> None:
-        """Register an object with ``on_batch(size)`` and ``on_request_done(request)`` (metrics)."""
+    def pids(self) -> dict[str, int]:
+        """The local processes doing this backend's work besides the caller's (benchmarks count their CPU)."""
         ...
 
     def close(self) -> None: ...

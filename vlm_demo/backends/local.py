@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
-from typing import Any
-
+from vlm_demo.backends.base import Health
 from vlm_demo.config import Config
-from vlm_demo.engine import Engine, GenerationResult, Request, ValidRequest
+from vlm_demo.engine import make_engine
+from vlm_demo.engine.base import Engine
+from vlm_demo.engine.request import Request
 from vlm_demo.errors import DemoError
+from vlm_demo.schema import GenerationResult, ValidRequest
+from vlm_demo.stream import Listener
 
 
 class LocalBackend:
-    """Adapts :class:`Engine` to the :class:`~vlm_demo.backends.base.Backend` interface."""
+    """Adapts an :class:`~vlm_demo.engine.base.Engine` to the :class:`~vlm_demo.backends.base.Backend` interface."""
 
     name = "local"
 
@@ -21,7 +24,7 @@ class LocalBackend:
 
     @classmethod
     def from_config(cls, config: Config, notice: str | None = None) -> LocalBackend:
-        return cls(Engine.from_config(config), config.model, notice)
+        return cls(make_engine(config), config.model, notice)
 
     def submit(self, request: ValidRequest) -> Request:
         return self.engine.submit(request)
@@ -29,11 +32,15 @@ class LocalBackend:
     def run_batch(self, items: list[ValidRequest]) -> list[GenerationResult | DemoError]:
         return self.engine.run_batch(items)
 
-    def health(self) -> dict[str, Any]:
-        return self.engine.stats()
+    def health(self) -> Health:
+        stats = self.engine.stats()
+        return Health(stats.ready, stats.queue_depth, stats.max_batch_size, stats.running, engine=stats)
 
-    def add_listener(self, listener: Any) -> None:
+    def add_listener(self, listener: Listener) -> None:
         self.engine.add_listener(listener)
+
+    def pids(self) -> dict[str, int]:
+        return {}  # the engine runs in the caller's process
 
     def close(self) -> None:
         self.engine.shutdown()

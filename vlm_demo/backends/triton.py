@@ -22,7 +22,6 @@ import base64
 import io
 import json
 import logging
-import re
 import socket
 import threading
 import time
@@ -33,6 +32,7 @@ from urllib.parse import urlparse
 
 import numpy as np
 
+from vlm_demo.backends.base import Health, RemoteStatus
 from vlm_demo.config import Config
 from vlm_demo.errors import (
     BackendTimeoutError,
@@ -41,66 +41,15 @@ from vlm_demo.errors import (
     EngineStoppedError,
     GenerationError,
     InvalidRequestError,
-    OutOfMemoryError,
     QueueFullError,
     RequestCancelledError,
 )
 from vlm_demo.schema import STAGE_BEAM, GenerationResult, SamplingParams, ValidRequest
-from vlm_demo.stream import OutputStream, run_all
+from vlm_demo.stream import Listener, OutputStream, run_all
+from vlm_demo.triton import contract
+from vlm_demo.triton.contract import chat_prompt, error_from_text
 
 log = logging.getLogger(__name__)
-
-ENSEMBLE_MODEL = "llama_3_2v_11b_cot_ensemble"
-GENERATE_MODEL = "vllm_model"
-
-# Llama 3.2 Vision's chat format for one user turn with an image (what its chat template renders, and
-# what vLLM expects as ``text_input``: it finds the image by the ``<|image|>`` token).
-_PROMPT_HEAD = "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\n<|image|>"
-_PROMPT_TAIL = "<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"
-_USER_TURN = re.compile(r"<\|start_header_id\|>user<\|end_header_id\|>\n\n(.*?)<\|eot_id\|>", re.S)
-
-# Servers in this package report a request's typed error as ``vlm_demo[code]: message`` (inside Triton's
-# error text or the optional ERROR output) so the client can raise the same error class the engine did.
-_MARKER = re.compile(r"vlm_demo\[(\w+)\]: ([^\n]*)")
-_ERRORS_BY_CODE: dict[str, type[DemoError]] = {
-    cls.code: cls
-    for cls in (
-        InvalidRequestError,
-        QueueFullError,
-        OutOfMemoryError,
-        RequestCancelledError,
-        EngineStoppedError,
-        GenerationError,
-        BackendUnavailableError,
-        BackendTimeoutError,
-    )
-}
-
-
-def chat_prompt(question: str) -> str:
-    """The chat-templated prompt for ``text_input`` (one user turn: the image, then the question)."""
-    return f"{_PROMPT_HEAD}{question}{_PROMPT_TAIL}"
-
-
-def question_from_prompt(prompt: str) -> str:
-    """The question inside a chat-templated prompt; a prompt without chat markup is the question itself."""
-    turns = _USER_TURN.findall(prompt)
-    if not turns:
-        return prompt.replace("<|image|>", "").strip()
-    return turns[-1].replace("<|image|>", "").strip()
-
-
-def error_text(error: DemoError) -> str:
-    """How a server in this package reports ``error`` so that :func:`error_from_text` restores its class."""
-    return f"vlm_demo[{error.code}]: {error}"
-
-
-def error_from_text(text: str) -> DemoError | None:
-    """The typed error encoded in ``text`` by :func:`error_text`, if any."""
-    match = _MARKER.search(text)
-    if not match:
-        return None
-    return _ERRORS_BY_CODE.get(match.group(1), GenerationError)(match.group(2))
 
 
 @dataclass
@@ -181,6 +130,7 @@ class TritonStream(OutputStream):
         self.text = ""
         self.prompt_tokens = 0
         self.completion_tokens = 0
+        self.remote_reason: str | None = None  # the finish reason the remote reported, once it did
         self._timeout = timeout
         self._abort: Callable[[], None] | None = None
         self.add_done_callback(on_done)
@@ -269,7 +219,8 @@ class TritonBackend:
         self.endpoint = endpoint
         self.info = info
         self.model = f"{config.triton_model} @ {endpoint.url}"
-        self._listeners: list[Any] = []
+        self.notice: str | None = None  # the page's banner when the remote model is not the real one
+        self._listeners: list[Listener] = []
         self._in_flight = 0
         self._lock = threading.Lock()
         self._closed = False
@@ -317,24 +268,21 @@ class TritonBackend:
         """Send all items at once, so the remote's dynamic batcher can group them; errors stay in their slot."""
         return run_all(self.submit, items, self.config.triton_timeout + 5)
 
-    def health(self) -> dict[str, Any]:
+    def health(self) -> Health:
         """The remote's readiness (server and model), checked now with a short timeout."""
-        report: dict[str, Any] = {
-            "backend": self.name,
-            "url": self.endpoint.url,
-            "triton_model": self.config.triton_model,
-            "protocol": self.info.protocol,
-            "queue_depth": self._in_flight,
-        }
+        remote = RemoteStatus(self.endpoint.url, self.config.triton_model, self.info.protocol)
         try:
-            report.update(check_ready(self.endpoint, self.config.triton_model, min(2.0, self.config.triton_timeout)))
-            report["ready"] = True
+            check_ready(self.endpoint, self.config.triton_model, min(2.0, self.config.triton_timeout))
         except DemoError as exc:
-            report.update(ready=False, error=str(exc))
-        return report
+            return Health(False, self._in_flight, in_flight=self._in_flight, remote=remote, error=str(exc))
+        remote = RemoteStatus(remote.url, remote.model, remote.protocol, server_ready=True, model_ready=True)
+        return Health(True, self._in_flight, in_flight=self._in_flight, remote=remote)
 
-    def add_listener(self, listener: Any) -> None:
+    def add_listener(self, listener: Listener) -> None:
         self._listeners.append(listener)
+
+    def pids(self) -> dict[str, int]:
+        return {}  # the work happens in the remote server
 
     def close(self) -> None:
         self._closed = True
@@ -344,9 +292,10 @@ class TritonBackend:
         with self._lock:
             self._in_flight -= 1
         for listener in self._listeners:
-            on_done = getattr(listener, "on_request_done", None)
-            if on_done is not None:
-                on_done(stream)
+            try:
+                listener.on_request_done(stream)
+            except Exception:  # a broken metric must not break serving
+                log.exception("listener %r failed", listener)
 
     def _guarded(self, target: Callable, stream: TritonStream, *args: Any) -> None:
         try:
@@ -362,17 +311,18 @@ class TritonBackend:
         lead = [1] if self.info.batched else []
         pixels = np.ascontiguousarray(np.asarray(image.convert("RGB"), dtype=np.uint8))
         arrays = {
-            "IMAGE": pixels.reshape(lead + list(pixels.shape)),
-            "QUESTION": np.array([question.encode("utf-8")], dtype=np.object_).reshape(lead + [1]),
+            contract.IMAGE: pixels.reshape(lead + list(pixels.shape)),
+            contract.QUESTION: np.array([question.encode("utf-8")], dtype=np.object_).reshape(lead + [1]),
         }
-        extras = {
-            "max_new_tokens": np.array([params.max_new_tokens], dtype=np.int32),
-            "temperature": np.array([params.temperature], dtype=np.float32),
-            "top_p": np.array([params.top_p], dtype=np.float32),
-            "seed": np.array([params.seed if params.seed is not None else 0], dtype=np.int64),
-            "reasoning": np.array([params.reasoning.encode("utf-8")], dtype=np.object_),
-            "beams": np.array([params.beams], dtype=np.int32),
+        values = {
+            "max_new_tokens": params.max_new_tokens,
+            "temperature": params.temperature,
+            "top_p": params.top_p,
+            "seed": params.seed if params.seed is not None else 0,
+            "reasoning": params.reasoning.encode("utf-8"),
+            "beams": params.beams,
         }
+        extras = {name: np.array([values[name]], dtype=kind) for name, (kind, _) in contract.SAMPLING_INPUTS.items()}
         if params.reasoning == STAGE_BEAM and "reasoning" not in self.info.inputs:
             raise InvalidRequestError(
                 f"The Triton model '{self.config.triton_model}' has no 'reasoning' input, so it cannot think harder "
@@ -384,11 +334,7 @@ class TritonBackend:
         return [_infer_input(mod, name, array) for name, array in arrays.items()]
 
     def _run_infer(self, stream: TritonStream, image: Any, question: str, params: SamplingParams) -> None:
-        wanted = [
-            n
-            for n in ("ANSWER", "FINISH_REASON", "PROMPT_TOKENS", "COMPLETION_TOKENS", "ERROR")
-            if n in self.info.outputs
-        ]
+        wanted = [n for n in contract.INFER_OUTPUTS if n in self.info.outputs]
         timeout = self.config.triton_timeout
         if self.endpoint.scheme == "http":
             import tritonclient.http as mod
@@ -436,18 +382,18 @@ class TritonBackend:
 
     def _on_infer_chunk(self, stream: TritonStream, result: Any) -> None:
         """One response of a decoupled infer-contract model: ANSWER holds the next piece of text."""
-        answer = result.as_numpy("ANSWER")
+        answer = result.as_numpy(contract.ANSWER)
         if answer is not None and answer.size:
             stream.push(_text(answer))
         _read_counts(stream, result)
 
     def _finish_infer(self, stream: TritonStream, result: Any) -> None:
-        error = result.as_numpy("ERROR") if "ERROR" in self.info.outputs else None
+        error = result.as_numpy(contract.ERROR) if contract.ERROR in self.info.outputs else None
         if error is not None and error.size and _text(error):
             message = _text(error)
             stream.fail(error_from_text(message) or GenerationError(f"Triton model failed: {message}"))
             return
-        answer = result.as_numpy("ANSWER")
+        answer = result.as_numpy(contract.ANSWER)
         if answer is None:
             raise GenerationError(f"Triton model '{self.config.triton_model}' returned no ANSWER.")
         _read_counts(stream, result)
@@ -473,13 +419,13 @@ class TritonBackend:
 
     def _run_generate(self, stream: TritonStream, image: Any, question: str, params: SamplingParams) -> None:
         values: dict[str, Any] = {
-            "text_input": chat_prompt(question),
-            "image": encode_image(image),
+            contract.TEXT_INPUT: chat_prompt(question),
+            contract.IMAGE_INPUT: encode_image(image),
             "stream": True,
-            "sampling_parameters": self._sampling_json(params),
+            contract.SAMPLING_PARAMETERS: self._sampling_json(params),
             "exclude_input_in_output": True,
         }
-        for flag in ("return_finish_reason", "return_num_input_tokens", "return_num_output_tokens"):
+        for flag in contract.GENERATE_FLAGS[2:]:  # the return_* flags
             if flag in self.info.inputs:
                 values[flag] = True
         if self.endpoint.scheme == "http":
@@ -500,7 +446,7 @@ class TritonBackend:
         self._grpc_stream(stream, client, inputs, None, self._on_generate_chunk)
 
     def _on_generate_chunk(self, stream: TritonStream, result: Any) -> None:
-        text = result.as_numpy("text_output")
+        text = result.as_numpy(contract.TEXT_OUTPUT)
         if text is not None and text.size:
             stream.push(_text(text))
         _read_counts(stream, result)
@@ -527,9 +473,9 @@ class TritonBackend:
                 if "error" in event:
                     message = str(event["error"])
                     raise error_from_text(message) or GenerationError(f"Triton model failed: {_short(message)}")
-                stream.push(_event_text(event.get("text_output", "")))
+                stream.push(_event_text(event.get(contract.TEXT_OUTPUT, "")))
                 _read_event_counts(stream, event)
-        stream.finish(stream.finish_reason or "stop")
+        stream.finish(stream.remote_reason or "stop")
 
     # -- gRPC streaming (decoupled models, both contracts) --
     def _grpc_stream(
@@ -552,7 +498,7 @@ class TritonBackend:
                 on_chunk(stream, result)
                 final = result.get_response().parameters.get("triton_final_response")
                 if final is not None and final.bool_param:
-                    stream.finish(stream.finish_reason or "stop")
+                    stream.finish(stream.remote_reason or "stop")
                     finished.set()
             except BaseException as exc:  # noqa: BLE001
                 stream.fail(to_demo_error(exc, self.endpoint, self.config.triton_model, timeout))
@@ -588,7 +534,7 @@ def _read_counts(stream: TritonStream, result: Any) -> None:
             setattr(stream, attr, count if attr == "prompt_tokens" else getattr(stream, attr) + count)
     reason = _maybe_output(result, "finish_reason")
     if reason is not None and reason.size and _text(reason):
-        stream.finish_reason = _finish_reason(_text(reason))
+        stream.remote_reason = _finish_reason(_text(reason))
 
 
 def _read_event_counts(stream: TritonStream, event: dict[str, Any]) -> None:
@@ -597,7 +543,7 @@ def _read_event_counts(stream: TritonStream, event: dict[str, Any]) -> None:
     if "num_output_tokens" in event:
         stream.completion_tokens += int(_first(event["num_output_tokens"]))
     if event.get("finish_reason"):
-        stream.finish_reason = _finish_reason(str(_first(event["finish_reason"])))
+        stream.remote_reason = _finish_reason(str(_first(event["finish_reason"])))
 
 
 def _finish_reason(text: str) -> str:
@@ -752,22 +698,22 @@ def inspect_model(endpoint: Endpoint, model: str, protocol: str, timeout: float)
     inputs = {i["name"]: [int(d) for d in i.get("shape", [])] for i in meta.get("inputs", [])}
     outputs = [o["name"] for o in meta.get("outputs", [])]
     if protocol == "auto":
-        if "IMAGE" in inputs and "QUESTION" in inputs:
+        if contract.IMAGE in inputs and contract.QUESTION in inputs:
             protocol = "infer"
-        elif "text_input" in inputs:
+        elif contract.TEXT_INPUT in inputs:
             protocol = "generate"
         else:
             raise BackendUnavailableError(
                 f"Triton model '{model}' speaks neither contract: inputs {sorted(inputs)} "
                 "(expected IMAGE+QUESTION, or text_input). Set --triton-protocol if this is wrong."
             )
-    needed = {"infer": ("IMAGE", "QUESTION"), "generate": ("text_input",)}[protocol]
+    needed = {"infer": (contract.IMAGE, contract.QUESTION), "generate": (contract.TEXT_INPUT,)}[protocol]
     missing = [n for n in needed if n not in inputs]
     if missing:
         raise BackendUnavailableError(
             f"Triton model '{model}' lacks input(s) {missing} needed by --triton-protocol {protocol}."
         )
-    if protocol == "infer" and "ANSWER" not in outputs:
+    if protocol == "infer" and contract.ANSWER not in outputs:
         raise BackendUnavailableError(f"Triton model '{model}' has no ANSWER output (outputs: {outputs}).")
     policy = config.get("model_transaction_policy", {}) if isinstance(config, dict) else {}
     decoupled = bool(policy.get("decoupled", protocol == "generate" and not config))
@@ -775,5 +721,5 @@ def inspect_model(endpoint: Endpoint, model: str, protocol: str, timeout: float)
         raise BackendUnavailableError(
             f"Triton model '{model}' is decoupled (streaming); Triton streams it only over gRPC: use --triton-url grpc://..."
         )
-    batched = protocol == "infer" and len(inputs["IMAGE"]) == 4
+    batched = protocol == "infer" and len(inputs[contract.IMAGE]) == 4
     return ModelInfo(protocol, inputs, outputs, batched, decoupled)

@@ -1,6 +1,28 @@
-"""Our batching engine for Mllama: request -> scheduler -> worker (+ per-row streamer/sampler)."""
+"""Our batching engine for Mllama: request -> scheduler -> worker (+ per-row streamer/sampler).
 
-from vlm_demo.engine.engine import Engine
-from vlm_demo.engine.request import GenerationResult, Request, SamplingParams, ValidRequest
+Importing this package is cheap and torch-free (the web process imports :mod:`~vlm_demo.engine.ipc`
+from it); :func:`make_engine` imports the engine itself.
+"""
 
-__all__ = ["Engine", "GenerationResult", "Request", "SamplingParams", "ValidRequest"]
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from vlm_demo.config import Config
+
+if TYPE_CHECKING:  # for the annotations only: the modules themselves load torch
+    from vlm_demo.engine.base import Engine
+    from vlm_demo.engine.worker import Worker
+
+
+def make_engine(config: Config, worker: Worker | None = None) -> Engine:
+    """A started engine of the configured batching kind (``config.batching``), over ``worker`` or over
+    the model ``config`` names (loaded here; raises :class:`~vlm_demo.errors.ModelLoadError`)."""
+    from vlm_demo.engine.continuous import ContinuousEngine
+    from vlm_demo.engine.dynamic import DynamicEngine
+    from vlm_demo.engine.loader import load_worker
+
+    kinds = {"continuous": ContinuousEngine, "dynamic": DynamicEngine}
+    if config.batching not in kinds:
+        raise ValueError(f"unknown batching mode {config.batching!r}")
+    return kinds[config.batching](worker or load_worker(config), config).start()

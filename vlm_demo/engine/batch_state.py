@@ -14,7 +14,7 @@ lengths are also kept on the host, so planning a trim never waits for the device
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
@@ -22,6 +22,7 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 from vlm_demo.engine.request import Request
 from vlm_demo.engine.sampler import RowSampling
 from vlm_demo.engine.streamer import RowStreamer
+from vlm_demo.errors import DemoError
 
 
 class SlackLayer(DynamicLayer):
@@ -61,13 +62,24 @@ class SlackLayer(DynamicLayer):
         return self.keys, self.values
 
 
+class CandidateOwner(Protocol):
+    """The stage-beam search a row is a candidate of (:class:`~vlm_demo.engine.beam.StageBeam`), as the
+    continuous engine drives it."""
+
+    request: Request  # the visitor's request
+
+    def candidate_done(self, row: Row, snapshot: Snapshot | None) -> None: ...
+
+    def restart_stage(self, error: DemoError) -> None: ...
+
+
 @dataclass(eq=False)
 class Row:
     """One request while it is in the running batch."""
 
     request: Request
     streamer: RowStreamer
-    beam: Any = None  # the stage-beam search this row is a candidate of (``engine.beam.StageBeam``)
+    beam: CandidateOwner | None = None  # set for a stage-beam candidate
 
 
 @dataclass

@@ -31,7 +31,6 @@ judge call at a time.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any
 
 import torch
 
@@ -40,6 +39,7 @@ from vlm_demo.engine.batch_state import Prefill, Row, Snapshot
 from vlm_demo.engine.request import STOP_TEXT, Request, SamplingParams
 from vlm_demo.engine.sampler import RowSampling
 from vlm_demo.engine.streamer import RowStreamer
+from vlm_demo.engine.worker import Worker
 from vlm_demo.errors import DemoError
 from vlm_demo.judge import CHOICE, judge_question, parse_choice
 from vlm_demo.schema import BeamView, StageChoice
@@ -117,7 +117,7 @@ class StageBeam:
 
     request: Request  # the visitor's: winners' text streams into it
     start: Snapshot  # the prompt after prefill: image states, and where the first stage forks from
-    worker: Any  # tokenizer, eos ids, device, ``prepare_with`` for judge prompts
+    worker: Worker  # tokenizer, eos ids, device, ``prepare_with`` for judge prompts
     stage_index: int = 0
     tokens: list[int] = field(default_factory=list)  # the winners' tokens so far
     text: str = ""

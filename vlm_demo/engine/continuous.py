@@ -19,21 +19,22 @@ Who runs next is the scheduler's business (``Scheduler.admit``), the cache layou
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
 
 import torch
 
 from vlm_demo.config import Config
+from vlm_demo.engine.base import Engine, error_for, is_out_of_memory, release
 from vlm_demo.engine.batch_state import Prefill, Row, RunningBatch
 from vlm_demo.engine.beam import StageBeam
-from vlm_demo.engine.engine import Engine, error_for, is_out_of_memory, release
 from vlm_demo.engine.request import Request
 from vlm_demo.engine.sampler import RowSampling
 from vlm_demo.engine.streamer import RowStreamer
-from vlm_demo.schema import STAGE_BEAM
+from vlm_demo.engine.worker import Worker
+from vlm_demo.schema import STAGE_BEAM, EngineStats
 
 log = logging.getLogger(__name__)
 
@@ -42,12 +43,13 @@ RECOVERY_STEPS = 256
 
 
 class ContinuousEngine(Engine):
+    batching = "continuous"
     supports_stage_beam = True
 
-    def __init__(self, worker: Any, config: Config | None = None) -> None:
-        config = config or Config(batching="continuous")
-        self.kv_token_budget = config.kv_token_budget
-        self.prefill_batch_size = max(1, config.prefill_batch_size)
+    def __init__(self, worker: Worker, config: Config | None = None) -> None:
+        super().__init__(worker, config)
+        self.kv_token_budget = self.config.kv_token_budget
+        self.prefill_batch_size = max(1, self.config.prefill_batch_size)
         self.batch = RunningBatch(cross_layers=worker.cross_attention_layers)
         self.row_limit: int | None = None  # lowered after an out-of-memory step; None: max_batch_size
         self.good_steps = 0
@@ -55,13 +57,14 @@ class ContinuousEngine(Engine):
         self.prefills_run = 0
         self.recoveries = 0  # failed steps (or joins) whose rows were requeued
         self.beams: list[StageBeam] = []  # stage-beam searches in progress (engine thread only)
-        super().__init__(worker, config)
 
     # ---- observation -------------------------------------------------------------------------
-    def stats(self) -> dict[str, Any]:
-        stats = super().stats()
-        stats.update(
-            running=len(self.batch),
+    def running_rows(self) -> int:
+        return len(self.batch)
+
+    def stats(self) -> EngineStats:
+        return dataclasses.replace(
+            super().stats(),
             cached_token_slots=self.batch.cached_slots,
             cached_bytes=self.memory.kv.batch_bytes(len(self.batch), self.batch.length),
             row_limit=self.rows_allowed,
@@ -69,7 +72,6 @@ class ContinuousEngine(Engine):
             prefills_run=self.prefills_run,
             beam_searches=len(self.beams),
         )
-        return stats
 
     @property
     def rows_allowed(self) -> int:
@@ -87,11 +89,14 @@ class ContinuousEngine(Engine):
                 self._step()
             elif self.beams:  # searches waiting on nothing this engine runs (cannot last): do not spin
                 self.scheduler.wait_for_work(timeout=0.005)
-        for row in self.batch.rows:
-            row.request.cancel()
-        for beam in self.beams:
-            beam.request.cancel()
+        self._abandon_running()
         self.batch.keep([])
+
+    def _abandon_running(self) -> None:
+        for row in list(self.batch.rows):
+            row.request.cancel()
+        for beam in list(self.beams):
+            beam.request.cancel()
 
     # ---- stage-beam searches -------------------------------------------------------------------
     def _advance_beams(self) -> None:
@@ -262,7 +267,7 @@ class ContinuousEngine(Engine):
             self._recover(failure)
             return
         self.steps_run += 1
-        self._notify("on_batch", size)
+        self._notify_batch(size)
         self.batch.advance(tokens)
         for row, token in zip(rows, tokens.tolist(), strict=True):  # the step's one read back to the host
             row.request.batch_size = max(row.request.batch_size, size)

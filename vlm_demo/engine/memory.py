@@ -22,6 +22,7 @@ import torch
 
 from vlm_demo.config import Config
 from vlm_demo.engine.batch_state import SlackLayer
+from vlm_demo.engine.worker import Worker
 from vlm_demo.errors import ModelLoadError
 
 log = logging.getLogger(__name__)
@@ -136,7 +137,7 @@ def plan(
     return MemoryPlan(kv, rows, budget, source)
 
 
-def plan_for(worker: Any, config: Config) -> MemoryPlan:
+def plan_for(worker: Worker, config: Config) -> MemoryPlan:
     """The plan for a loaded worker (the engine process calls this once, after loading)."""
     kv = KVShape.of(worker.model.config, worker.dtype)
     device = torch.device(worker.device)

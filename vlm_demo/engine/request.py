@@ -12,7 +12,7 @@ import re
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol, TypeVar
 
 from vlm_demo.errors import RequestCancelledError
 from vlm_demo.schema import (
@@ -25,11 +25,23 @@ from vlm_demo.schema import (
 )
 from vlm_demo.stream import OutputStream
 
-__all__ = ["DEFAULT_MAX_NEW_TOKENS", "GenerationResult", "Request", "SamplingParams", "ValidRequest"]
+__all__ = ["DEFAULT_MAX_NEW_TOKENS", "GenerationResult", "Request", "SamplingParams", "ValidRequest", "make_request"]
 
 _ids = itertools.count(1)
 
 STOP_TEXT = "</CONCLUSION>"  # an answer's rows stop here even if the model writes on
+
+
+class Search(Protocol):
+    """What a request sees of its stage-beam search (:class:`~vlm_demo.engine.beam.StageBeam`)."""
+
+    def view(self) -> BeamView: ...
+
+
+class Preparer(Protocol):
+    """What turns a picture and a question into the model's inputs (:meth:`Worker.prepare`)."""
+
+    def prepare(self, image: Any, question: str) -> dict[str, Any]: ...
 
 
 @dataclass(eq=False)
@@ -51,7 +63,7 @@ class Request(OutputStream):
     batch_size: int = 0
     started: float | None = None
     first_token: float | None = None
-    beam: Any = None  # its stage-beam search (``engine.beam.StageBeam``) once admitted in that mode
+    beam: Search | None = None  # its stage-beam search once admitted in that mode
 
     def __post_init__(self) -> None:
         OutputStream.__init__(self)
@@ -114,3 +126,16 @@ class Request(OutputStream):
         """Forget generated tokens before a retry; ``sent_chars`` stays so the client sees no repeat."""
         self.token_ids = []
         self.text = ""
+
+
+R = TypeVar("R", bound=Request)
+
+
+def make_request(valid: ValidRequest, worker: Preparer, kind: type[R] = Request) -> R:  # type: ignore[assignment]
+    """The engine's request for one that passed the door, its inputs prepared on the caller's thread
+    (so a picture the processor cannot take fails alone, before it joins a batch)."""
+    if not isinstance(valid, ValidRequest):
+        raise TypeError(f"the engine takes a ValidRequest (vlm_demo.schema.validate_request), not {type(valid)}")
+    request = kind(image=valid.image, question=valid.question, params=valid.params)
+    request.inputs = worker.prepare(valid.image, valid.question)
+    return request

@@ -1,8 +1,6 @@
-"""Runs batches on one ``MllamaForConditionalGeneration``.
+"""Runs batches on one loaded ``MllamaForConditionalGeneration`` (loading is :mod:`~vlm_demo.engine.loader`'s).
 
-The worker owns the model and processor. ``load`` checks what it was given before reading any
-weights (a missing folder, an unreachable hub id, ``--device cuda`` without CUDA, a checkpoint that
-is not Mllama, a model the GPU cannot hold) and says so in one sentence (``ModelLoadError``).
+The worker owns the model and processor.
 ``prepare`` turns one request into tensors on the caller's thread (so a broken image fails alone,
 before it can join a batch). Dynamic mode: ``run`` left-pads a batch of prepared requests and calls
 ``generate`` once, with per-row sampling and per-row streaming/stopping. Continuous mode:
@@ -11,127 +9,22 @@ before it can join a batch). Dynamic mode: ``run`` left-pads a batch of prepared
 
 from __future__ import annotations
 
-import logging
-import os
 import time
 from typing import Any
 
 import torch
-from transformers import (
-    AutoConfig,
-    AutoProcessor,
-    GenerationConfig,
-    LogitsProcessorList,
-    MllamaForConditionalGeneration,
-    StoppingCriteriaList,
-)
+from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 from transformers.models.mllama.modeling_mllama import _prepare_cross_attention_mask
 
-from vlm_demo.config import Config
-from vlm_demo.engine import placement
 from vlm_demo.engine.batch_state import Prefill
 from vlm_demo.engine.decode_step import TextDecodeStep, single_device
 from vlm_demo.engine.request import Request
 from vlm_demo.engine.sampler import RowSampler
 from vlm_demo.engine.streamer import BatchStreamer, RowStreamer
-from vlm_demo.errors import InvalidRequestError, ModelLoadError
-
-log = logging.getLogger(__name__)
+from vlm_demo.errors import InvalidRequestError
 
 # Tensors whose second dimension is the token sequence: these get left padding in a batch.
 SEQUENCE_KEYS = ("input_ids", "attention_mask", "cross_attention_mask")
-
-
-DTYPES = ("bfloat16", "float16", "float32")
-
-
-def resolve_device(device: str) -> str:
-    """``auto`` picks CUDA when present; an explicit ``cuda``/``cuda:N`` without CUDA is an error, not
-    a silent CPU run."""
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if device.startswith("cuda"):
-        if not torch.cuda.is_available():
-            raise ModelLoadError(
-                f"--device {device} was given but PyTorch sees no CUDA GPU (torch {torch.__version__}, "
-                f"CUDA build {torch.version.cuda or 'none'}); use --device cpu or --device auto."
-            )
-        if device != "cuda":
-            index = device.split(":", 1)[1]
-            if not index.isdigit() or int(index) >= torch.cuda.device_count():
-                raise ModelLoadError(f"--device {device}: there is no such GPU ({torch.cuda.device_count()} visible).")
-    elif device != "cpu":
-        raise ModelLoadError(f"--device {device} is not supported; use auto, cpu, cuda or cuda:N.")
-    return device
-
-
-def resolve_dtype(dtype: str, device: str) -> torch.dtype:
-    """bf16 on GPU (the checkpoint's dtype), fp32 on CPU (bf16 matmuls are slow and lossy there)."""
-    if dtype == "auto":
-        return torch.bfloat16 if device.startswith("cuda") else torch.float32
-    if dtype not in DTYPES:
-        raise ModelLoadError(f"--dtype {dtype} is not supported; use auto, {', '.join(DTYPES)}.")
-    return getattr(torch, dtype)
-
-
-def looks_like_path(model: str) -> bool:
-    """A filesystem path, never a hub id: starts with ``/``, ``.`` or ``~``, has a path separator
-    other than the one ``/`` of ``org/name``, or names an existing folder."""
-    separators = {os.sep, os.altsep} - {None, "/"}
-    return (
-        model.startswith(("/", ".", "~"))
-        or model.count("/") > 1
-        or any(sep in model for sep in separators)
-        or os.path.isdir(model)
-    )
-
-
-def resolve_model_path(model: str, tiny_dir: str | None = None) -> str:
-    """``tiny`` means the offline test model, built once into its cache folder; a path must exist."""
-    if model == "tiny":
-        from vlm_demo.tiny import ensure_tiny
-
-        return ensure_tiny(tiny_dir or None)
-    if looks_like_path(model):
-        path = os.path.expanduser(model)
-        if not os.path.isdir(path):
-            raise ModelLoadError(
-                f"The model folder {path} does not exist (--model takes a folder, a hub id or 'tiny')."
-            )
-        return path
-    return model
-
-
-def hub_error(model: str, exc: Exception) -> ModelLoadError:
-    """One sentence for a hub id that could not be fetched (offline, unknown, gated)."""
-    text = str(exc)
-    if "connect" in text or "offline" in text.lower():
-        return ModelLoadError(
-            f"Could not download {model} from the Hugging Face Hub: no network (or HF_HUB_OFFLINE is set) and it is "
-            f"not in the local cache; pass a local copy with --model /path/to/folder, or --model tiny for the "
-            f"offline test model."
-        )
-    first = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
-    return ModelLoadError(f"Could not load {model} from the Hugging Face Hub ({first}).")
-
-
-def load_model_config(path: str, model: str) -> Any:
-    """The checkpoint's config, read before any weights so a wrong ``--model`` fails in a second."""
-    local = os.path.isdir(path)
-    if local and not os.path.isfile(os.path.join(path, "config.json")):
-        raise ModelLoadError(f"{path} is not a model folder: it has no config.json.")
-    try:
-        config = AutoConfig.from_pretrained(path)
-    except (OSError, ValueError) as exc:
-        if local:
-            raise ModelLoadError(f"Could not read the model config in {path}: {exc}") from exc
-        raise hub_error(model, exc) from exc
-    if config.model_type != "mllama":
-        raise ModelLoadError(
-            f"{model} is a '{config.model_type}' checkpoint, not Mllama (Llama-3.2-Vision, which "
-            f"Llama-3.2V-11B-cot is); this demo serves Mllama checkpoints only."
-        )
-    return config
 
 
 def left_pad(tensors: list[torch.Tensor], value: int | float) -> torch.Tensor:
@@ -187,53 +80,6 @@ class Worker:
         self.decode_step = TextDecodeStep(model) if single_device(model) else None
         # sdpa takes the boolean mask as is; eager (and the other kernels) add the mask to the scores.
         self.additive_mask = model.config.get_text_config()._attn_implementation != "sdpa"
-
-    @classmethod
-    def from_config(cls, config: Config) -> Worker:
-        return cls.load(config.model, config.device, config.dtype, config.resolved_tiny_dir(), config.cpu_threads)
-
-    @classmethod
-    def load(
-        cls, model: str, device: str = "auto", dtype: str = "auto", tiny_dir: str | None = None, cpu_threads: int = 1
-    ) -> Worker:
-        """Load weights and processor from a hub id or folder (``tiny`` builds the test model).
-
-        Raises :class:`ModelLoadError` (one sentence, no traceback needed) for a missing folder, an
-        unreachable hub id, ``--device cuda`` without CUDA, a checkpoint that is not Mllama, or a
-        model that does not fit the GPU.
-        """
-        path = resolve_model_path(model, tiny_dir)
-        dev = resolve_device(device)
-        torch_dtype = resolve_dtype(dtype, dev)
-        config = load_model_config(path, model)
-        if dev == "cpu" and cpu_threads > 0:
-            # Small matmuls gain nothing from threads, and OpenMP threads that spin-wait for a
-            # descheduled sibling make every step many times slower on a shared machine.
-            torch.set_num_threads(cpu_threads)
-        kwargs: dict[str, Any] = {"dtype": torch_dtype}
-        if dev.startswith("cuda"):
-            weights = placement.weight_bytes(config, torch_dtype)
-            kwargs.update(placement.load_kwargs(dev, weights, placement.visible_gpus(), torch_dtype))
-        started = time.monotonic()
-        try:
-            net = MllamaForConditionalGeneration.from_pretrained(path, config=config, **kwargs)
-            processor = AutoProcessor.from_pretrained(path)
-        except torch.OutOfMemoryError as exc:
-            raise ModelLoadError(
-                f"The GPU ran out of memory while loading {model}: {str(exc).splitlines()[0]}"
-            ) from exc
-        except (OSError, ValueError) as exc:  # unreadable files; accelerate refusing a placement
-            if os.path.isdir(path):
-                raise ModelLoadError(f"Could not load the model in {path}: {str(exc).splitlines()[0]}") from exc
-            raise hub_error(model, exc) from exc
-        if dev.startswith("cuda"):
-            placement.check_on_gpus(net)
-        else:
-            net.to(dev)
-        net.eval()
-        where = sorted({str(p.device) for p in net.parameters()})
-        log.info("loaded %s on %s (%s) in %.1f s", model, ", ".join(where), torch_dtype, time.monotonic() - started)
-        return cls(net, processor, model)
 
     def _pad_id(self) -> int:
         tok = self.tokenizer

@@ -10,10 +10,9 @@ messages for the web process to unpickle and dispatch.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 from vlm_demo.errors import DemoError
-from vlm_demo.schema import BeamView, GenerationResult, ValidRequest
+from vlm_demo.schema import BeamView, EngineStats, GenerationResult, ValidRequest
 
 
 @dataclass
@@ -36,7 +35,7 @@ class Shutdown:
 class Ready:
     model: str  # what the page shows (the tiny model when the engine fell back to it)
     notice: str | None  # banner text when not the real model (no GPU, ``--model tiny``)
-    stats: dict[str, Any]
+    stats: EngineStats
 
 
 @dataclass
@@ -59,4 +58,5 @@ class Step:
     beams: list[tuple[int, BeamView]] = field(default_factory=list)  # stage-beam searches that changed
     ended: list[Ended] = field(default_factory=list)  # after their last text
     batch_sizes: list[int] = field(default_factory=list)  # rows in each model batch/step since the last message
-    stats: dict[str, Any] | None = None  # queue depth, running rows …; ``waiting`` = rids in queue order
+    stats: EngineStats | None = None  # queue depth, running rows …
+    waiting: list[int] | None = None  # with ``stats``: the waiting requests' rids in queue order

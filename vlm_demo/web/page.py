@@ -1,6 +1,6 @@
 """The Gradio page: upload, question, four live chain-of-thought panels, and the two API endpoints.
 
-This module builds components and wires events to :mod:`vlm_demo.handlers` (which validate at the
+This module builds components and wires events to :mod:`vlm_demo.web.handlers` (which validate at the
 door and talk to a :class:`~vlm_demo.backends.base.Backend`); it holds no model logic.
 
 - ``/ask`` streams the four stages into their panels (raw tags never reach a renderer). Gradio
@@ -8,12 +8,9 @@ door and talk to a :class:`~vlm_demo.backends.base.Backend`); it holds no model 
   lets several visitors' requests reach the engine at once.
 - ``/ask_batch`` is Gradio's own batch mode (``batch=True``) for API clients that want final answers.
 
-Both take ``(image, question, max_new_tokens, temperature, top_p, reasoning, beams)`` — the last two
-optional, ``"normal"`` or ``"stage-beam"`` (the page's "Think harder") and 2–8 candidates per stage —
-and return plain strings ``(summary, caption, reasoning, conclusion, raw, status, extra, stages_html,
-beams_html)``: ``extra`` is text the model wrote outside the four tags, ``stages_html`` the stage strip
-that marks the active stage, ``beams_html`` a stage-beam search's candidates and winners.
-Every output component is labelled with that name, so the "Use via API" page and clients say it too.
+Both take :data:`~vlm_demo.web.contract.INPUTS` and return :class:`~vlm_demo.web.contract.Outputs`; the
+components are built and listed by those names, and every output component is labelled with its name,
+so the "Use via API" page and clients say it too. Styles and the one script are files in ``static/``.
 
 The page's own Ask (button and Enter) runs ``handlers.ask_page``, not ``/ask``: the same stream, but a
 request error is shown once, in the status line, instead of a toast plus an error mark on every output.
@@ -27,11 +24,10 @@ from typing import Any
 
 import gradio as gr
 
+from vlm_demo import ASSETS_DIR
 from vlm_demo.backends.base import Backend
 from vlm_demo.config import Config
-from vlm_demo.cot import STAGES, parse_stages
-from vlm_demo.handlers import Handlers, tracker_html
-from vlm_demo.metrics import Metrics
+from vlm_demo.cot import parse_stages
 from vlm_demo.schema import (
     DEFAULT_BEAMS,
     DEFAULT_MAX_NEW_TOKENS,
@@ -42,10 +38,14 @@ from vlm_demo.schema import (
     NORMAL,
     STAGE_BEAM,
 )
+from vlm_demo.web import contract
+from vlm_demo.web.contract import INPUTS, OPTIONAL_INPUTS, OUTPUTS, PANELS
+from vlm_demo.web.handlers import Handlers
+from vlm_demo.web.metrics import Metrics
+from vlm_demo.web.render import cleared, tracker_html
 
 log = logging.getLogger(__name__)
 
-ASSETS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets")
 CONCURRENCY_ID = "engine"  # /ask and /ask_batch share one limit: they share one model
 PANEL_LINES = {"summary": 2, "caption": 3, "reasoning": 6, "conclusion": 2}
 MIN_TOP_P = 0.05  # the server rejects top_p 0 when sampling, so the slider never offers it
@@ -64,72 +64,19 @@ TINY_EXAMPLES = [
 ]
 PHOTOS_WITH_TINY = "Real photos: for the real model (the tiny test model only names a colour)"
 
-# On a phone the columns stack and the panels sit below the inputs: after Ask, bring the stage strip (and
-# the status line under it) to the top of the screen so the visitor sees the answer start. Side by side
-# (desktop) the page only scrolls when the strip is out of view.
-SHOW_ANSWER_JS = """() => {
-    const strip = document.getElementById('stages');
-    const ask = document.getElementById('ask');
-    if (!strip || !ask) return;
-    const top = strip.getBoundingClientRect().top;
-    const stacked = top >= ask.getBoundingClientRect().bottom;
-    if (stacked ? Math.abs(top) > 8 : top < 0 || top > window.innerHeight * 0.5) {
-        strip.scrollIntoView({behavior: 'smooth', block: 'start'});
-    }
-}"""
+STATIC_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "static")
 
+
+def _static(name: str) -> str:
+    """A file of ``static/`` (CSS, or a JS function with ``//`` comment lines above it, which are dropped)."""
+    with open(os.path.join(STATIC_DIR, name), encoding="utf-8") as fh:
+        lines = fh.read().splitlines()
+    return "\n".join(line for line in lines if not line.startswith("//"))
+
+
+CSS = _static("page.css")
+SHOW_ANSWER_JS = _static("show_answer.js")
 THEME = gr.themes.Soft(primary_hue="indigo")
-# Colours are set for light and dark mode (Gradio puts ``dark`` on <body>): the banner and the stage marks
-# use their own colours, so each pair is chosen for contrast in both modes (tests measure the banner's).
-# One selector per rule: Gradio scopes custom CSS by prefixing selectors, and it garbles the second
-# selector of a ``.dark a, .dark b`` list.
-CSS = (
-    """
-#banner { background: #fff4e5; border-left: 5px solid #d97706; border-radius: 6px; padding: 4px 14px; }
-#banner * { color: #3b2506; }
-#banner code { background: rgba(120, 53, 15, 0.12); }
-.dark #banner { background: #2e2206; border-left-color: #f59e0b; }
-.dark #banner * { color: #fde68a; }
-.dark #banner code { background: rgba(253, 230, 138, 0.15); }
-#banner p { margin: 6px 0; }
-#upload_error { border-left: 4px solid var(--error-border-color); background: var(--error-background-fill); padding: 2px 10px; }
-#upload_error * { color: var(--error-text-color); }
-.cot-tracker { display: flex; flex-wrap: wrap; gap: 6px; align-items: center; font-weight: 600; font-size: 0.9em; }
-.cot-tracker .step { padding: 3px 10px; border-radius: 999px; background: var(--block-background-fill); border: 1px solid var(--border-color-primary); opacity: 0.6; }
-.cot-tracker .step.done { opacity: 1; color: #166534; border-color: #22c55e; }
-.dark .cot-tracker .step.done { color: #86efac; border-color: #22c55e; }
-.cot-tracker .step.active { opacity: 1; color: #ffffff; background: #4f46e5; border-color: #4f46e5; }
-.extra pre { white-space: pre-wrap; margin: 4px 0; }
-.stage { border-radius: 10px; }
-.stage [data-testid="block-info"] { text-transform: uppercase; color: #3730a3; }
-.dark .stage [data-testid="block-info"] { color: #ffffff; }
-"""
-    # The marks go inside the panel's label chip, so they take the chip's own text colour (readable on
-    # the chip in both modes) instead of an accent colour that vanishes on the accent-coloured chip.
-    + "\n".join(
-        f"body:has([data-active={s}]) #p_{s} {{ box-shadow: inset 0 0 0 2px #6366f1; background: rgba(99, 102, 241, 0.07); }}\n"
-        f'body:has([data-active={s}]) #p_{s} [data-testid="block-info"]::after {{ content: "  ● writing…"; color: inherit; }}\n'
-        f'body:has([data-done~={s}]) #p_{s} [data-testid="block-info"]::after {{ content: "  ✓"; color: inherit; }}'
-        for s in STAGES
-    )
-    + """
-#p_conclusion textarea { font-weight: 600; }
-.beam-search { font-size: 0.9em; border: 1px solid var(--border-color-primary); border-radius: 10px; padding: 6px 12px; }
-.beam-search .beam-head { font-weight: 600; margin-bottom: 4px; }
-.beam-search .beam-stage { margin: 6px 0; }
-.beam-search ol { margin: 2px 0 2px 1.2em; padding: 0; }
-.beam-search li.cand { opacity: 0.7; margin: 2px 0; }
-.beam-search li.winner { opacity: 1; font-weight: 600; }
-.beam-search .won { color: #166534; }
-.dark .beam-search .won { color: #86efac; }
-.beam-search pre { white-space: pre-wrap; margin: 2px 0; }
-#status { min-height: 1.5em; font-size: 0.95em; }
-"""
-)
-
-
-# The API's optional trailing inputs: a client written for the first five inputs keeps working.
-OPTIONAL_INPUTS = {"ask": 2, "ask_batch": 2}
 
 
 class Page(gr.Blocks):
@@ -142,7 +89,7 @@ class Page(gr.Blocks):
 
     def validate_inputs(self, block_fn: Any, inputs: list[Any]) -> None:
         missing = len(block_fn.inputs) - len(inputs)
-        if 0 < missing <= OPTIONAL_INPUTS.get(block_fn.api_name or "", 0):
+        if 0 < missing <= len(OPTIONAL_INPUTS) and block_fn.api_name in (contract.ASK, contract.ASK_BATCH):
             inputs.extend([None] * missing)
         super().validate_inputs(block_fn, inputs)
 
@@ -159,13 +106,13 @@ class DemoUI:
     def upload_checked(self, image: Any) -> tuple[Any, ...]:
         """A new image (or none): its problem next to it at once, and the previous answer cleared."""
         message = self.handlers.check_upload(image)
-        return (gr.update(value=f"⚠ {message}" if message else "", visible=bool(message)), *self.handlers.cleared())
+        return (gr.update(value=f"⚠ {message}" if message else "", visible=bool(message)), *cleared())
 
     def cleared_page(self, request: gr.Request = None) -> tuple[Any, ...]:  # type: ignore[assignment]
         """The Clear button: this visitor's answer stopped (its model row freed at once), then no image,
         no question, no message, empty panels."""
         self.handlers.stop(request)
-        return (None, "", gr.update(value="", visible=False), *self.handlers.cleared())
+        return (None, "", gr.update(value="", visible=False), *cleared())
 
     # ---- the page -----------------------------------------------------------------------------------
     def build(self) -> gr.Blocks:
@@ -182,12 +129,15 @@ class DemoUI:
             # after the Ask button and the examples come last (below the row).
             with gr.Row(equal_height=False):
                 with gr.Column(scale=2, min_width=320):
-                    image, upload_error, question, ask, stop, clear, sliders, thinking = self._inputs()
+                    given, upload_error, ask, stop, clear = self._inputs()
                 with gr.Column(scale=3, min_width=360):
-                    tracker = gr.HTML(tracker_html(parse_stages(""), None), label="stages_html", elem_id="stages")
-                    status = gr.Markdown("", label="status", elem_id="status")
-                    panels = [
-                        gr.Textbox(
+                    shown: dict[str, Any] = {}
+                    shown["stages_html"] = gr.HTML(
+                        tracker_html(parse_stages(""), None), label="stages_html", elem_id="stages"
+                    )
+                    shown["status"] = gr.Markdown("", label="status", elem_id="status")
+                    for stage in PANELS:
+                        shown[stage] = gr.Textbox(
                             label=stage,  # the API's output name; CSS shows it in capitals as the heading
                             elem_id=f"p_{stage}",
                             elem_classes=["stage"],
@@ -197,27 +147,29 @@ class DemoUI:
                             autoscroll=True,
                             buttons=["copy"],
                         )
-                        for stage in STAGES
-                    ]
-                    extra = gr.Textbox(label="extra", visible=False, elem_id="p_extra")  # the strip shows it
-                    beams_view = gr.HTML("", label="beams_html", elem_id="beams_view")
+                    shown["extra"] = gr.Textbox(label="extra", visible=False, elem_id="p_extra")  # the strip shows it
+                    shown["beams_html"] = gr.HTML("", label="beams_html", elem_id="beams_view")
                     with gr.Accordion("Raw model output", open=False, elem_id="raw_box"):
-                        raw = gr.Textbox(
+                        shown["raw"] = gr.Textbox(
                             label="raw", show_label=False, elem_id="raw", lines=8, interactive=False, buttons=["copy"]
                         )
-            self._examples(image, question)
+            self._examples(given["image"], given["question"])
 
-            inputs = [image, question, *sliders, *thinking]
-            outputs = [*panels, raw, status, extra, tracker, beams_view]
-            self._wire(demo, inputs, outputs, image, upload_error, question, ask, stop, clear)
+            inputs = [given[name] for name in INPUTS]
+            outputs = [shown[name] for name in OUTPUTS]
+            self._wire(demo, inputs, outputs, given["image"], upload_error, given["question"], ask, stop, clear)
         limit = self._concurrency_limit()
         demo.queue(max_size=self.config.max_queue, default_concurrency_limit=limit)
         return demo
 
-    def _inputs(self) -> tuple[Any, ...]:
-        image = gr.Image(type="filepath", label="Image", elem_id="img", sources=["upload", "clipboard"], height=300)
+    def _inputs(self) -> tuple[dict[str, Any], gr.Markdown, gr.Button, gr.Button, gr.Button]:
+        """The input components by their contract name, the upload's error line and the three buttons."""
+        given: dict[str, Any] = {}
+        given["image"] = gr.Image(
+            type="filepath", label="Image", elem_id="img", sources=["upload", "clipboard"], height=300
+        )
         upload_error = gr.Markdown("", elem_id="upload_error", visible=False)
-        question = gr.Textbox(
+        given["question"] = gr.Textbox(
             label="Question",
             info="Enter asks · Shift+Enter starts a new line",
             elem_id="q",
@@ -227,26 +179,24 @@ class DemoUI:
             placeholder="Ask something about the image…",
         )
         with gr.Row(equal_height=True, elem_id="think"):
-            thinking = (
-                gr.Radio(
-                    [("Normal", NORMAL), ("Think harder", STAGE_BEAM)],
-                    value=NORMAL,
-                    label="Reasoning",
-                    info="Think harder: for each stage the model writes several candidates and judges which is "
-                    "best (LLaVA-CoT's stage-level beam search). Slower.",
-                    elem_id="reasoning",
-                    scale=3,
-                ),
-                gr.Slider(
-                    2,
-                    MAX_BEAMS,
-                    DEFAULT_BEAMS,
-                    step=1,
-                    precision=0,
-                    label="Candidates per stage",
-                    elem_id="beams",
-                    scale=2,
-                ),
+            given["reasoning"] = gr.Radio(
+                [("Normal", NORMAL), ("Think harder", STAGE_BEAM)],
+                value=NORMAL,
+                label="Reasoning",
+                info="Think harder: for each stage the model writes several candidates and judges which is "
+                "best (LLaVA-CoT's stage-level beam search). Slower.",
+                elem_id="reasoning",
+                scale=3,
+            )
+            given["beams"] = gr.Slider(
+                2,
+                MAX_BEAMS,
+                DEFAULT_BEAMS,
+                step=1,
+                precision=0,
+                label="Candidates per stage",
+                elem_id="beams",
+                scale=2,
             )
         with gr.Row():
             ask = gr.Button("Ask", variant="primary", elem_id="ask", scale=2)
@@ -254,27 +204,25 @@ class DemoUI:
             clear = gr.Button("Clear", variant="secondary", elem_id="clear", min_width=80)
         cap = self.config.max_new_tokens
         with gr.Accordion("Advanced", open=False, elem_id="advanced"):
-            sliders = (
-                gr.Slider(  # precision=0: the API page types max_new_tokens as an integer
-                    1,
-                    cap,
-                    min(DEFAULT_MAX_NEW_TOKENS, cap),
-                    step=1,
-                    precision=0,
-                    label="Max new tokens",
-                    elem_id="max_new_tokens",
-                ),
-                gr.Slider(
-                    0.0,
-                    MAX_TEMPERATURE,
-                    DEFAULT_TEMPERATURE,
-                    step=0.05,
-                    label="Temperature (0 = greedy)",
-                    elem_id="temperature",
-                ),
-                gr.Slider(MIN_TOP_P, 1.0, DEFAULT_TOP_P, step=0.05, label="Top-p", elem_id="top_p"),
+            given["max_new_tokens"] = gr.Slider(  # precision=0: the API page types max_new_tokens as an integer
+                1,
+                cap,
+                min(DEFAULT_MAX_NEW_TOKENS, cap),
+                step=1,
+                precision=0,
+                label="Max new tokens",
+                elem_id="max_new_tokens",
             )
-        return image, upload_error, question, ask, stop, clear, sliders, thinking
+            given["temperature"] = gr.Slider(
+                0.0,
+                MAX_TEMPERATURE,
+                DEFAULT_TEMPERATURE,
+                step=0.05,
+                label="Temperature (0 = greedy)",
+                elem_id="temperature",
+            )
+            given["top_p"] = gr.Slider(MIN_TOP_P, 1.0, DEFAULT_TOP_P, step=0.05, label="Top-p", elem_id="top_p")
+        return given, upload_error, ask, stop, clear
 
     def _examples(self, image: gr.Image, question: gr.Textbox) -> None:
         with gr.Row(equal_height=False):
@@ -307,6 +255,8 @@ class DemoUI:
         stop: gr.Button,
         clear: gr.Button,
     ) -> None:
+        for handler in (self.handlers.ask, self.handlers.ask_page, self.handlers.ask_batch):
+            contract.check_signature(handler)  # Gradio names the API's parameters after the handler's
         streaming: dict[str, Any] = dict(
             inputs=inputs,
             outputs=outputs,
@@ -318,7 +268,7 @@ class DemoUI:
         )
         # The public /ask (raises gr.Error for API clients) sits on a hidden button; the page's Ask and
         # Enter run ask_page, which shows an error once, in the status line.
-        gr.Button(visible=False, elem_id="ask_api").click(self.handlers.ask, api_name="ask", **streaming)
+        gr.Button(visible=False, elem_id="ask_api").click(self.handlers.ask, api_name=contract.ASK, **streaming)
         running = [
             trigger(self.handlers.ask_page, api_visibility="private", **streaming)
             for trigger in (ask.click, question.submit)
@@ -352,7 +302,7 @@ class DemoUI:
             self.handlers.ask_batch,
             inputs=inputs,
             outputs=outputs,
-            api_name="ask_batch",
+            api_name=contract.ASK_BATCH,
             batch=True,
             max_batch_size=self.config.max_batch_size,
             preprocess=False,

@@ -1,6 +1,6 @@
 """A tiny, real Mllama model trained offline to answer like LLaVA-CoT, so everything runs without the 21 GB model.
 
-``python -m vlm_demo.tiny OUT_DIR`` builds it in about 3.5 minutes on one CPU core (no network, deterministic): a
+``python -m vlm_demo.models.tiny OUT_DIR`` builds it in about 3.5 minutes on one CPU core (no network, deterministic): a
 byte-level BPE tokenizer with the Llama-3 specials, the Llama-3.2-Vision chat template, an
 ``MllamaImageProcessor`` with 16-pixel tiles (4 tiles at most), and a ~331k-parameter
 ``MllamaForConditionalGeneration`` trained on solid-colour images. Everything loads with transformers' own
@@ -761,7 +761,9 @@ def ensure_tiny(path: str | None = None) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Build and train the tiny offline Mllama test model.")
+    parser = argparse.ArgumentParser(
+        prog="python -m vlm_demo.models.tiny", description="Build and train the tiny offline Mllama test model."
+    )
     parser.add_argument("out_dir", help="Folder to save the model and processor into.")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)

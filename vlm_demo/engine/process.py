@@ -3,9 +3,9 @@
 The web layer (Gradio's event loop, page updates, HTTP) and the engine's step loop both need the
 interpreter; in one process they share one GIL and the web layer's work directly delays every
 decoding step (measured: 0.42× of the engine's own throughput through the page). Here the engine
-gets its own interpreter. The web process (:mod:`vlm_demo.backends.process`) sends requests that
+gets its own interpreter. The web process (:mod:`vlm_demo.backends.engine_client`) sends requests that
 already passed the door; this side preprocesses them, runs them, and publishes one
-:class:`~vlm_demo.ipc.Step` per engine step with every row's new text.
+:class:`~vlm_demo.engine.ipc.Step` per engine step with every row's new text.
 
 Threads: the main thread receives (submit / cancel / shutdown), the engine thread steps the model,
 and a publisher thread wakes at each step boundary (the engine's ``on_batch`` listener call) to send
@@ -18,13 +18,19 @@ import logging
 import signal
 import threading
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import TYPE_CHECKING
 
 from vlm_demo.config import Config
+from vlm_demo.engine.ipc import Cancel, Ended, Fatal, Ready, Shutdown, Step, Submit
 from vlm_demo.errors import DemoError, GenerationError
-from vlm_demo.ipc import Cancel, Ended, Fatal, Ready, Shutdown, Step, Submit
+from vlm_demo.schema import BeamView, EngineStats
+from vlm_demo.stream import Stream
 
-log = logging.getLogger("vlm_demo.engine.core")
+if TYPE_CHECKING:  # the engine (and torch) load in ``run``, inside the engine process
+    from vlm_demo.engine.base import Engine
+    from vlm_demo.engine.request import Request
+
+log = logging.getLogger(__name__)
 
 HEARTBEAT_S = 1.0  # stats reach the web process at least this often (for /health and /metrics)
 
@@ -32,13 +38,13 @@ HEARTBEAT_S = 1.0  # stats reach the web process at least this often (for /healt
 class EngineCore:
     """Bridges one :class:`~vlm_demo.engine.Engine` to the pipe."""
 
-    def __init__(self, engine: Any, conn: Connection) -> None:
+    def __init__(self, engine: Engine, conn: Connection) -> None:
         self.engine = engine
         self.conn = conn
-        self.live: dict[int, Any] = {}  # rid -> engine Request
+        self.live: dict[int, Request] = {}  # rid -> engine Request
         self.rid_of: dict[int, int] = {}  # engine request_id -> rid (for queue positions)
         self.pending: list[Ended] = []  # refused at submit: reported with the next step
-        self.views: dict[int, Any] = {}  # rid -> the stage-beam view last sent
+        self.views: dict[int, BeamView | None] = {}  # rid -> the stage-beam view last sent
         self.batch_sizes: list[int] = []
         self.lock = threading.Lock()
         self.send_lock = threading.Lock()
@@ -52,7 +58,7 @@ class EngineCore:
             self.batch_sizes.append(size)
         self.wake.set()
 
-    def on_request_done(self, request: Any) -> None:
+    def on_request_done(self, request: Stream) -> None:
         self.wake.set()
 
     # ---- receiving ----
@@ -134,15 +140,17 @@ class EngineCore:
                 self.live.pop(rid, None)
                 self.rid_of.pop(request_id, None)
                 self.views.pop(rid, None)
-        step.stats = self.stats()
+        step.stats, step.waiting = self.stats(), self.waiting()
         return step
 
-    def stats(self) -> dict[str, Any]:
-        stats = dict(self.engine.stats())
-        waiting = list(self.engine.scheduler.waiting)  # a C-level copy: safe against the engine thread
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
+
+    def waiting(self) -> list[int]:
+        """The waiting requests' rids, in queue order (for each visitor's "N ahead of you")."""
+        queue = list(self.engine.scheduler.waiting)  # a C-level copy: safe against the engine thread
         with self.lock:
-            stats["waiting"] = [self.rid_of[r.request_id] for r in waiting if r.request_id in self.rid_of]
-        return stats
+            return [self.rid_of[r.request_id] for r in queue if r.request_id in self.rid_of]
 
     def close(self) -> None:
         self.running = False
@@ -155,11 +163,11 @@ def run(config: Config, conn: Connection) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl+C reaches the whole group: the web process decides
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s [engine]: %(message)s")
     try:
-        from vlm_demo.engine import Engine
-        from vlm_demo.model_choice import choose_model
+        from vlm_demo.engine import make_engine
+        from vlm_demo.models.choice import choose_model
 
         config, notice = choose_model(config)
-        engine = Engine.from_config(config)
+        engine = make_engine(config)
     except DemoError as err:
         conn.send(Fatal(str(err)))
         return

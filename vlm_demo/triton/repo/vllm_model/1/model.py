@@ -11,32 +11,33 @@ from __future__ import annotations
 import json
 import logging
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 try:  # only exists inside Triton's Python backend
     import triton_python_backend_utils as pb_utils
 except ImportError:  # unit tests substitute a stand-in
     pb_utils = None
 
-from vlm_demo.backends.triton import error_text
 from vlm_demo.config import Config
 from vlm_demo.errors import DemoError, GenerationError
 from vlm_demo.schema import DEFAULT_MAX_NEW_TOKENS, Limits
-from vlm_demo.triton_serve import (
-    GENERATE_FLAGS,
+from vlm_demo.triton.contract import GENERATE_INPUTS, error_text
+from vlm_demo.triton.handlers import (
     config_from_model_config,
     decode_generate_request,
     generate_responses,
     instance_device,
 )
 
+if TYPE_CHECKING:
+    from vlm_demo.engine.base import Engine
+
 log = logging.getLogger(__name__)
-INPUTS = ("text_input", "image", "sampling_parameters", *GENERATE_FLAGS)
 
 
 def request_arrays(request: Any) -> dict[str, Any]:
     arrays = {}
-    for name in INPUTS:
+    for name in GENERATE_INPUTS:
         tensor = pb_utils.get_input_tensor_by_name(request, name)
         if tensor is not None:
             arrays[name] = tensor.as_numpy()
@@ -55,16 +56,16 @@ class TritonPythonModel:
     """One engine per instance; one streaming thread per request."""
 
     def initialize(self, args: dict[str, str]) -> None:
-        from vlm_demo.engine import Engine
+        from vlm_demo.engine import make_engine
 
         model_config = json.loads(args["model_config"])
         if not pb_utils.using_decoupled_model_transaction_policy(model_config):
             raise ValueError("vllm_model must be decoupled: model_transaction_policy { decoupled: true }")
         config = config_from_model_config(model_config)
         config.device = instance_device(args) or config.device
-        self.setup(Engine.from_config(config), config)
+        self.setup(make_engine(config), config)
 
-    def setup(self, engine: Any, config: Config) -> None:
+    def setup(self, engine: Engine, config: Config) -> None:
         """Attach a loaded engine (separate from ``initialize`` so tests can pass one in)."""
         self.engine = engine
         self.limits = Limits.from_config(config)

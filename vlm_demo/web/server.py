@@ -15,20 +15,20 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
 
 import gradio as gr
 import uvicorn
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 
+from vlm_demo import ASSETS_DIR
 from vlm_demo.backends import Backend, make_backend
+from vlm_demo.backends.base import Health
 from vlm_demo.config import Config
 from vlm_demo.images import DEFAULT_MAX_BYTES
-from vlm_demo.metrics import Metrics
-from vlm_demo.model_choice import choose_model  # noqa: F401  (re-exported for callers)
-from vlm_demo.spaces_compat import on_spaces
-from vlm_demo.ui import ASSETS_DIR, CSS, THEME, DemoUI
+from vlm_demo.web.metrics import Metrics
+from vlm_demo.web.page import CSS, THEME, DemoUI
+from vlm_demo.web.spaces import on_spaces
 
 log = logging.getLogger(__name__)
 
@@ -52,13 +52,12 @@ def create_app(config: Config, backend: Backend | None = None) -> DemoApp:
     """Build the backend (unless given), the metrics, the page, and the FastAPI app around them."""
     if backend is None:
         backend = make_backend(config)
-    notice = getattr(backend, "notice", None)
-    batch = backend.health().get("max_batch_size") if backend.name == "local" else None
-    if not (isinstance(batch, int) and batch > 0):  # a remote backend: Triton batches on its side
-        batch = config.max_batch_size or REMOTE_BATCH_SIZE
+    notice = backend.notice
+    batch = backend.health().max_batch_size  # sized by the engine (GPU memory); 0: Triton batches on its side
+    batch = batch or config.max_batch_size or REMOTE_BATCH_SIZE
     if batch != config.max_batch_size:
-        config = dataclasses.replace(config, max_batch_size=batch)  # sized by the engine (GPU memory)
-    metrics = Metrics(queue_depth=lambda: int(backend.health().get("queue_depth", 0)))
+        config = dataclasses.replace(config, max_batch_size=batch)
+    metrics = Metrics(queue_depth=lambda: backend.health().queue_depth)
     backend.add_listener(metrics)
     demo = DemoUI(backend, config, metrics, notice).build()
 
@@ -68,20 +67,19 @@ def create_app(config: Config, backend: Backend | None = None) -> DemoApp:
     def health() -> JSONResponse:
         """Liveness and readiness for load balancers: 200 when the model can take requests, else 503."""
         try:
-            details: dict[str, Any] = dict(backend.health())
+            report = backend.health()
         except Exception as err:  # a remote backend that cannot be reached is simply not ready
-            details = {"ready": False, "queue_depth": 0, "error": str(err)}
-        ready = bool(details.pop("ready", False))
+            report = Health(False, error=str(err))
         body = {
-            "status": "ok" if ready else "unavailable",
+            "status": "ok" if report.ready else "unavailable",
             "backend": backend.name,
             "model": backend.model,
-            "ready": ready,
-            "queue_depth": int(details.pop("queue_depth", 0) or 0),
+            "ready": report.ready,
+            "queue_depth": report.queue_depth,
             "tiny_notice": notice is not None,
-            "details": details,
+            "details": report.details(),
         }
-        return JSONResponse(body, status_code=200 if ready else 503)
+        return JSONResponse(body, status_code=200 if report.ready else 503)
 
     @app.get("/metrics")
     def prometheus() -> Response:

@@ -1,9 +1,9 @@
-"""Load-test clients for ``vlm_demo.bench`` that go over HTTP, as visitors and API users do.
+"""Load-test clients for ``vlm_demo.tools.bench`` that go over HTTP, as visitors and API users do.
 
 Each exposes the slice of the backend interface the benchmark drives (``submit`` → a handle with
 ``stream()`` and ``result()``), so the same closed loop measures the engine alone, the running web app
 (``/ask`` streaming and ``/ask_batch`` through ``gradio_client``) and the static-batcher baseline
-(:mod:`vlm_demo.baseline`), each started here as its own server process on a free loopback port.
+(:mod:`vlm_demo.tools.baseline`), each started here as its own server process on a free loopback port.
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ from typing import Any
 
 import requests
 
+from vlm_demo import REPO_ROOT as ROOT
+from vlm_demo.backends.base import Health
 from vlm_demo.schema import GenerationResult, ValidRequest
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def free_port() -> int:
@@ -157,13 +157,21 @@ class _WebApp:
     def add_listener(self, listener: Any) -> None:
         pass
 
-    def health(self) -> dict[str, Any]:
-        return requests.get(self.server.url + "/health", timeout=10).json().get("details", {})
+    def health(self) -> Health:
+        """The app's ``/health`` as a :class:`Health` (the fields the benchmark reads)."""
+        body = requests.get(self.server.url + "/health", timeout=10).json()
+        details = body.get("details", {})
+        return Health(
+            bool(body.get("ready")),
+            int(body.get("queue_depth", 0)),
+            max_batch_size=int(details.get("max_batch_size") or 0),
+            engine_pid=details.get("engine_pid"),
+        )
 
     def pids(self) -> dict[str, int]:
         """The processes serving this client: the web process and its engine process."""
         pids = {"web": self.server.proc.pid}
-        engine = self.health().get("engine_pid")
+        engine = self.health().engine_pid
         if isinstance(engine, int):
             pids["engine"] = engine
         return pids
@@ -257,7 +265,7 @@ class SSEClient(_WebApp):
 
 
 class StaticClient:
-    """The static-batcher baseline (:mod:`vlm_demo.baseline`) over plain HTTP."""
+    """The static-batcher baseline (:mod:`vlm_demo.tools.baseline`) over plain HTTP."""
 
     name = "static"
 
@@ -268,6 +276,9 @@ class StaticClient:
 
     def pids(self) -> dict[str, int]:
         return {"server": self.server.proc.pid}
+
+    def health(self) -> Health:
+        return Health(True, max_batch_size=0)  # the static batcher's batch size is its own flag
 
     def submit(self, valid: ValidRequest) -> _Done:
         body = {

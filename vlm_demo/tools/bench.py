@@ -7,13 +7,13 @@ loaded weights, the same requests and the same forced output lengths (``ignore_e
 ratios between modes are fair even on a noisy machine. ``--repeats`` interleaves the modes and
 reports medians.
 
-    python -m vlm_demo.bench --model tiny --concurrency 1,2,4,8 --requests 32 --json out.json --plot out.png
+    python -m vlm_demo.tools.bench --model tiny --concurrency 1,2,4,8 --requests 32 --json out.json --plot out.png
 
 ``--through-app`` measures what a visitor gets: the same load through the running web app (``/ask``
 streaming and ``/ask_batch``, via ``gradio_client``), next to the engine alone in this process and the
-FastAPI static batcher of the design documents (:mod:`vlm_demo.baseline`), each in one run:
+FastAPI static batcher of the design documents (:mod:`vlm_demo.tools.baseline`), each in one run:
 
-    python -m vlm_demo.bench --model tiny --through-app --json docs/bench_app.json
+    python -m vlm_demo.tools.bench --model tiny --through-app --json docs/bench_app.json
 """
 
 from __future__ import annotations
@@ -34,12 +34,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from vlm_demo.config import Config
-from vlm_demo.engine import Engine
+from vlm_demo.engine import make_engine
+from vlm_demo.engine.loader import load
 from vlm_demo.engine.worker import Worker
+from vlm_demo.models.tiny import COLOURS, solid_image
 from vlm_demo.schema import Limits, SamplingParams, ValidRequest, validate_request
-from vlm_demo.tiny import COLOURS, solid_image
 
-log = logging.getLogger("vlm_demo.bench")
+log = logging.getLogger("vlm_demo.tools.bench")
 
 SIZES = ((64, 64), (300, 120), (120, 300), (560, 560), (1024, 64), (40, 40))
 BENCH_LIMITS = Limits(max_new_tokens=100_000)
@@ -300,7 +301,7 @@ def plot(results: list[RunResult], path: str) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m vlm_demo.tools.bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="tiny", help="model id, folder, or 'tiny'")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
@@ -358,7 +359,7 @@ def backend_factories(args: argparse.Namespace) -> dict[str, tuple[int, Callable
     factories: dict[str, tuple[int, Callable[[], Any]]] = {}
     worker: Worker | None = None
     if any(m in ("unbatched", "dynamic", "continuous", "engine") for m in modes):
-        worker = Worker.load(args.model, args.device, args.dtype, cpu_threads=args.cpu_threads)
+        worker = load(args.model, args.device, args.dtype, cpu_threads=args.cpu_threads)
         if args.stock_decode:
             worker.decode_step = None
 
@@ -372,14 +373,14 @@ def backend_factories(args: argparse.Namespace) -> dict[str, tuple[int, Callable
                 max_queue=max(1024, args.requests),
                 max_new_tokens=100_000,
             )
-            engine = Engine.create(worker, config)
+            engine = make_engine(config, worker)
             return LocalBackend(engine, args.model)
 
         return make
 
     def app(endpoint: str) -> Callable[[], Any]:
         def make() -> Any:
-            from vlm_demo.bench_clients import AppClient, ServerProcess, SSEClient
+            from vlm_demo.tools.load_clients import AppClient, ServerProcess, SSEClient
 
             command = ["app.py", "--model", args.model, "--max-batch-size", str(args.max_batch_size)]
             command += ["--cpu-threads", str(args.cpu_threads), "--max-new-tokens", str(max(2048, args.max_new_tokens))]
@@ -390,11 +391,11 @@ def backend_factories(args: argparse.Namespace) -> dict[str, tuple[int, Callable
         return make
 
     def static() -> Any:
-        from vlm_demo.bench_clients import ServerProcess, StaticClient
+        from vlm_demo.tools.load_clients import ServerProcess, StaticClient
 
         command = [
             "-m",
-            "vlm_demo.baseline",
+            "vlm_demo.tools.baseline",
             "--model",
             args.model,
             "--max-batch-size",
@@ -404,7 +405,7 @@ def backend_factories(args: argparse.Namespace) -> dict[str, tuple[int, Callable
         return StaticClient(ServerProcess(command))
 
     def engine_process() -> Any:
-        from vlm_demo.backends.process import EngineProcessBackend
+        from vlm_demo.backends.engine_client import EngineProcessBackend
 
         config = Config(model=args.model, model_explicit=True, max_batch_size=args.max_batch_size)
         return EngineProcessBackend(dataclasses.replace(config, cpu_threads=args.cpu_threads, max_new_tokens=100_000))
@@ -473,12 +474,11 @@ def main(argv: list[str] | None = None) -> list[RunResult]:
                     warm = make_workload(1, [min(8, lengths[0])])[0]
                     backend.submit(warm).result(timeout=600)  # warm-up: first-call overheads are not load
                     counter.sizes.clear()
-                    pids = {"bench": os.getpid(), **(backend.pids() if hasattr(backend, "pids") else {})}
+                    pids = {"bench": os.getpid(), **backend.pids()}
                     before = {name: cpu_seconds(pid) for name, pid in pids.items()}
                     samples, wall = run_load(backend, workload, level, check)
                     cpu = {name: cpu_seconds(pid) - before[name] for name, pid in pids.items()}
-                    sized = backend.health().get("max_batch_size") if hasattr(backend, "health") else None
-                    max_batch = sized if isinstance(sized, int) and sized > 0 else max_batch  # as the engine sized it
+                    max_batch = backend.health().max_batch_size or max_batch  # as the engine sized it
                 finally:
                     backend.close()  # servers started for a mode stop even when the run fails
                 result = summarise(mode, max_batch, level, samples, wall, counter.sizes)

@@ -6,7 +6,7 @@ does), and ``serial``, the same search one candidate and one judge call at a tim
 script does, minus its re-prefilling). Answers run one after another, so the time is one visitor's
 wait on an otherwise idle server. The normal mode is measured alongside for reference.
 
-    python -m vlm_demo.bench_beam --model tiny --beams 1,2,4 --answers 12 --repeats 3
+    python -m vlm_demo.tools.bench_beam --model tiny --beams 1,2,4 --answers 12 --repeats 3
 
 At temperature 1 (the default here) the tiny model's candidates disagree often enough that judging
 runs; at the page's default (0.6, top-p 0.9) they are mostly identical and are not judged at all.
@@ -24,12 +24,12 @@ import time
 from dataclasses import asdict, dataclass
 
 from vlm_demo.config import Config
-from vlm_demo.engine import Engine
-from vlm_demo.engine.worker import Worker
+from vlm_demo.engine import make_engine
+from vlm_demo.engine.base import Engine
+from vlm_demo.models.tiny import COLOURS, solid_image
 from vlm_demo.schema import NORMAL, STAGE_BEAM, Limits, SamplingParams, ValidRequest, validate_request
-from vlm_demo.tiny import COLOURS, solid_image
 
-log = logging.getLogger("vlm_demo.bench_beam")
+log = logging.getLogger("vlm_demo.tools.bench_beam")
 
 LIMITS = Limits(max_new_tokens=100_000)
 QUESTIONS = ("What colour is this image?", "Describe this picture in detail.", "Which colour do you see here?")
@@ -114,7 +114,7 @@ def print_table(runs: list[BeamRun]) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m vlm_demo.bench_beam", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m vlm_demo.tools.bench_beam", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="tiny", help="model id, folder, or 'tiny'")
     p.add_argument("--device", default="auto")
     p.add_argument("--beams", default="1,2,4", help="comma-separated candidates per stage")
@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> list[BeamRun]:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
     config = Config(model=args.model, device=args.device, batching="continuous", batch_window_ms=0.0)
-    engine = Engine.create(Worker.from_config(config), config)
+    engine = make_engine(config)
     plan = [("normal", 0)] + [(mode, int(k)) for k in args.beams.split(",") for mode in ("batched", "serial")]
     try:
         engine.generate(workload(1, 2, False, args.temperature, args.top_p, 64)[0][0])  # warm-up

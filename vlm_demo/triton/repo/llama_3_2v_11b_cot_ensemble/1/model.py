@@ -2,7 +2,7 @@
 
 Each ``execute`` call receives the batch Triton's dynamic batcher formed; it becomes one engine batch. Needs
 the ``vlm_demo`` package importable in the container (``pip install -r requirements.txt`` and
-``PYTHONPATH=/app``). All decoding and response building is plain numpy in ``vlm_demo.triton_serve``; this
+``PYTHONPATH=/app``). All decoding and response building is plain numpy in ``vlm_demo.triton.handlers``; this
 file is only the glue to ``triton_python_backend_utils``, imported lazily so tests can load it without Triton.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 try:  # only exists inside Triton's Python backend
     import triton_python_backend_utils as pb_utils
@@ -19,22 +19,19 @@ except ImportError:  # unit tests substitute a stand-in
 
 from vlm_demo.config import Config
 from vlm_demo.schema import DEFAULT_MAX_NEW_TOKENS, Limits
-from vlm_demo.triton_serve import (
-    INFER_OUTPUTS,
-    SAMPLING_INPUTS,
-    EnsembleHandler,
-    config_from_model_config,
-    instance_device,
-)
+from vlm_demo.triton.contract import INFER_INPUTS, INFER_OUTPUTS
+from vlm_demo.triton.handlers import EnsembleHandler, config_from_model_config, instance_device
+
+if TYPE_CHECKING:
+    from vlm_demo.engine.base import Engine
 
 log = logging.getLogger(__name__)
-INPUTS = ("IMAGE", "QUESTION", *SAMPLING_INPUTS)
 
 
 def request_arrays(request: Any) -> dict[str, Any]:
     """The numpy inputs present in one Triton request (optional ones may be missing)."""
     arrays = {}
-    for name in INPUTS:
+    for name in INFER_INPUTS:
         tensor = pb_utils.get_input_tensor_by_name(request, name)
         if tensor is not None:
             arrays[name] = tensor.as_numpy()
@@ -45,15 +42,15 @@ class TritonPythonModel:
     """Loads one engine per instance and answers each Triton batch with one engine batch."""
 
     def initialize(self, args: dict[str, str]) -> None:
-        from vlm_demo.engine import Engine
+        from vlm_demo.engine import make_engine
 
         model_config = json.loads(args["model_config"])
         config = config_from_model_config(model_config)
         config.device = instance_device(args) or config.device
         log.info("loading %s on %s for %s", config.model, config.device, args.get("model_instance_name"))
-        self.setup(Engine.from_config(config), config)
+        self.setup(make_engine(config), config)
 
-    def setup(self, engine: Any, config: Config) -> None:
+    def setup(self, engine: Engine, config: Config) -> None:
         """Attach a loaded engine (separate from ``initialize`` so tests can pass one in)."""
         self.engine = engine
         self.handler = EnsembleHandler(

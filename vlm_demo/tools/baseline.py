@@ -8,7 +8,7 @@ loop. Unlike the documents' version it pads on the left, decodes only new tokens
 thread-safely and fails only the request that fails. What it keeps is the design: static batches
 (a batch runs until its longest answer ends) and no streaming — that is what ``bench`` compares with.
 
-    python -m vlm_demo.baseline --model tiny --port 8100
+    python -m vlm_demo.tools.baseline --model tiny --port 8100
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from typing import Any
 from vlm_demo.errors import DemoError
 from vlm_demo.schema import Limits, SamplingParams, validate_request
 
-log = logging.getLogger("vlm_demo.baseline")
+log = logging.getLogger("vlm_demo.tools.baseline")
 
 
 class StaticBatcher:
@@ -40,12 +40,11 @@ class StaticBatcher:
 
     async def answer(self, valid: Any) -> Any:
         """Queue one request; resolves to its :class:`~vlm_demo.schema.GenerationResult`."""
-        from vlm_demo.engine.request import Request
+        from vlm_demo.engine.request import make_request
 
         loop = asyncio.get_running_loop()
         future = loop.create_future()
-        request = Request(image=valid.image, question=valid.question, params=valid.params)
-        request.inputs = await loop.run_in_executor(None, self.worker.prepare, valid.image, valid.question)
+        request = await loop.run_in_executor(None, make_request, valid, self.worker)
         self.waiting.put((request, loop, future))
         return await future
 
@@ -114,7 +113,7 @@ def create_app(worker: Any, max_batch_size: int = 4, window_ms: float = 100.0) -
 
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m vlm_demo.tools.baseline", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="tiny")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8100)
@@ -124,9 +123,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     import uvicorn
 
-    from vlm_demo.engine.worker import Worker
+    from vlm_demo.engine.loader import load
 
-    worker = Worker.load(args.model, cpu_threads=args.cpu_threads)
+    worker = load(args.model, cpu_threads=args.cpu_threads)
     uvicorn.run(create_app(worker, args.max_batch_size, args.window_ms), host=args.host, port=args.port)
 
 

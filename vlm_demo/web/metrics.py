@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from vlm_demo.stream import Stream
 
 log = logging.getLogger(__name__)
 
@@ -21,13 +22,11 @@ LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300)
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60)
 
 
-def outcome_of(request: Any) -> str:
+def outcome_of(request: Stream) -> str:
     """One label per way a request can end: ``ok``, ``length`` (hit max_new_tokens), or an error code."""
-    error = getattr(request, "error", None)
-    if error is not None:
-        return getattr(error, "code", "error")
-    reason = getattr(request, "finish_reason", None)
-    return "length" if reason == "length" else "ok"
+    if request.error is not None:
+        return request.error.code
+    return "length" if request.finish_reason == "length" else "ok"
 
 
 class Metrics:
@@ -64,7 +63,7 @@ class Metrics:
     def on_batch(self, size: int) -> None:
         self.batch_size.observe(size)
 
-    def on_request_done(self, request: Any) -> None:
+    def on_request_done(self, request: Stream) -> None:
         outcome = outcome_of(request)
         self.requests.labels(outcome=outcome).inc()
         if outcome not in ("ok", "length"):

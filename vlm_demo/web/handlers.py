@@ -1,4 +1,5 @@
-"""What the page's events do: the door, the streaming ``/ask``, ``/ask_batch``, Stop; no layout, no model.
+"""What the page's events do: the door, the streaming ``/ask``, ``/ask_batch``, Stop; no layout, no model,
+no rendering (that is :mod:`~vlm_demo.web.render`'s).
 
 - ``/ask`` streams. It is an *async* generator: it polls its request's stream on the event loop and
   sends the visitor whatever arrived since the last update, so there is no thread per visitor and
@@ -14,9 +15,8 @@
   running batch as soon as Gradio hands them over, and several Gradio batches can be in flight.
   A bad item gets its error text in its own outputs (raising would fail every user in the batch).
 
-Both take ``(image, question, max_new_tokens, temperature, top_p, reasoning, beams)`` (the last two
-optional: ``"normal"`` and 2) and return plain strings
-``(summary, caption, reasoning, conclusion, raw, status, extra, stages_html, beams_html)``. With
+Both take :data:`~vlm_demo.web.contract.INPUTS` (the last two optional: ``"normal"`` and 2) and return
+:class:`~vlm_demo.web.contract.Outputs`, plain strings. With
 ``reasoning="stage-beam"`` (the page's "Think harder") the running stage's panel shows its candidates
 as they are written and judged, then the winner; ``beams_html`` lists every stage's candidates with the
 winner marked and the judge's words.
@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import html
 import logging
 import threading
 import time
@@ -38,22 +37,20 @@ import gradio as gr
 
 from vlm_demo.backends.base import Backend, Stream
 from vlm_demo.config import Config
-from vlm_demo.cot import STAGES, Stages, parse_stages
 from vlm_demo.errors import DemoError, GenerationError, RequestCancelledError
 from vlm_demo.images import load_image
-from vlm_demo.metrics import Metrics
 from vlm_demo.schema import (
     DEFAULT_BEAMS,
     NORMAL,
-    BeamView,
-    GenerationResult,
     Limits,
-    StageChoice,
     ValidRequest,
     has_image,
     params_from_inputs,
     validate_request,
 )
+from vlm_demo.web.contract import Outputs
+from vlm_demo.web.metrics import Metrics
+from vlm_demo.web.render import ERROR_TITLES, error_status, progress, render
 
 log = logging.getLogger(__name__)
 
@@ -61,18 +58,6 @@ UPDATE_INTERVAL_S = 0.05  # at most ~20 page updates a second per answer; humans
 UPDATES_PER_S_BUDGET = 60.0  # page updates a second over all live answers (bounds the web process's CPU)
 MAX_UPDATE_INTERVAL_S = 0.5
 TOKEN_TIMEOUT_S = 300.0  # longest silence tolerated from the backend before giving up on a request
-OUTPUTS = ("summary", "caption", "reasoning", "conclusion", "raw", "status", "extra", "stages_html", "beams_html")
-
-ERROR_TITLES = {
-    "invalid_request": "Invalid input",
-    "server_busy": "Server busy",
-    "out_of_memory": "Out of GPU memory",
-    "cancelled": "Stopped",
-    "engine_stopped": "Model restarting",
-    "backend_unavailable": "Backend unavailable",
-    "backend_timeout": "Backend timeout",
-    "generation_failed": "Generation failed",
-}
 
 
 class Sessions:
@@ -107,128 +92,13 @@ class Sessions:
             return sum(len(s) for s in self._streams.values())
 
 
-def tracker_html(stages: Stages, active: str | None) -> str:
-    """The stage strip above the panels; page CSS keys on ``data-active``/``data-done`` to mark the panels.
-
-    Marking panels through this one HTML output keeps the panels' API values plain strings (a
-    ``gr.update`` with CSS classes would reach API clients as a dict).
-    """
-    done = [s for s in stages.seen if s != active]
-    steps = []
-    for stage in STAGES:
-        state = "active" if stage == active else "done" if stage in done else "todo"
-        mark = {"active": " ●", "done": " ✓", "todo": ""}[state]
-        steps.append(f'<span class="step {state}">{stage.upper()}{mark}</span>')
-    body = ' <span class="arrow">→</span> '.join(steps)
-    extra = ""
-    if stages.extra:
-        extra = (
-            '<div class="extra"><b>Text outside the four stages:</b><pre>' + html.escape(stages.extra) + "</pre></div>"
-        )
-    return f'<div class="cot-tracker" data-active="{active or ""}" data-done="{" ".join(done)}">{body}</div>{extra}'
-
-
-def result_status(result: GenerationResult, stages: Stages | None = None) -> str:
-    """The status line for a finished answer: how it ended, how it ran (batch size) and how fast."""
-    if result.finish_reason == "length":
-        head = "Stopped at the max new tokens limit"
-    elif stages is not None and stages.seen and "conclusion" not in stages.seen:
-        head = "Ended without a CONCLUSION"
-    else:
-        head = "Done"
-    parts = [
-        head,
-        f"batch of {result.batch_size}",
-        f"{result.completion_tokens} tokens",
-        f"{result.tokens_per_s:.1f} tokens/s",
-        f"{result.total_s:.2f} s",
-    ]
-    if result.queue_s >= 0.05:
-        parts.append(f"waited {result.queue_s:.2f} s")
-    return " · ".join(parts)
-
-
-def error_status(error: DemoError) -> str:
-    return f"Error ({error.code}): {error}"
-
-
-def candidates_text(choice: StageChoice) -> str:
-    """A stage's panel while its candidates are written and judged: each one, numbered."""
-    return "\n\n".join(f"[Candidate {i + 1}] {text or '…'}" for i, text in enumerate(choice.candidates))
-
-
-def beams_html(view: BeamView | None) -> str:
-    """Every stage of a stage-beam search: its candidates, the winner marked, the judge's words."""
-    if view is None:
-        return ""
-    blocks = []
-    for choice in view.stages:
-        running = choice.winner is None
-        items = []
-        for i, text in enumerate(choice.candidates):
-            won = i == choice.winner
-            mark = '<span class="won">✓ chosen</span> ' if won else ""
-            first = choice.candidates.index(text)
-            shown = html.escape(text or "…") if first == i or not text else f"<i>(same as {first + 1})</i>"
-            if choice.closed and not choice.closed[i]:
-                shown += " <i>(no closing tag: not judged)</i>"
-            items.append(f'<li class="cand{" winner" if won else ""}">{mark}{shown}</li>')
-        if running:
-            state = "judging…" if view.phase == "judging" else "writing…"
-        else:
-            state = f"candidate {choice.winner + 1} chosen" if len(choice.candidates) > 1 else "one candidate"
-        judge = ""
-        if choice.judgements:
-            said = "\n".join(html.escape(j) for j in choice.judgements)
-            judge = f"<details><summary>Judge</summary><pre>{said}</pre></details>"
-        blocks.append(
-            f'<div class="beam-stage" data-stage="{choice.stage}" data-state="{"running" if running else "done"}">'
-            f"<b>{choice.stage.upper()}</b> · {len(choice.candidates)} candidates · {state}"
-            f"<ol>{''.join(items)}</ol>{judge}</div>"
-        )
-    head = f"Stage beam search · {view.beams} candidates per stage · {view.judge_calls} judge calls"
-    return (
-        f'<div class="beam-search" data-phase="{view.phase}"><div class="beam-head">{head}</div>{"".join(blocks)}</div>'
-    )
-
-
-def render(
-    raw: str,
-    status: str | None = None,
-    final: bool = False,
-    result: GenerationResult | None = None,
-    view: BeamView | None = None,
-) -> tuple:
-    """All outputs for one moment of an answer, as plain strings (what API clients receive too).
-
-    Order: summary, caption, reasoning, conclusion, raw, status, text outside the stages, stage strip,
-    stage-beam view. With ``result`` the status line is the finished answer's (honest about how it
-    ended). With a running stage-beam ``view``, the running stage's panel shows its candidates.
-    """
-    stages = parse_stages(raw, final=final)
-    active = None if final else stages.active
-    panels = list(stages.as_tuple())
-    running = view.stages[-1] if view is not None and view.stages and view.stages[-1].winner is None else None
-    if running is not None and not final:
-        panels[STAGES.index(running.stage)] = candidates_text(running)
-        active = running.stage
-    if result is not None:
-        status = result_status(result, stages)
-        if view is not None:
-            status += f" · stage beam search: {view.beams} candidates per stage, {view.judge_calls} judge calls"
-    status = status or ""
-    if final and raw.strip() and not stages.seen:
-        status += " · the answer did not use the four stages (shown above the panels)"
-    return (*panels, raw, status, stages.extra, tracker_html(stages, active), beams_html(view))
-
-
 class Changes:
     """Suppresses an update that would change nothing on the page (e.g. a poll with no new text)."""
 
     def __init__(self) -> None:
-        self._shown: tuple | None = None
+        self._shown: Outputs | None = None
 
-    def __call__(self, values: tuple) -> tuple | None:
+    def __call__(self, values: Outputs) -> Outputs | None:
         """The update to send, or ``None`` when nothing changed."""
         if values == self._shown:
             return None
@@ -288,11 +158,6 @@ class Handlers:
             return str(err)
         return ""
 
-    @staticmethod
-    def cleared() -> tuple:
-        """Empty panels, status and stage strip (new input, Clear button)."""
-        return render("", "")
-
     # ---- /ask: one streaming request --------------------------------------------------------------
     async def ask(
         self,
@@ -304,7 +169,7 @@ class Handlers:
         reasoning: Any = NORMAL,
         beams: Any = DEFAULT_BEAMS,
         request: gr.Request = None,  # type: ignore[assignment]  # Gradio injects it
-    ) -> AsyncIterator[tuple[Any, ...]]:
+    ) -> AsyncIterator[Outputs]:
         """Stream the four stages of one answer as tokens arrive; bad input raises an error naming the problem."""
         inputs = (image, question, max_new_tokens, temperature, top_p, reasoning, beams)
         async with contextlib.aclosing(self._ask(inputs, request)) as updates:
@@ -321,7 +186,7 @@ class Handlers:
         reasoning: Any = NORMAL,
         beams: Any = DEFAULT_BEAMS,
         request: gr.Request = None,  # type: ignore[assignment]
-    ) -> AsyncIterator[tuple[Any, ...]]:
+    ) -> AsyncIterator[Outputs]:
         """The page's Ask: like ``ask``, but a failure is shown once, in the status line, over cleared panels
         (what was already streamed stays), instead of an error toast and a red mark on every output."""
         raw = [""]
@@ -335,14 +200,14 @@ class Handlers:
 
     async def _ask(
         self, inputs: tuple[Any, ...], request: gr.Request | None, shown: list[str] | None = None
-    ) -> AsyncIterator[tuple[Any, ...]]:
+    ) -> AsyncIterator[Outputs]:
         loop = asyncio.get_running_loop()
         try:  # decoding an upload takes up to ~0.1 s: not on the event loop that serves everyone
             stream = await loop.run_in_executor(None, self._submit, *inputs)
         except DemoError as err:
             self.metrics.rejected(err.code)
             raise gr_error(err) from None
-        session = getattr(request, "session_hash", None) or f"anonymous-{id(stream)}"
+        session = (request.session_hash if request is not None else None) or f"anonymous-{id(stream)}"
         self.sessions.add(session, stream)
         finished = asyncio.Event()
         stream.add_done_callback(lambda _: _wake(loop, finished))
@@ -363,7 +228,7 @@ class Handlers:
                 if view is not None and view != searching:
                     last = now  # candidates are being written or judged: the model is not silent
                 if text or not raw or view is not None:  # new text, a queue position that may have moved, a search
-                    update = changes(self._progress(raw, stream, view))
+                    update = changes(progress(raw, view, None if raw else stream.ahead()))
                     if update is not None:
                         yield update
                 if ended:
@@ -392,32 +257,9 @@ class Handlers:
     def _submit(self, *inputs: Any) -> Stream:
         return self.backend.submit(self.admit(*inputs))
 
-    def _progress(self, raw: str, stream: Stream, view: BeamView | None = None) -> tuple:
-        """The outputs while an answer streams (parsed once): the panels, and where the model is."""
-        if view is not None and view.stages:
-            running = view.stages[-1]
-            count = max(len(running.candidates), 1 if view.phase == "judging" else view.beams)
-            doing = f"judging {count} candidates" if view.phase == "judging" else f"{count} candidates writing"
-            status = f"Thinking harder · {running.stage.upper()}: {doing}…"
-            return render(raw, status, view=view)
-        stages = parse_stages(raw)
-        if raw:
-            status = f"Generating · writing {stages.active.upper()}…" if stages.active else "Generating…"
-        else:
-            status = self._waiting_status(stream)
-        return (*stages.as_tuple(), raw, status, stages.extra, tracker_html(stages, stages.active), "")
-
-    def _waiting_status(self, stream: Stream) -> str:
-        ahead = getattr(stream, "ahead", None)
-        if callable(ahead):
-            ahead = ahead()
-        if isinstance(ahead, int) and ahead > 0:
-            return f"Waiting for the model… {ahead} ahead of you"
-        return "Waiting for the model…"
-
     def stop(self, request: gr.Request = None) -> None:  # type: ignore[assignment]
         """Cancel this visitor's running answers only; other visitors' requests keep going."""
-        session = getattr(request, "session_hash", None)
+        session = request.session_hash if request is not None else None
         count = self.sessions.cancel(session) if session else 0
         log.info("stop from session %s cancelled %d run(s)", session, count)
 

@@ -1,7 +1,7 @@
 """The local engine in a process of its own, behind the :class:`~vlm_demo.backends.base.Backend` interface.
 
 The web process keeps the page, the door and the HTTP server; the engine process
-(:mod:`vlm_demo.engine.core`) keeps the model. This module is the thin client and the supervisor:
+(:mod:`vlm_demo.engine.process`) keeps the model. This module is the thin client and the supervisor:
 
 - ``submit`` sends a :class:`~vlm_demo.schema.ValidRequest` over a pipe and returns a handle whose
   text arrives with the engine's per-step messages; ``cancel`` ends the handle at once and tells the
@@ -22,9 +22,11 @@ import signal
 import threading
 import time
 from multiprocessing.connection import Connection, wait
-from typing import Any
+from multiprocessing.process import BaseProcess
 
+from vlm_demo.backends.base import Health
 from vlm_demo.config import Config
+from vlm_demo.engine.ipc import Cancel, Fatal, Ready, Shutdown, Step, Submit
 from vlm_demo.errors import (
     BackendUnavailableError,
     DemoError,
@@ -32,9 +34,8 @@ from vlm_demo.errors import (
     QueueFullError,
     RequestCancelledError,
 )
-from vlm_demo.ipc import Cancel, Fatal, Ready, Shutdown, Step, Submit
-from vlm_demo.schema import BeamView, GenerationResult, ValidRequest
-from vlm_demo.stream import OutputStream, run_all
+from vlm_demo.schema import BeamView, EngineStats, GenerationResult, ValidRequest
+from vlm_demo.stream import Listener, OutputStream, Stream, run_all
 
 log = logging.getLogger(__name__)
 
@@ -95,14 +96,14 @@ class EngineProcessBackend:
         self._ctx = multiprocessing.get_context("spawn")  # never fork a process that may hold CUDA or threads
         self._streams: dict[int, RemoteStream] = {}
         self._positions: dict[int, int] = {}
-        self._stats: dict[str, Any] = {}
+        self._stats: EngineStats | None = None  # the engine's latest report
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._send_lock = threading.Lock()
-        self._listeners: list[Any] = []
+        self._listeners: list[Listener] = []
         self._ready = threading.Event()
         self._closing = False
-        self._proc: Any = None
+        self._proc: BaseProcess | None = None
         self._conn: Connection | None = None
         self._started_at = 0.0
         self._start()  # raises EngineStartError when the model cannot be loaded at all
@@ -138,19 +139,20 @@ class EngineProcessBackend:
     def run_batch(self, items: list[ValidRequest]) -> list[GenerationResult | DemoError]:
         return run_all(self.submit, items)
 
-    def health(self) -> dict[str, Any]:
-        stats = {k: v for k, v in self._stats.items() if k != "waiting"}
+    def health(self) -> Health:
+        stats = self._stats
         alive = self._proc is not None and self._proc.is_alive()
-        stats.update(
-            ready=self._ready.is_set() and alive and not self._closing,
-            engine_pid=self._proc.pid if self._proc is not None else None,
-            engine_restarts=self.restarts,
+        return Health(
+            ready=self._ready.is_set() and alive and not self._closing and (stats is None or stats.ready),
+            queue_depth=stats.queue_depth if stats is not None else 0,
+            max_batch_size=stats.max_batch_size if stats is not None else self.config.max_batch_size,
             in_flight=len(self._streams),
+            engine=stats,
+            engine_pid=self.pid,
+            engine_restarts=self.restarts,
         )
-        stats.setdefault("queue_depth", 0)
-        return stats
 
-    def add_listener(self, listener: Any) -> None:
+    def add_listener(self, listener: Listener) -> None:
         self._listeners.append(listener)
 
     def close(self, timeout: float = 10.0) -> None:
@@ -171,7 +173,8 @@ class EngineProcessBackend:
     @property
     def capacity(self) -> int:
         """Requests the engine may hold (running rows plus its queue) before new ones are refused."""
-        return self.config.max_queue + int(self._stats.get("max_batch_size") or self.config.max_batch_size)
+        rows = self._stats.max_batch_size if self._stats is not None else self.config.max_batch_size
+        return self.config.max_queue + rows
 
     def pids(self) -> dict[str, int]:
         """The engine process (benchmarks account its CPU time)."""
@@ -185,9 +188,9 @@ class EngineProcessBackend:
     def _start(self) -> None:
         """Spawn the engine process and wait until it has loaded the model (or says why it cannot)."""
         parent, child = self._ctx.Pipe()
-        from vlm_demo.engine import core  # the spawn target; torch is imported only in the child
+        import vlm_demo.engine.process as engine_process  # the spawn target; torch is imported only in the child
 
-        proc = self._ctx.Process(target=core.run, args=(self.config, child), name="vlm-engine", daemon=True)
+        proc = self._ctx.Process(target=engine_process.run, args=(self.config, child), name="vlm-engine", daemon=True)
         proc.start()
         child.close()  # the child holds its end: EOF here means it is gone
         log.info("engine process %d started; loading %s", proc.pid, self.config.model)
@@ -210,7 +213,7 @@ class EngineProcessBackend:
             elif not proc.is_alive():
                 raise EngineStartError(f"The engine process stopped while loading ({_describe_exit(proc.exitcode)}).")
         self.model, self.notice = message.model, message.notice
-        self._stats = dict(message.stats)
+        self._stats = message.stats
         self._proc, self._conn, self._started_at = proc, parent, time.monotonic()
         self._ready.set()
         log.info("engine process %d ready (%s)", proc.pid, self.model)
@@ -264,7 +267,7 @@ class EngineProcessBackend:
                 log.error("engine restart failed: %s", err)
                 attempt += 1
 
-    def _dispatch(self, message: Any) -> None:
+    def _dispatch(self, message: object) -> None:
         if not isinstance(message, Step):
             return
         self.messages_received += 1
@@ -280,8 +283,7 @@ class EngineProcessBackend:
                     stream._send(text)
             ended = [(streams.pop(e.rid, None), e) for e in message.ended]
             if message.stats is not None:
-                waiting = message.stats.get("waiting") or []
-                self._positions = {rid: i for i, rid in enumerate(waiting)}
+                self._positions = {rid: i for i, rid in enumerate(message.waiting or [])}
                 self._stats = message.stats
         for stream, end in ended:
             if stream is not None:
@@ -290,7 +292,7 @@ class EngineProcessBackend:
             for listener in self._listeners:
                 listener.on_batch(size)
 
-    def _send(self, message: Any) -> None:
+    def _send(self, message: object) -> None:
         conn = self._conn
         if conn is None:
             raise OSError("no engine process")
@@ -315,7 +317,7 @@ class EngineProcessBackend:
         for stream in streams:
             stream.fail(error)
 
-    def _on_done(self, stream: OutputStream) -> None:
+    def _on_done(self, stream: Stream) -> None:
         for listener in self._listeners:
             try:
                 listener.on_request_done(stream)

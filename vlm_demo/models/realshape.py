@@ -6,7 +6,7 @@ structure without a download:
 
 - :func:`full_config` is Llama-3.2-11B-Vision's architecture (40 text layers, 8 of them
   cross-attention, 32/8 GQA heads, llama3 rope scaling; a 32+8-layer vision tower on 560-px tiles).
-  ``python -m vlm_demo.gpucheck`` builds it on a GPU with random bf16 weights.
+  ``python -m vlm_demo.tools.gpucheck`` builds it on a GPU with random bf16 weights.
 - :func:`narrow_config` keeps that structure (vocabulary 128256, the real special-token ids,
   560-px tiles up to 4, the 32/8 head ratio, llama3 rope, cross-attention layers) at narrow widths
   and 5 layers: the CI model (fp32 on CPU, seconds to build).
@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from transformers import GenerationConfig, MllamaConfig, MllamaForConditionalGeneration, MllamaProcessor
 
-from vlm_demo.tiny import CHAT_TEMPLATE, LLAMA3_SPLIT
+from vlm_demo.models.tiny import CHAT_TEMPLATE, LLAMA3_SPLIT
 
 TEXT_VOCAB = 128256
 IMAGE_TOKEN_ID = 128256  # = the text vocabulary size, as in the real checkpoint

@@ -1,0 +1,112 @@
+"""The package's layout as the architecture: parts in subpackages, imports one way, typed contracts between parts.
+
+Read from the source with ``ast`` (nothing is imported), so a violation names the file and line.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+from support import ROOT
+
+PACKAGE = ROOT / "vlm_demo"
+
+
+def modules() -> dict[str, Path]:
+    """Every module of the package by dotted name (a package by its ``__init__``)."""
+    found = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        found[".".join(parts)] = path
+    return found
+
+
+def imported(path: Path, known: dict[str, Path]) -> Iterator[tuple[str, int]]:
+    """The package's modules that ``path`` imports, anywhere in it (function bodies and TYPE_CHECKING too)."""
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+        else:
+            continue
+        for name in names:
+            if name in known:
+                yield name, node.lineno
+
+
+def test_no_import_cycles_anywhere_in_the_package() -> None:
+    known = modules()
+    graph = {name: {dep for dep, _ in imported(path, known) if dep != name} for name, path in known.items()}
+    for name in graph:  # importing a.b.c runs a and a.b first
+        for dep in list(graph[name]):
+            parts = dep.split(".")
+            graph[name] |= (
+                {".".join(parts[:i]) for i in range(1, len(parts))}
+                - {name}
+                - set(".".join(name.split(".")[:i]) for i in range(1, len(name.split("."))))
+            )
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> None:
+        state[node] = 1
+        stack.append(node)
+        for dep in sorted(graph[node]):
+            if state.get(dep) == 1:
+                cycle = stack[stack.index(dep) :] + [dep]
+                raise AssertionError("import cycle: " + " -> ".join(cycle))
+            if dep not in state:
+                visit(dep)
+        stack.pop()
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node)
+
+
+def test_the_top_level_holds_only_the_door_and_the_shared_vocabulary() -> None:
+    plain = sorted(p.stem for p in PACKAGE.glob("*.py") if p.stem != "__init__")
+    assert len(plain) <= 10, plain
+    parts = sorted(p.name for p in PACKAGE.iterdir() if (p / "__init__.py").is_file())
+    assert parts == ["backends", "engine", "models", "tools", "triton", "web"], parts
+
+
+def test_the_web_layer_calls_backends_and_streams_through_their_protocols() -> None:
+    """No ``getattr``/``hasattr`` probing in the web layer: what it calls is in ``Backend`` and ``Stream``."""
+    probes = []
+    for path in (PACKAGE / "web").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Name)
+                and node.func.id in ("getattr", "hasattr")
+            ):
+                probes.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert not probes, probes
+
+
+def test_the_triton_wire_contract_has_one_home() -> None:
+    """Model names and the error marker are defined once, in ``vlm_demo.triton.contract``, and imported by
+    the client, the PyTriton server, the handlers and both repository models."""
+    known = modules()
+    users = [
+        "vlm_demo.backends.triton",
+        "vlm_demo.triton.serve",
+        "vlm_demo.triton.handlers",
+        "vlm_demo.triton.repo.llama_3_2v_11b_cot_ensemble.1.model",
+        "vlm_demo.triton.repo.vllm_model.1.model",
+    ]
+    for name in users:
+        deps = {dep for dep, _ in imported(known[name], known)}
+        assert "vlm_demo.triton.contract" in deps, name
+    for name, path in known.items():
+        if name == "vlm_demo.triton.contract":
+            continue
+        text = path.read_text()
+        assert '= "llama_3_2v_11b_cot_ensemble"' not in text and "vlm_demo\\[" not in text, name

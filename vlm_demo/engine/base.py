@@ -1,0 +1,186 @@
+"""What every engine shares: the door, the listeners, the failure helpers and the engine thread's life.
+
+An engine owns one :class:`~vlm_demo.engine.worker.Worker` and one engine thread. The two batching
+modes are siblings built on this base (:mod:`~vlm_demo.engine.dynamic`,
+:mod:`~vlm_demo.engine.continuous`); :func:`vlm_demo.engine.make_engine` picks one. Construction
+only builds; :meth:`Engine.start` starts the thread, so a subclass sets its fields before anything runs.
+
+Failure helpers live here because both modes retry the same way: a failed attempt's memory is released
+(:func:`release`) before anything is retried, and a request that fails on its own gets one specific
+error (:func:`error_for`).
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import threading
+import traceback
+from typing import ClassVar
+
+import torch
+
+from vlm_demo.config import Config
+from vlm_demo.engine.memory import MemoryPlan, plan_for
+from vlm_demo.engine.request import Request, make_request
+from vlm_demo.engine.scheduler import Scheduler
+from vlm_demo.engine.worker import Worker
+from vlm_demo.errors import (
+    DemoError,
+    EngineStoppedError,
+    GenerationError,
+    InvalidRequestError,
+    OutOfMemoryError,
+)
+from vlm_demo.schema import STAGE_BEAM, EngineStats, GenerationResult, ValidRequest
+from vlm_demo.stream import Listener, Stream, run_all
+
+log = logging.getLogger(__name__)
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()
+
+
+def release(exc: BaseException) -> None:
+    """Free what a failed attempt still holds before anything is retried.
+
+    An exception's traceback keeps every frame it passed through alive, and with them their locals:
+    for a failed ``generate`` that is the whole KV cache and the activations. Retrying inside the
+    ``except`` block (or while the exception is kept) runs the retry next to all of it, so one
+    out-of-memory batch cascades. Here the frames are cleared (chained exceptions too), the garbage
+    collected and the allocator's cached blocks returned; the message stays for the error.
+    """
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if current.__traceback__ is not None:
+            traceback.clear_frames(current.__traceback__)
+            current.__traceback__ = None
+        current = current.__cause__ or current.__context__
+    gc.collect()
+    if torch.cuda.is_available():
+        try:
+            torch.cuda.empty_cache()
+        except Exception as err:  # after a sticky CUDA error every CUDA call raises; the caller decides
+            log.warning("could not return cached GPU memory: %r", err)
+
+
+def error_for(exc: Exception) -> DemoError:
+    """The user-facing error for a request that failed on its own."""
+    if is_out_of_memory(exc):
+        return OutOfMemoryError(
+            "The GPU ran out of memory for this request, even on its own. "
+            "Try a smaller max_new_tokens or a smaller image."
+        )
+    return GenerationError(f"Generation failed: {type(exc).__name__}: {exc}")
+
+
+class Engine:
+    """The base of both batching modes: thread-safe ``submit``, one engine thread running ``_loop``."""
+
+    batching: ClassVar[str] = ""
+    supports_stage_beam: ClassVar[bool] = False  # forking candidates out of a running batch needs continuous batching
+
+    def __init__(self, worker: Worker, config: Config | None = None) -> None:
+        self.worker = worker
+        self.config = config or Config(batching=self.batching)
+        self.memory: MemoryPlan = plan_for(worker, self.config)  # in the engine process, after the weights load
+        self.max_batch_size = self.memory.max_batch_size
+        self.scheduler = Scheduler(self.max_batch_size, self.config.batch_window_ms / 1000.0, self.config.max_queue)
+        self.listeners: list[Listener] = []
+        self.batches_run = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> Engine:
+        """Start the engine thread (once); returns the engine, so ``make_engine`` can build and start in one go."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name=f"vlm-engine-{self.batching}", daemon=True)
+            self._thread.start()
+        return self
+
+    def _loop(self) -> None:
+        raise NotImplementedError
+
+    # ---- the door ----------------------------------------------------------------------------
+    def make_request(self, valid: ValidRequest) -> Request:
+        """Preprocess on the caller's thread; only requests that passed the door get here."""
+        if isinstance(valid, ValidRequest) and valid.params.reasoning == STAGE_BEAM and not self.supports_stage_beam:
+            raise InvalidRequestError(
+                "Stage-level beam search needs continuous batching (--batching continuous, the default)."
+            )
+        return make_request(valid, self.worker)
+
+    def submit(self, valid: ValidRequest) -> Request:
+        """Queue one request and return its handle (stream / result / cancel)."""
+        if self._stop.is_set():
+            raise EngineStoppedError("The server is shutting down; please try again shortly.")
+        request = self.make_request(valid)
+        request.add_done_callback(self._on_done)
+        self.scheduler.add(request)
+        return request
+
+    def run_batch(self, items: list[ValidRequest]) -> list[GenerationResult | DemoError]:
+        """Submit many at once (they batch together) and wait; errors come back in their slots."""
+        return run_all(self.submit, items)
+
+    def generate(self, valid: ValidRequest) -> GenerationResult:
+        return self.submit(valid).result()
+
+    # ---- observation -------------------------------------------------------------------------
+    def add_listener(self, listener: Listener) -> None:
+        self.listeners.append(listener)
+
+    def _notify_batch(self, size: int) -> None:
+        for listener in self.listeners:
+            try:
+                listener.on_batch(size)
+            except Exception:  # a broken metric must not break serving
+                log.exception("listener %r failed in on_batch", listener)
+
+    def _on_done(self, request: Stream) -> None:
+        for listener in self.listeners:
+            try:
+                listener.on_request_done(request)
+            except Exception:
+                log.exception("listener %r failed in on_request_done", listener)
+        if isinstance(request, Request) and request.cancelled:
+            self.scheduler.wake()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._stop.is_set()
+
+    def running_rows(self) -> int:
+        raise NotImplementedError
+
+    def stats(self) -> EngineStats:
+        plan = self.memory
+        return EngineStats(
+            ready=self.alive,
+            batching=self.batching,
+            queue_depth=self.scheduler.depth,
+            running=self.running_rows(),
+            batches_run=self.batches_run,
+            device=str(self.worker.device),
+            max_batch_size=plan.max_batch_size,
+            kv_budget_bytes=plan.kv_budget_bytes,
+            kv_bytes_per_token=plan.kv.bytes_per_token,
+            kv_bytes_per_row=plan.kv.bytes_per_row,
+            memory_plan=plan.source,
+        )
+
+    # ---- the end -------------------------------------------------------------------------------
+    def _abandon_running(self) -> None:
+        """Cancel what the engine thread holds (shutdown); each mode knows its own."""
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop taking work, fail what is queued, let the running batch end."""
+        self._stop.set()
+        for request in self.scheduler.close():
+            request.fail(EngineStoppedError("The server shut down before this request ran."))
+        self._abandon_running()
+        if self._thread is not None:
+            self._thread.join(timeout)

@@ -1,0 +1,1 @@
+"""Operator and developer tools: benchmarks, load clients, the design documents' baseline, the GPU check."""

@@ -1,0 +1,125 @@
+"""The Triton wire contract, in one place: the client (:mod:`vlm_demo.backends.triton`), the PyTriton
+server (:mod:`vlm_demo.triton.serve`) and the repository's ``model.py`` files all import it.
+
+Two contracts:
+
+* **infer** (``llama_3_2v_11b_cot_ensemble``): ``IMAGE`` UINT8 ``[H,W,3]`` (plus a batch dimension when
+  the model batches) and ``QUESTION`` BYTES in, ``ANSWER`` BYTES out; optional sampling inputs and
+  optional outputs (finish reason, token counts, a per-request ``ERROR``).
+* **generate** (Triton's vLLM backend, decoupled): ``text_input`` (the chat-templated prompt), ``image``
+  (base64 of an image file), ``sampling_parameters`` (JSON) and flags → ``text_output`` pieces.
+
+Servers in this package report a request's typed error as ``vlm_demo[code]: message`` (inside Triton's
+error text or the ``ERROR`` output), so the client raises the same error class the engine did.
+Torch-free: the web process imports it.
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+
+from vlm_demo.errors import (
+    BackendTimeoutError,
+    BackendUnavailableError,
+    DemoError,
+    EngineStoppedError,
+    GenerationError,
+    InvalidRequestError,
+    OutOfMemoryError,
+    QueueFullError,
+    RequestCancelledError,
+)
+
+ENSEMBLE_MODEL = "llama_3_2v_11b_cot_ensemble"
+GENERATE_MODEL = "vllm_model"
+
+# ---- infer contract ----------------------------------------------------------------------------------
+IMAGE, QUESTION, ANSWER, ERROR = "IMAGE", "QUESTION", "ANSWER", "ERROR"
+# Optional inputs: name -> (numpy dtype, SamplingParams field); one value per request (shape [1]).
+SAMPLING_INPUTS: dict[str, tuple[type, str]] = {
+    "max_new_tokens": (np.int32, "max_new_tokens"),
+    "temperature": (np.float32, "temperature"),
+    "top_p": (np.float32, "top_p"),
+    "seed": (np.int64, "seed"),
+    "reasoning": (np.object_, "reasoning"),  # "normal" or "stage-beam" (bytes)
+    "beams": (np.int32, "beams"),
+}
+INFER_INPUTS = (IMAGE, QUESTION, *SAMPLING_INPUTS)
+# Outputs: name -> numpy dtype; all but ANSWER are optional for a client (used when the model lists them).
+INFER_OUTPUT_TYPES: dict[str, type] = {
+    ANSWER: np.object_,
+    "FINISH_REASON": np.object_,
+    "PROMPT_TOKENS": np.int32,
+    "COMPLETION_TOKENS": np.int32,
+    ERROR: np.object_,
+}
+INFER_OUTPUTS = tuple(INFER_OUTPUT_TYPES)
+
+# ---- generate contract (Triton's vLLM backend) -------------------------------------------------------
+TEXT_INPUT, IMAGE_INPUT, SAMPLING_PARAMETERS, TEXT_OUTPUT = "text_input", "image", "sampling_parameters", "text_output"
+GENERATE_FLAGS = (
+    "stream",
+    "exclude_input_in_output",
+    "return_finish_reason",
+    "return_num_input_tokens",
+    "return_num_output_tokens",
+)
+GENERATE_INPUTS = (TEXT_INPUT, IMAGE_INPUT, SAMPLING_PARAMETERS, *GENERATE_FLAGS)
+GENERATE_OUTPUT_TYPES: dict[str, type] = {
+    TEXT_OUTPUT: np.object_,
+    "finish_reason": np.object_,
+    "num_input_tokens": np.uint32,
+    "num_output_tokens": np.uint32,
+}
+GENERATE_OUTPUTS = tuple(GENERATE_OUTPUT_TYPES)
+
+# Llama 3.2 Vision's chat format for one user turn with an image (what its chat template renders, and
+# what vLLM expects as ``text_input``: it finds the image by the ``<|image|>`` token).
+PROMPT_HEAD = "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\n<|image|>"
+PROMPT_TAIL = "<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"
+_USER_TURN = re.compile(r"<\|start_header_id\|>user<\|end_header_id\|>\n\n(.*?)<\|eot_id\|>", re.S)
+
+
+def chat_prompt(question: str) -> str:
+    """The chat-templated prompt for ``text_input`` (one user turn: the image, then the question)."""
+    return f"{PROMPT_HEAD}{question}{PROMPT_TAIL}"
+
+
+def question_from_prompt(prompt: str) -> str:
+    """The question inside a chat-templated prompt; a prompt without chat markup is the question itself."""
+    turns = _USER_TURN.findall(prompt)
+    if not turns:
+        return prompt.replace("<|image|>", "").strip()
+    return turns[-1].replace("<|image|>", "").strip()
+
+
+# ---- typed errors across the wire ---------------------------------------------------------------------
+_MARKER = re.compile(r"vlm_demo\[(\w+)\]: ([^\n]*)")
+ERRORS_BY_CODE: dict[str, type[DemoError]] = {
+    cls.code: cls
+    for cls in (
+        InvalidRequestError,
+        QueueFullError,
+        OutOfMemoryError,
+        RequestCancelledError,
+        EngineStoppedError,
+        GenerationError,
+        BackendUnavailableError,
+        BackendTimeoutError,
+    )
+}
+
+
+def error_text(error: DemoError) -> str:
+    """How a server in this package reports ``error`` so that :func:`error_from_text` restores its class."""
+    return f"vlm_demo[{error.code}]: {error}"
+
+
+def error_from_text(text: str) -> DemoError | None:
+    """The typed error encoded in ``text`` by :func:`error_text`, if any."""
+    match = _MARKER.search(text)
+    if not match:
+        return None
+    return ERRORS_BY_CODE.get(match.group(1), GenerationError)(match.group(2))

@@ -1,0 +1,300 @@
+"""Serve our engine from a real Triton Inference Server (PyTriton), speaking the two contracts the demo calls.
+
+* ``llama_3_2v_11b_cot_ensemble`` — ``IMAGE`` UINT8 ``[H,W,3]`` + ``QUESTION`` BYTES → ``ANSWER`` BYTES, with
+  Triton's dynamic batcher in front: each batch Triton forms is handed whole to the engine, so it becomes one
+  engine batch. Optional inputs carry sampling parameters; optional outputs carry the finish reason, token
+  counts and a per-request ``ERROR`` (one bad request must not fail the batch it was grouped into).
+* ``vllm_model`` — the generate contract of Triton's vLLM backend, decoupled (streaming): ``text_input``
+  (chat-templated prompt), ``image`` (base64 of an image file), ``stream``, ``sampling_parameters`` (JSON),
+  ``exclude_input_in_output`` → ``text_output`` pieces.
+
+What a request does is :mod:`vlm_demo.triton.handlers`' (plain numpy, shared with the classic model
+repository's ``model.py`` files in ``vlm_demo/triton/repo``); the names and types on the wire are
+:mod:`vlm_demo.triton.contract`'s. This module binds them to PyTriton.
+
+Run ``python -m vlm_demo.triton.serve --model tiny``. The bundled ``tritonserver`` needs
+``LD_LIBRARY_PATH`` to include this Python's ``LIBDIR`` (see the README); without it the Python backend
+stub loads the system libpython and fails at start-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+import sysconfig
+import threading
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from vlm_demo import REPO_ROOT
+from vlm_demo.config import Config, build_parser, config_from_namespace
+from vlm_demo.errors import DemoError
+from vlm_demo.schema import DEFAULT_MAX_NEW_TOKENS, Limits
+from vlm_demo.triton import contract
+from vlm_demo.triton.contract import ENSEMBLE_MODEL, GENERATE_MODEL, SAMPLING_INPUTS, error_text
+from vlm_demo.triton.handlers import EnsembleHandler, decode_generate_request, generate_responses
+
+if TYPE_CHECKING:
+    from vlm_demo.engine.base import Engine
+
+log = logging.getLogger(__name__)
+
+# ---- PyTriton wiring ----------------------------------------------------------------------------------
+
+
+class _GenerateModel:
+    """PyTriton's decoupled infer function: an async generator, so many streams run at once.
+
+    PyTriton runs infer functions on one asyncio loop; a blocking generator would serialise every stream
+    (and the engine could never batch them). Each request's engine stream is read by a thread that hands
+    pieces to the loop.
+    """
+
+    def __init__(self, engine: Engine, limits: Limits, default_max_tokens: int) -> None:
+        self.engine = engine
+        self.limits = limits
+        self.default_max_tokens = default_max_tokens
+
+    async def __call__(self, requests: list[Any]) -> Any:
+        loop = asyncio.get_running_loop()
+        for request in requests:  # Triton sends one request at a time to a model without batching
+            pieces: asyncio.Queue = asyncio.Queue()
+            stop = threading.Event()
+            thread = threading.Thread(target=self._pump, args=(request, loop, pieces, stop), daemon=True)
+            thread.start()
+            try:
+                while True:
+                    kind, payload = await pieces.get()
+                    if kind == "error":
+                        raise RuntimeError(error_text(payload) if isinstance(payload, DemoError) else str(payload))
+                    if kind == "end":
+                        break
+                    yield [payload]
+            finally:
+                stop.set()
+
+    def _pump(
+        self, request: Any, loop: asyncio.AbstractEventLoop, pieces: asyncio.Queue, stop: threading.Event
+    ) -> None:
+        def put(kind: str, payload: Any) -> None:
+            loop.call_soon_threadsafe(pieces.put_nowait, (kind, payload))
+
+        responses: Iterator[dict[str, np.ndarray]] | None = None
+        try:
+            call = decode_generate_request(dict(request), request.parameters, self.limits, self.default_max_tokens)
+            responses = generate_responses(self.engine, call)
+            for response in responses:
+                if stop.is_set():
+                    break
+                put("data", response)
+            put("end", None)
+        except DemoError as exc:
+            put("error", exc)
+        except Exception as exc:  # noqa: BLE001 - reported to the client as a Triton error
+            log.exception("generate request failed")
+            put("error", exc)
+        finally:
+            if responses is not None:
+                responses.close()
+
+
+def _ensemble_fn(handler: EnsembleHandler) -> Any:
+    """Run the blocking engine batch off PyTriton's event loop."""
+
+    async def infer(requests: list[Any]) -> list[dict[str, np.ndarray]]:
+        return await asyncio.get_running_loop().run_in_executor(None, handler, requests)
+
+    return infer
+
+
+def _wire(kind: type) -> type:
+    """PyTriton's name for a contract dtype (BYTES tensors are ``bytes``)."""
+    return bytes if kind is np.object_ else kind
+
+
+def bind_models(triton: Any, engine: Engine, config: Config) -> None:
+    """Bind both contracts to a PyTriton ``Triton`` instance."""
+    from pytriton.model_config import DynamicBatcher, ModelConfig, Tensor
+
+    default_tokens = min(DEFAULT_MAX_NEW_TOKENS, config.max_new_tokens)
+    handler = EnsembleHandler(engine, Limits.from_config(config), default_tokens)
+    triton.bind(
+        model_name=ENSEMBLE_MODEL,
+        infer_func=_ensemble_fn(handler),
+        inputs=[
+            Tensor(name=contract.IMAGE, dtype=np.uint8, shape=(-1, -1, 3)),
+            Tensor(name=contract.QUESTION, dtype=bytes, shape=(1,)),
+            *[Tensor(name=n, dtype=_wire(t), shape=(1,), optional=True) for n, (t, _) in SAMPLING_INPUTS.items()],
+        ],
+        outputs=[Tensor(name=n, dtype=_wire(t), shape=(1,)) for n, t in contract.INFER_OUTPUT_TYPES.items()],
+        config=ModelConfig(
+            max_batch_size=engine.max_batch_size,  # the engine sizes it (from memory when 0)
+            # A short delay lets concurrent requests meet; a lone request waits at most this long.
+            batcher=DynamicBatcher(max_queue_delay_microseconds=int(config.batch_window_ms * 1000)),
+        ),
+        strict=True,
+    )
+    triton.bind(
+        model_name=GENERATE_MODEL,
+        infer_func=_GenerateModel(engine, Limits.from_config(config), default_tokens),
+        inputs=[
+            Tensor(name=contract.TEXT_INPUT, dtype=bytes, shape=(1,)),
+            Tensor(name=contract.IMAGE_INPUT, dtype=bytes, shape=(-1,), optional=True),
+            Tensor(name=contract.SAMPLING_PARAMETERS, dtype=bytes, shape=(1,), optional=True),
+            *[Tensor(name=n, dtype=np.bool_, shape=(1,), optional=True) for n in contract.GENERATE_FLAGS],
+        ],
+        outputs=[Tensor(name=n, dtype=_wire(t), shape=(-1,)) for n, t in contract.GENERATE_OUTPUT_TYPES.items()],
+        config=ModelConfig(batching=False, decoupled=True),
+    )
+
+
+def libdir_on_path() -> bool:
+    """Whether this Python's LIBDIR is on ``LD_LIBRARY_PATH`` (the Python backend stub needs it)."""
+    libdir = sysconfig.get_config_var("LIBDIR") or ""
+    return libdir in os.environ.get("LD_LIBRARY_PATH", "").split(os.pathsep)
+
+
+def _security() -> Any:
+    """PyTriton token-protects statistics by default; they show Triton's batch sizes, so leave them readable
+    and keep protecting the endpoints that change the server."""
+    from pytriton.triton import TritonSecurityConfig
+
+    return TritonSecurityConfig(restricted_endpoints=["shared-memory", "model-repository", "trace", "logging"])
+
+
+def serve(config: Config, http_port: int, grpc_port: int, metrics_port: int, host: str) -> None:
+    """Load the engine, start Triton with both models bound, and block until SIGTERM/SIGINT."""
+    from pytriton.triton import Triton, TritonConfig
+
+    from vlm_demo.engine import make_engine
+
+    engine = make_engine(config)
+    triton_config = TritonConfig(
+        http_address=host, grpc_address=host, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port
+    )
+    try:
+        with Triton(config=triton_config, security_config=_security()) as triton:
+            bind_models(triton, engine, config)
+            log.info(
+                "Triton serving %s and %s on http://%s:%d and grpc://%s:%d",
+                ENSEMBLE_MODEL,
+                GENERATE_MODEL,
+                host,
+                http_port,
+                host,
+                grpc_port,
+            )
+            triton.serve()
+    finally:
+        engine.shutdown()
+
+
+def cpu_copy_of_repository(repository: str, into: str) -> str:
+    """A copy of ``repository`` whose GPU instance groups run on the CPU (for machines without a GPU)."""
+    import re
+    import shutil
+
+    target = os.path.join(into, "model_repository")
+    shutil.copytree(repository, target, ignore=shutil.ignore_patterns("__pycache__", "*.md"))
+    for name in os.listdir(target):
+        path = os.path.join(target, name, "config.pbtxt")
+        if os.path.exists(path):
+            with open(path) as f:
+                text = f.read()
+            text = re.sub(r"kind:\s*KIND_GPU", "kind: KIND_CPU", text)
+            text = re.sub(r"\n\s*gpus:\s*\[[^\]]*\]", "", text)
+            with open(path, "w") as f:
+                f.write(text)
+    return target
+
+
+def serve_repository(
+    repository: str, config: Config, http_port: int, grpc_port: int, metrics_port: int, host: str
+) -> None:
+    """Serve a classic model repository (``vlm_demo/triton/repo``) with the bundled tritonserver, no Docker.
+
+    The Python-backend stubs inherit this environment: ``PYTHONPATH`` gets this package, and an explicit
+    ``--model`` reaches ``model.py`` as ``VLM_MODEL`` (overriding ``config.pbtxt``).
+    """
+    import tempfile
+
+    import torch
+    from pytriton.triton import Triton, TritonConfig
+
+    package_parent = REPO_ROOT
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (package_parent, os.environ.get("PYTHONPATH", "")) if p)
+    if config.model_explicit:
+        os.environ["VLM_MODEL"] = config.model
+    if config.tiny_dir:
+        os.environ["VLM_TINY_DIR"] = config.tiny_dir
+    with tempfile.TemporaryDirectory() as scratch:
+        if not torch.cuda.is_available():
+            log.warning("no GPU: running the repository's KIND_GPU instances on the CPU")
+            repository = cpu_copy_of_repository(repository, scratch)
+        triton_config = TritonConfig(
+            model_repository=repository,
+            http_address=host,
+            grpc_address=host,
+            http_port=http_port,
+            grpc_port=grpc_port,
+            metrics_port=metrics_port,
+        )
+        with Triton(config=triton_config, security_config=_security()) as triton:
+            log.info("Triton serving %s on http://%s:%d and grpc://%s:%d", repository, host, http_port, host, grpc_port)
+            triton.serve()
+
+
+def build_arg_parser() -> argparse.ArgumentParser:
+    parser = build_parser(
+        "Serve the engine from Triton Inference Server (PyTriton): the ensemble and generate contracts.",
+        prog="python -m vlm_demo.triton.serve",
+        only=[
+            "model",
+            "device",
+            "dtype",
+            "max_batch_size",
+            "batch_window_ms",
+            "max_queue",
+            "max_new_tokens",
+            "max_image_pixels",
+            "max_question_chars",
+            "batching",
+            "tiny_dir",
+        ],
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="Bind address for HTTP and gRPC (default loopback).")
+    parser.add_argument("--http-port", type=int, default=8000)
+    parser.add_argument("--grpc-port", type=int, default=8001)
+    parser.add_argument("--metrics-port", type=int, default=8002)
+    parser.add_argument(
+        "--model-repository",
+        default="",
+        help="Serve this classic model repository (e.g. vlm_demo/triton/repo) instead of binding the engine in-process.",
+    )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = build_arg_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not libdir_on_path():
+        log.warning(
+            "LD_LIBRARY_PATH lacks %s; Triton's Python backend may fail to start. Run: "
+            "export LD_LIBRARY_PATH=$(python -c 'import sysconfig;print(sysconfig.get_config_var(\"LIBDIR\"))')",
+            sysconfig.get_config_var("LIBDIR"),
+        )
+    config = config_from_namespace(args)
+    ports = (args.http_port, args.grpc_port, args.metrics_port, args.host)
+    if args.model_repository:
+        serve_repository(args.model_repository, config, *ports)
+    else:
+        serve(config, *ports)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

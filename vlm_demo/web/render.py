@@ -1,0 +1,167 @@
+"""What the page shows for one moment of an answer: pure functions from text and state to :class:`Outputs`.
+
+No Gradio and no I/O here, so every wording and every piece of HTML can be tested on its own: the
+four panels (split by :func:`vlm_demo.cot.parse_stages`, so raw tags never reach a renderer), the
+status line, the stage strip and the Think-harder candidates.
+"""
+
+from __future__ import annotations
+
+import html
+
+from vlm_demo.cot import STAGES, Stages, parse_stages
+from vlm_demo.errors import DemoError
+from vlm_demo.schema import BeamView, GenerationResult, StageChoice
+from vlm_demo.web.contract import Outputs
+
+# The title of an error by its code, as the page and API clients see it.
+ERROR_TITLES = {
+    "invalid_request": "Invalid input",
+    "server_busy": "Server busy",
+    "out_of_memory": "Out of GPU memory",
+    "cancelled": "Stopped",
+    "engine_stopped": "Model restarting",
+    "backend_unavailable": "Backend unavailable",
+    "backend_timeout": "Backend timeout",
+    "generation_failed": "Generation failed",
+}
+
+
+def tracker_html(stages: Stages, active: str | None) -> str:
+    """The stage strip above the panels; page CSS keys on ``data-active``/``data-done`` to mark the panels.
+
+    Marking panels through this one HTML output keeps the panels' API values plain strings (a
+    ``gr.update`` with CSS classes would reach API clients as a dict).
+    """
+    done = [s for s in stages.seen if s != active]
+    steps = []
+    for stage in STAGES:
+        state = "active" if stage == active else "done" if stage in done else "todo"
+        mark = {"active": " ●", "done": " ✓", "todo": ""}[state]
+        steps.append(f'<span class="step {state}">{stage.upper()}{mark}</span>')
+    body = ' <span class="arrow">→</span> '.join(steps)
+    extra = ""
+    if stages.extra:
+        extra = (
+            '<div class="extra"><b>Text outside the four stages:</b><pre>' + html.escape(stages.extra) + "</pre></div>"
+        )
+    return f'<div class="cot-tracker" data-active="{active or ""}" data-done="{" ".join(done)}">{body}</div>{extra}'
+
+
+def result_status(result: GenerationResult, stages: Stages | None = None) -> str:
+    """The status line for a finished answer: how it ended, how it ran (batch size) and how fast."""
+    if result.finish_reason == "length":
+        head = "Stopped at the max new tokens limit"
+    elif stages is not None and stages.seen and "conclusion" not in stages.seen:
+        head = "Ended without a CONCLUSION"
+    else:
+        head = "Done"
+    parts = [
+        head,
+        f"batch of {result.batch_size}",
+        f"{result.completion_tokens} tokens",
+        f"{result.tokens_per_s:.1f} tokens/s",
+        f"{result.total_s:.2f} s",
+    ]
+    if result.queue_s >= 0.05:
+        parts.append(f"waited {result.queue_s:.2f} s")
+    return " · ".join(parts)
+
+
+def error_status(error: DemoError) -> str:
+    return f"Error ({error.code}): {error}"
+
+
+def candidates_text(choice: StageChoice) -> str:
+    """A stage's panel while its candidates are written and judged: each one, numbered."""
+    return "\n\n".join(f"[Candidate {i + 1}] {text or '…'}" for i, text in enumerate(choice.candidates))
+
+
+def beams_html(view: BeamView | None) -> str:
+    """Every stage of a stage-beam search: its candidates, the winner marked, the judge's words."""
+    if view is None:
+        return ""
+    blocks = []
+    for choice in view.stages:
+        running = choice.winner is None
+        items = []
+        for i, text in enumerate(choice.candidates):
+            won = i == choice.winner
+            mark = '<span class="won">✓ chosen</span> ' if won else ""
+            first = choice.candidates.index(text)
+            shown = html.escape(text or "…") if first == i or not text else f"<i>(same as {first + 1})</i>"
+            if choice.closed and not choice.closed[i]:
+                shown += " <i>(no closing tag: not judged)</i>"
+            items.append(f'<li class="cand{" winner" if won else ""}">{mark}{shown}</li>')
+        if running:
+            state = "judging…" if view.phase == "judging" else "writing…"
+        else:
+            state = f"candidate {choice.winner + 1} chosen" if len(choice.candidates) > 1 else "one candidate"
+        judge = ""
+        if choice.judgements:
+            said = "\n".join(html.escape(j) for j in choice.judgements)
+            judge = f"<details><summary>Judge</summary><pre>{said}</pre></details>"
+        blocks.append(
+            f'<div class="beam-stage" data-stage="{choice.stage}" data-state="{"running" if running else "done"}">'
+            f"<b>{choice.stage.upper()}</b> · {len(choice.candidates)} candidates · {state}"
+            f"<ol>{''.join(items)}</ol>{judge}</div>"
+        )
+    head = f"Stage beam search · {view.beams} candidates per stage · {view.judge_calls} judge calls"
+    return (
+        f'<div class="beam-search" data-phase="{view.phase}"><div class="beam-head">{head}</div>{"".join(blocks)}</div>'
+    )
+
+
+def render(
+    raw: str,
+    status: str | None = None,
+    final: bool = False,
+    result: GenerationResult | None = None,
+    view: BeamView | None = None,
+) -> Outputs:
+    """All outputs for one moment of an answer.
+
+    With ``result`` the status line is the finished answer's (honest about how it ended). With a
+    running stage-beam ``view``, the running stage's panel shows its candidates.
+    """
+    stages = parse_stages(raw, final=final)
+    active = None if final else stages.active
+    panels = list(stages.as_tuple())
+    running = view.stages[-1] if view is not None and view.stages and view.stages[-1].winner is None else None
+    if running is not None and not final:
+        panels[STAGES.index(running.stage)] = candidates_text(running)
+        active = running.stage
+    if result is not None:
+        status = result_status(result, stages)
+        if view is not None:
+            status += f" · stage beam search: {view.beams} candidates per stage, {view.judge_calls} judge calls"
+    status = status or ""
+    if final and raw.strip() and not stages.seen:
+        status += " · the answer did not use the four stages (shown above the panels)"
+    return Outputs(*panels, raw, status, stages.extra, tracker_html(stages, active), beams_html(view))
+
+
+def waiting_status(ahead: int | None) -> str:
+    if ahead:
+        return f"Waiting for the model… {ahead} ahead of you"
+    return "Waiting for the model…"
+
+
+def progress(raw: str, view: BeamView | None = None, ahead: int | None = None) -> Outputs:
+    """The outputs while an answer streams (parsed once): the panels, and where the model is."""
+    if view is not None and view.stages:
+        running = view.stages[-1]
+        count = max(len(running.candidates), 1 if view.phase == "judging" else view.beams)
+        doing = f"judging {count} candidates" if view.phase == "judging" else f"{count} candidates writing"
+        return render(raw, f"Thinking harder · {running.stage.upper()}: {doing}…", view=view)
+    stages = parse_stages(raw)
+    if raw:
+        status = f"Generating · writing {stages.active.upper()}…" if stages.active else "Generating…"
+    else:
+        status = waiting_status(ahead)
+    return Outputs(*stages.as_tuple(), raw, status, stages.extra, tracker_html(stages, stages.active), "")
+
+
+def cleared() -> Outputs:
+    """Empty panels, status and stage strip (new input, Clear button)."""
+    return render("", "")
