@@ -1,31 +1,60 @@
-"""The device check's CPU-runnable parts: its arithmetic, its checks and benchmark on the tiny model,
-and a clear exit without CUDA. (On a GPU it builds the full 11B architecture; see docs/BENCHMARKS.md.)"""
+"""The device check's CPU-runnable parts: its arithmetic, its checks and benchmark on the tiny model, a clear
+exit without CUDA or with the wrong transformers, a report that survives being stopped part-way, and the
+device runner that carries our wheels to a machine without a registry. (On a GPU it builds the full 11B
+architecture; see docs/BENCHMARKS.md.)"""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
+from support import ROOT
+from transformers import MllamaForConditionalGeneration
 
-from vlm_demo.engine.placement import weight_bytes
+from vlm_demo.engine.memory import KVShape
 from vlm_demo.models import realshape
-from vlm_demo.tools import gpucheck
+from vlm_demo.tools import device, gpu_measure, gpucheck
+
+PINNED_TRANSFORMERS = gpucheck.pinned_versions()["transformers"]
 
 
-def test_bandwidth_bound_for_the_11b_model() -> None:
-    weights = weight_bytes(realshape.full_config(), torch.bfloat16)
-    assert gpucheck.spec_bandwidth("NVIDIA H200") == 4.8e12
-    assert gpucheck.spec_bandwidth("NVIDIA H100 80GB HBM3") == 3.35e12
-    assert gpucheck.spec_bandwidth("NVIDIA H100 PCIe") == 2.0e12
-    assert gpucheck.spec_bandwidth("NVIDIA A100-SXM4-80GB") == 2.039e12
-    assert gpucheck.spec_bandwidth("Some Future GPU") is None
-    # 21.3 GB of weights read once per step: ~225 tokens/s on an H200, ~157 on an H100 SXM, ~28 on an A10.
-    assert 220 < gpucheck.bandwidth_bound(weights, 4.8e12) < 230
-    assert 150 < gpucheck.bandwidth_bound(weights, 3.35e12) < 160
-    assert 27 < gpucheck.bandwidth_bound(weights, 0.6e12) < 29
+def run_check(*args: str, env: dict[str, str] | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "vlm_demo.gpucheck", *args],
+        cwd=ROOT,
+        env=env or dict(os.environ),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def test_the_bound_counts_the_bytes_a_decode_step_reads() -> None:
+    """Not the vision tower (1.7 GB), the embedding table (1.05 GB) or the cross-attention k/v projections:
+    ~18.4 GB of weights and 0.21 GB of image states per step, ~258 tokens/s on an H200 (4.8 TB/s)."""
+    config = realshape.full_config()
+    with torch.device("meta"):
+        model = MllamaForConditionalGeneration(config).to(torch.bfloat16)
+    kv = KVShape.of(config, torch.bfloat16)
+    weights = gpu_measure.decode_weight_bytes(model)
+    assert 18.3e9 < weights < 18.5e9
+    assert 21.3e9 < sum(p.numel() * p.element_size() for p in model.parameters()) < 21.4e9
+    reads = gpu_measure.decode_read_bytes(model, kv, context=256)
+    assert reads == weights + kv.bytes_per_row + 256 * kv.bytes_per_token
+    assert gpu_measure.spec_bandwidth("NVIDIA H200") == 4.8e12
+    assert gpu_measure.spec_bandwidth("NVIDIA H100 80GB HBM3") == 3.35e12
+    assert gpu_measure.spec_bandwidth("NVIDIA H100 PCIe") == 2.0e12
+    assert gpu_measure.spec_bandwidth("NVIDIA A100-SXM4-80GB") == 2.039e12
+    assert gpu_measure.spec_bandwidth("Some Future GPU") is None
+    assert 255 < gpu_measure.bandwidth_bound(reads, 4.8e12) < 261
+    assert 178 < gpu_measure.bandwidth_bound(reads, 3.35e12) < 182
 
 
 def test_ratios_per_concurrency_level() -> None:
@@ -34,43 +63,137 @@ def test_ratios_per_concurrency_level() -> None:
         {"mode": "dynamic", "concurrency": 8, "tokens_per_s": 500.0},
         {"mode": "continuous", "concurrency": 8, "tokens_per_s": 1250.0},
         {"mode": "continuous", "concurrency": 1, "tokens_per_s": 90.0},
+        {"mode": "dynamic", "concurrency": 32, "error": "RuntimeError: boom"},
     ]
-    assert gpucheck.ratios(runs) == {1: {}, 8: {"dynamic/unbatched": 5.0, "continuous/dynamic": 2.5}}
+    assert gpu_measure.ratios(runs) == {1: {}, 8: {"dynamic/unbatched": 5.0, "continuous/dynamic": 2.5}, 32: {}}
 
 
 def test_the_checks_pass_on_an_fp32_model(worker) -> None:
-    """The same functions the GPU run calls, on the tiny model in fp32 on CPU (1-4 tile images)."""
-    comparison = gpucheck.batched_vs_single(worker, tokens=12)
-    assert comparison.equal, comparison.first_diff
-    assert set(comparison.first_diff) == {"dynamic", "continuous"}
-    assert all(len(rows) == len(gpucheck.CASES) for rows in comparison.first_diff.values())
-    step = gpucheck.step_vs_stock(worker)
+    """The same functions the GPU run calls, on the tiny model in fp32 on CPU (1-4 tile images): rows that
+    joined a running one and a seeded sampled row beside them equal their single runs."""
+    comparison = gpu_measure.batched_vs_single(worker, tokens=12)
+    assert comparison.equal, comparison
+    assert set(comparison.first_diff) == set(comparison.sampled_first_diff) == {"dynamic", "continuous"}
+    assert all(len(rows) == len(gpu_measure.CASES) for rows in comparison.first_diff.values())
+    joins = comparison.joins
+    assert joins["first_row_tokens_when_others_joined"] < joins["first_row_tokens"], "nobody joined mid-flight"
+    assert joins["prefills"] == 2 and joins["max_batch_size"] == len(gpu_measure.CASES) + 1, joins
+    step = gpu_measure.step_vs_stock(worker)
     assert step == {"max_abs_logit_diff": 0.0, "same_argmax": True, "written_out_step": True}
 
 
+def test_loading_a_saved_model_goes_through_the_servers_loading_path(worker) -> None:
+    loaded = gpu_measure.load_saved(worker, "cpu")
+    assert loaded["same_answer"] and loaded["devices"] == ["cpu"]
+
+
 def test_a_dry_run_on_cpu_goes_through_every_stage(tiny_dir, tmp_path, monkeypatch) -> None:
-    """``--device cpu --model tiny``: the script end to end (checks, memory plan, benchmark at two
-    levels, report, JSON) minus the GPU-only stages, so a GPU run does not die of a typo."""
+    """``--device cpu --model tiny``: the script end to end (versions, checks, memory plan, benchmark at
+    two levels, report, JSON) minus the GPU-only stages, so a GPU run does not die of a typo."""
     monkeypatch.setenv("VLM_TINY_DIR", tiny_dir)
     out = tmp_path / "gpucheck.json"
     argv = ["--device", "cpu", "--model", "tiny", "--levels", "1,3", "--requests", "3", "--json", str(out)]
     assert gpucheck.main(argv) == 0
     report = json.loads(out.read_text())
     assert report["failed"] == [] and report["memory_plan"]["max_batch_size"] == 8
+    assert report["versions"]["torch"] == torch.__version__
+    assert report["versions"]["transformers"] == PINNED_TRANSFORMERS
     assert all(d is None for rows in report["first_diff"].values() for d in rows)  # fp32: equal
+    assert set(report["sampled_first_diff"].values()) == {None}
     assert report["step_vs_stock"]["same_argmax"] and report["batch1_tokens_per_s"] > 0
     runs = report["runs"]
-    assert [(r["mode"], r["concurrency"]) for r in runs] == [
-        (mode, level) for level in (1, 3) for mode in ("unbatched", "dynamic", "continuous")
+    assert [(r["mode"], r["concurrency"]) for r in runs] == [  # at concurrency 1 dynamic is unbatched: once
+        ("unbatched", 1),
+        ("continuous", 1),
+        ("unbatched", 3),
+        ("dynamic", 3),
+        ("continuous", 3),
     ]
     assert all(r["errors"] == 0 and r["requests"] == 3 and r["tokens_per_s"] > 0 for r in runs)
     assert set(report["ratios"]["3"]) == {"dynamic/unbatched", "continuous/dynamic"}
+    assert {"build model", "batched vs single", "benchmark"} <= set(report["stage_s"])
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
 def test_without_cuda_it_says_so_and_exits_2() -> None:
-    done = subprocess.run(
-        [sys.executable, "-m", "vlm_demo.tools.gpucheck"], capture_output=True, text=True, timeout=120
-    )
+    done = run_check(timeout=120)
     assert done.returncode == 2
     assert "needs a CUDA GPU" in done.stderr and "Traceback" not in done.stderr
+
+
+@pytest.mark.slow
+def test_a_run_stopped_part_way_has_already_written_its_report(tmp_path) -> None:
+    """A device time-out kills the process: what was measured until then is on disk."""
+    out = tmp_path / "gpucheck.json"
+    cmd = [sys.executable, "-m", "vlm_demo.gpucheck", "--device", "cpu", "--model", "narrow", "--json", str(out)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            report = json.loads(out.read_text()) if out.exists() else {}
+            if "build model" in report.get("stage_s", {}):
+                break
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.wait(30)
+    report = json.loads(out.read_text())
+    assert report["versions"]["torch"] == torch.__version__ and report["versions"]["transformers"]
+    assert report["parameters"] > 0 and "build model" in report["stage_s"]
+
+
+@pytest.mark.slow
+def test_the_watchdog_writes_the_report_and_stops_before_the_device_limit(tiny_dir, tmp_path) -> None:
+    out = tmp_path / "gpucheck.json"
+    args = ["--device", "cpu", "--model", "narrow", "--deadline-s", "6", "--json", str(out)]
+    started = time.monotonic()
+    done = run_check(*args, env=dict(os.environ, VLM_TINY_DIR=tiny_dir), timeout=120)
+    assert done.returncode == gpucheck.WATCHDOG_EXIT, done.stderr[-2000:]
+    assert time.monotonic() - started < 60
+    assert "watchdog" in done.stderr and "Thread" in done.stderr  # every thread's traceback, for a hang
+    report = json.loads(out.read_text())
+    assert any(f.startswith("watchdog: stopped after 6 s") for f in report["failed"]), report["failed"]
+
+
+def _download(spec: str, folder: Path, python: str | None = None) -> list[str]:
+    """Real wheels from the package registry (skips when the registry cannot be reached)."""
+    try:
+        return device.prepare(str(folder), python or f"{sys.version_info.major}.{sys.version_info.minor}", [spec])
+    except subprocess.CalledProcessError as err:
+        pytest.skip(f"the package registry is not reachable: {err}")
+
+
+@pytest.mark.slow
+def test_another_transformers_stops_the_check_in_one_line_before_building(tmp_path) -> None:
+    """The device's image has transformers 5.17, under which the continuous engine cannot run."""
+    _download("transformers==5.17.0", tmp_path)
+    site = device.install(str(tmp_path))
+    out = tmp_path / "gpucheck.json"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([site, str(ROOT)]))
+    started = time.monotonic()
+    done = run_check("--device", "cpu", "--model", "narrow", "--json", str(out), env=env, timeout=120)
+    assert done.returncode == 2
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in done.stderr, done.stderr
+    assert f"transformers=={PINNED_TRANSFORMERS}" in lines[0] and "5.17.0" in lines[0]
+    assert time.monotonic() - started < 30  # nothing was built
+    report = json.loads(out.read_text())
+    assert report["versions"]["transformers"] == "5.17.0" and report["failed"] == [lines[0]]
+
+
+@pytest.mark.slow
+def test_the_device_runner_installs_the_carried_wheels_and_runs_the_check(tiny_dir, tmp_path) -> None:
+    """``prepare`` here (for this Python), then ``gpucheck`` as on the device: our copies first on the path,
+    the report and the log in the output folder."""
+    files = _download(f"transformers=={PINNED_TRANSFORMERS}", tmp_path / "carry")
+    assert [Path(f).name.split("-")[0] for f in files] == ["transformers"]
+    out = tmp_path / "out"
+    argv = ["--dir", str(tmp_path / "carry"), "gpucheck", "--out", str(out), "--deadline-s", "240"]
+    argv += ["--", "--device", "cpu", "--model", "tiny", "--levels", "2", "--requests", "2"]
+    env = dict(os.environ, VLM_TINY_DIR=tiny_dir)
+    done = subprocess.run([sys.executable, "-m", "vlm_demo.tools.device", *argv], cwd=ROOT, env=env, timeout=300)
+    assert done.returncode == 0
+    report = json.loads((out / "gpucheck.json").read_text())
+    assert report["failed"] == [] and [r["mode"] for r in report["runs"]] == ["unbatched", "dynamic", "continuous"]
+    assert report["versions"]["transformers_from"] == str(tmp_path / "carry" / "site" / "transformers")
+    assert "device: gpucheck exited 0" not in (out / "gpucheck.log").read_text()  # the log is gpucheck's own

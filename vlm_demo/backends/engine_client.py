@@ -26,7 +26,7 @@ from multiprocessing.process import BaseProcess
 
 from vlm_demo.backends.base import Health
 from vlm_demo.config import Config
-from vlm_demo.engine.ipc import Cancel, Fatal, Ready, Shutdown, Step, Submit
+from vlm_demo.engine.ipc import ENGINE_FAILED, Cancel, Fatal, Ready, Shutdown, Step, Submit
 from vlm_demo.errors import (
     BackendUnavailableError,
     DemoError,
@@ -72,6 +72,8 @@ class RemoteStream(OutputStream):
 def _describe_exit(code: int | None) -> str:
     if code is None:
         return "no exit code"
+    if code == ENGINE_FAILED:
+        return "its engine stopped after an unrecoverable error; see the server log"
     if code < 0:
         try:
             name = signal.Signals(-code).name

@@ -7,7 +7,10 @@ only builds; :meth:`Engine.start` starts the thread, so a subclass sets its fiel
 
 Failure helpers live here because both modes retry the same way: a failed attempt's memory is released
 (:func:`release`) before anything is retried, and a request that fails on its own gets one specific
-error (:func:`error_for`).
+error (:func:`error_for`). The engine thread never dies silently: whatever escapes a mode's loop (a
+sticky device error, :func:`is_fatal_device_error`, or a bug) fails every queued and running request at
+once with a clear error, marks the engine not ready, and calls ``on_fatal`` (the engine process exits
+there, so its supervisor starts a fresh one: a CUDA context cannot be repaired in place).
 """
 
 from __future__ import annotations
@@ -16,11 +19,13 @@ import gc
 import logging
 import threading
 import traceback
+from collections.abc import Callable
 from typing import ClassVar
 
 import torch
 
 from vlm_demo.config import Config
+from vlm_demo.engine.faults import from_env as failpoints_from_env
 from vlm_demo.engine.memory import MemoryPlan, plan_for
 from vlm_demo.engine.request import Request, make_request
 from vlm_demo.engine.scheduler import Scheduler
@@ -40,6 +45,21 @@ log = logging.getLogger(__name__)
 
 def is_out_of_memory(exc: BaseException) -> bool:
     return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()
+
+
+# What CUDA's own errors say; after one of these every later CUDA call in the process fails too.
+STICKY_MARKERS = ("CUDA error", "CUBLAS_STATUS_", "CUDNN_STATUS_", "device-side assert", "cudaError")
+
+
+def is_fatal_device_error(exc: BaseException) -> bool:
+    """A device error the process cannot recover from (an illegal memory access, a device-side assert):
+    retrying or splitting the batch only repeats it, so the engine stops and its process restarts."""
+    if is_out_of_memory(exc):
+        return False
+    accelerator_error = getattr(torch, "AcceleratorError", None)  # torch >= 2.8
+    if accelerator_error is not None and isinstance(exc, accelerator_error):
+        return True
+    return isinstance(exc, RuntimeError) and any(marker in str(exc) for marker in STICKY_MARKERS)
 
 
 def release(exc: BaseException) -> None:
@@ -91,18 +111,46 @@ class Engine:
         self.scheduler = Scheduler(self.max_batch_size, self.config.batch_window_ms / 1000.0, self.config.max_queue)
         self.listeners: list[Listener] = []
         self.batches_run = 0
+        self.failpoint: Callable[[str], None] | None = failpoints_from_env()  # fault drills only; see faults.py
+        self.on_fatal: Callable[[BaseException], None] | None = None  # called once the engine thread died
+        self.fatal: str | None = None  # why the engine thread stopped, once it did
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def start(self) -> Engine:
         """Start the engine thread (once); returns the engine, so ``make_engine`` can build and start in one go."""
         if self._thread is None:
-            self._thread = threading.Thread(target=self._loop, name=f"vlm-engine-{self.batching}", daemon=True)
+            self._thread = threading.Thread(target=self._run, name=f"vlm-engine-{self.batching}", daemon=True)
             self._thread.start()
         return self
 
     def _loop(self) -> None:
         raise NotImplementedError
+
+    def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as exc:  # noqa: BLE001 - the engine thread must never end without saying so
+            log.critical("the engine thread stopped: %r", exc, exc_info=exc)
+            self._die(exc)
+
+    def _die(self, exc: BaseException) -> None:
+        """Fail everything at once with one clear error (nobody waits for a token timeout), then ``on_fatal``."""
+        kind = "a GPU error the process cannot recover from" if is_fatal_device_error(exc) else "an internal error"
+        self.fatal = f"{kind} ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
+        self._stop.set()
+        error = EngineStoppedError(
+            f"The model engine stopped after {self.fatal}; this answer was lost. Please try again in a minute."
+        )
+        for request in self.scheduler.close():
+            request.fail(error)
+        self._abandon_running(error)
+        if self.on_fatal is not None:
+            self.on_fatal(exc)
+
+    def _failpoint(self, point: str) -> None:
+        if self.failpoint is not None:
+            self.failpoint(point)
 
     # ---- the door ----------------------------------------------------------------------------
     def make_request(self, valid: ValidRequest) -> Request:
@@ -116,6 +164,8 @@ class Engine:
     def submit(self, valid: ValidRequest) -> Request:
         """Queue one request and return its handle (stream / result / cancel)."""
         if self._stop.is_set():
+            if self.fatal:
+                raise EngineStoppedError(f"The model engine stopped after {self.fatal}; please try again shortly.")
             raise EngineStoppedError("The server is shutting down; please try again shortly.")
         request = self.make_request(valid)
         request.add_done_callback(self._on_done)
@@ -173,14 +223,15 @@ class Engine:
         )
 
     # ---- the end -------------------------------------------------------------------------------
-    def _abandon_running(self) -> None:
-        """Cancel what the engine thread holds (shutdown); each mode knows its own."""
+    def _abandon_running(self, error: DemoError) -> None:
+        """End what the engine thread holds with ``error`` (shutdown, a dead engine); each mode knows its own."""
+        raise NotImplementedError
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        """Stop taking work, fail what is queued, let the running batch end."""
+        """Stop taking work, fail what is queued, end the running batch."""
         self._stop.set()
         for request in self.scheduler.close():
             request.fail(EngineStoppedError("The server shut down before this request ran."))
-        self._abandon_running()
-        if self._thread is not None:
+        self._abandon_running(EngineStoppedError("The server shut down before this request finished."))
+        if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)

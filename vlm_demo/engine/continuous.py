@@ -15,6 +15,11 @@ engine thread runs its own step loop on the model's forward pass:
 
 Who runs next is the scheduler's business (``Scheduler.admit``), the cache layout is
 ``RunningBatch``'s, and the model calls are the worker's (``prefill`` / ``decode``).
+
+Failures: the whole iteration (searches, admission, the step, eviction) is guarded. A failure leaves the
+cache possibly half-updated, so the running rows are requeued to start over with a lower row limit, or
+a row that fails on its own gets the error (:meth:`ContinuousEngine._recover`). A sticky device error
+is not retried: it ends the engine thread, which fails everything at once (``Engine._run``).
 """
 
 from __future__ import annotations
@@ -27,13 +32,14 @@ from collections.abc import Callable
 import torch
 
 from vlm_demo.config import Config
-from vlm_demo.engine.base import Engine, error_for, is_out_of_memory, release
+from vlm_demo.engine.base import Engine, error_for, is_fatal_device_error, is_out_of_memory, release
 from vlm_demo.engine.batch_state import Prefill, Row, RunningBatch
 from vlm_demo.engine.beam import StageBeam
 from vlm_demo.engine.request import Request
 from vlm_demo.engine.sampler import RowSampling
 from vlm_demo.engine.streamer import RowStreamer
 from vlm_demo.engine.worker import Worker
+from vlm_demo.errors import DemoError
 from vlm_demo.schema import STAGE_BEAM, EngineStats
 
 log = logging.getLogger(__name__)
@@ -57,6 +63,7 @@ class ContinuousEngine(Engine):
         self.prefills_run = 0
         self.recoveries = 0  # failed steps (or joins) whose rows were requeued
         self.beams: list[StageBeam] = []  # stage-beam searches in progress (engine thread only)
+        self.admitting: list[Request] = []  # taken from the queue by the admission under way
 
     # ---- observation -------------------------------------------------------------------------
     def running_rows(self) -> int:
@@ -82,21 +89,29 @@ class ContinuousEngine(Engine):
         while not self._stop.is_set():
             if not len(self.batch) and not self.beams and not self.scheduler.wait_for_work(timeout=0.5):
                 continue
-            self._advance_beams()
-            self._admit()
-            self._evict_finished()
-            if len(self.batch):
-                self._step()
-            elif self.beams:  # searches waiting on nothing this engine runs (cannot last): do not spin
-                self.scheduler.wait_for_work(timeout=0.005)
-        self._abandon_running()
+            failure: Exception | None = None
+            try:
+                self._iteration()
+            except Exception as exc:
+                failure = exc  # handled outside the except block, so the failed attempt's memory can go
+            if failure is not None:
+                self._recover(failure)
         self.batch.keep([])
 
-    def _abandon_running(self) -> None:
-        for row in list(self.batch.rows):
-            row.request.cancel()
+    def _iteration(self) -> None:
+        self._advance_beams()
+        self._admit()
+        self._evict_finished()
+        if len(self.batch):
+            self._step()
+        elif self.beams:  # searches waiting on nothing this engine runs (cannot last): do not spin
+            self.scheduler.wait_for_work(timeout=0.005)
+
+    def _abandon_running(self, error: DemoError) -> None:
+        for request in [row.request for row in self.batch.rows] + self.admitting:
+            request.fail(error)
         for beam in list(self.beams):
-            beam.request.cancel()
+            beam.fail(error)
 
     # ---- stage-beam searches -------------------------------------------------------------------
     def _advance_beams(self) -> None:
@@ -136,6 +151,8 @@ class ContinuousEngine(Engine):
             except Exception as exc:
                 failure = exc
             if failure is not None:
+                if is_fatal_device_error(failure):
+                    raise failure
                 beam.restart_stage(error_for(failure))  # its new rows never joined: write the stage again
                 self._recover(failure)
                 return None
@@ -168,12 +185,17 @@ class ContinuousEngine(Engine):
         if free is None or free <= 0:
             return
         newcomers = [r for r in self.scheduler.admit(free, self._fits(), alone=not len(self.batch)) if not r.done]
+        self.admitting = newcomers  # out of the queue, not yet in the batch: a failure must not lose them
         recoveries = self.recoveries
         for start in range(0, len(newcomers), self.prefill_batch_size):
             back = self._admit_group(newcomers[start : start + self.prefill_batch_size])
-            if back or self.recoveries != recoveries:  # memory ran short: the rest wait too
-                self.scheduler.requeue_front(back + newcomers[start + self.prefill_batch_size :])
+            if self.recoveries != recoveries:  # a join failed: _recover requeued every newcomer still waiting
                 return
+            if back:  # memory ran short: the rest wait too
+                self.scheduler.requeue_front(back + newcomers[start + self.prefill_batch_size :])
+                self.admitting = []
+                return
+        self.admitting = []
         if newcomers and self.beams:  # new searches fork at once, and judged ones may write ahead
             self._join_forks(self.rows_allowed - len(self.batch))
 
@@ -191,6 +213,8 @@ class ContinuousEngine(Engine):
         except Exception as exc:
             failure = exc  # handled outside the except block, so the failed attempt's memory can go
         if failure is not None:
+            if is_fatal_device_error(failure):
+                raise failure  # every retry would fail the same way (the engine thread stops)
             release(failure)
             if len(group) > 1:
                 middle = len(group) // 2
@@ -232,6 +256,7 @@ class ContinuousEngine(Engine):
     def _prefill(self, group: list[Request]) -> tuple[Prefill, RowSampling, torch.Tensor, list[int]]:
         """The model call for newcomers and their first tokens (kept in its own frame: when it
         fails, nothing of the attempt stays referenced from the caller's)."""
+        self._failpoint("prefill")
         prefill = self.worker.prefill(group)
         self.prefills_run += 1
         sampling = RowSampling([r.params for r in group], prefill.logits.device)
@@ -241,6 +266,7 @@ class ContinuousEngine(Engine):
     def _evict_finished(self) -> None:
         """Finished and cancelled rows leave before the next step: they cost nothing more. A search's
         candidate that reached its closing tag leaves a copy of its cache behind, in case it wins."""
+        self._failpoint("evict")
         keep = []
         for i, row in enumerate(self.batch.rows):
             beam = row.beam
@@ -252,24 +278,27 @@ class ContinuousEngine(Engine):
 
     def _next_tokens(self) -> torch.Tensor:
         """One decode step and every row's next token, still on the device."""
+        self._failpoint("forward")
         logits = self.worker.decode(self.batch.step_inputs())
         return self.batch.sampling.sample(logits)
 
+    def _host_tokens(self, tokens: torch.Tensor) -> list[int]:
+        """The step's one read back to the host (where an asynchronous CUDA error from the step surfaces)."""
+        self._failpoint("host_read")
+        return tokens.tolist()
+
     def _step(self) -> None:
+        """One decode step for every row: forward and sampling on the device, then stream and stop per row.
+        A failure anywhere in it reaches ``_loop``, which recovers (or stops the engine)."""
         rows = self.batch.rows
         size = len(rows)
-        failure: Exception | None = None
-        try:
-            tokens = self._next_tokens()
-        except Exception as exc:
-            failure = exc
-        if failure is not None:
-            self._recover(failure)
-            return
+        tokens = self._next_tokens()
+        self._failpoint("advance")
+        self.batch.advance(tokens)
+        ids = self._host_tokens(tokens)
         self.steps_run += 1
         self._notify_batch(size)
-        self.batch.advance(tokens)
-        for row, token in zip(rows, tokens.tolist(), strict=True):  # the step's one read back to the host
+        for row, token in zip(rows, ids, strict=True):
             row.request.batch_size = max(row.request.batch_size, size)
             row.streamer.feed(token)
         self._evict_finished()
@@ -282,9 +311,13 @@ class ContinuousEngine(Engine):
         """A failed step may leave the cache half-updated: drop it and requeue the rows to start
         over (clients see no repeats; seeded sampled rows redraw the same tokens), with half the
         row limit. A row that fails on its own gets the error. The cache and the failed attempt's
-        memory are released before anything runs again."""
+        memory are released before anything runs again. A sticky device error cannot be recovered
+        from: it is raised on, and ends the engine thread."""
+        if is_fatal_device_error(exc):
+            raise exc
         requests = [row.request for row in self.batch.rows if row.beam is None]
-        requests += [r for r in newcomers or [] if r not in requests]
+        requests += [r for r in [*(newcomers or []), *self.admitting] if r not in requests and not r.done]
+        self.admitting = []
         searches = list({id(row.beam): row.beam for row in self.batch.rows if row.beam is not None}.values())
         self.batch.keep([])
         self.recoveries += 1

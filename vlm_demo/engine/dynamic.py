@@ -8,7 +8,8 @@ sampling, streaming and stopping. A batch costs as much as its longest row; cont
 Failure isolation: if a batch raises (CUDA out of memory, a kernel error), it is split in halves and
 each half retried, down to single requests; only a request that fails on its own gets an error, and
 the engine thread carries on with the next batch. The retry runs only after the failed attempt's
-memory is released (see :func:`~vlm_demo.engine.base.release`).
+memory is released (see :func:`~vlm_demo.engine.base.release`). A sticky device error is not retried:
+it ends the engine thread (see :class:`~vlm_demo.engine.base.Engine`).
 """
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ from __future__ import annotations
 import logging
 
 from vlm_demo.config import Config
-from vlm_demo.engine.base import Engine, error_for, release
+from vlm_demo.engine.base import Engine, error_for, is_fatal_device_error, release
 from vlm_demo.engine.request import Request
 from vlm_demo.engine.worker import Worker
+from vlm_demo.errors import DemoError
 
 log = logging.getLogger(__name__)
 
@@ -48,11 +50,13 @@ class DynamicEngine(Engine):
         self._notify_batch(len(live))
         failure: Exception | None = None
         try:
+            self._failpoint("generate")
             self.worker.run(live)
         except Exception as exc:
             failure = exc  # handled below, outside the except block: see ``release``
-        finally:
-            self.running = []
+        if failure is not None and is_fatal_device_error(failure):
+            raise failure  # every retry would fail the same way; Engine._run fails the batch (still running)
+        self.running = []
         if failure is not None:
             self._split_and_retry(live, failure)
 
@@ -70,6 +74,6 @@ class DynamicEngine(Engine):
             log.warning("request %d failed on its own: %r", request.request_id, exc)
             request.fail(error_for(exc))
 
-    def _abandon_running(self) -> None:
+    def _abandon_running(self, error: DemoError) -> None:
         for request in list(self.running):
-            request.cancel()
+            request.fail(error)

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from vlm_demo.errors import DemoError
 from vlm_demo.schema import BeamView, EngineStats, GenerationResult, ValidRequest
 
+ENGINE_FAILED = 3  # the engine process's exit code after its engine thread died (the supervisor says so)
+
 
 @dataclass
 class Submit:

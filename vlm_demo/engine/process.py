@@ -10,18 +10,23 @@ already passed the door; this side preprocesses them, runs them, and publishes o
 Threads: the main thread receives (submit / cancel / shutdown), the engine thread steps the model,
 and a publisher thread wakes at each step boundary (the engine's ``on_batch`` listener call) to send
 what the rows produced. The engine thread never blocks on the pipe.
+
+If the engine thread dies (a sticky CUDA error), the requests it held have already failed with a clear
+error; this process sends that last step and exits with :data:`ENGINE_FAILED`, and the web process's
+supervisor starts a fresh one (a broken CUDA context cannot be repaired inside its process).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING
 
 from vlm_demo.config import Config
-from vlm_demo.engine.ipc import Cancel, Ended, Fatal, Ready, Shutdown, Step, Submit
+from vlm_demo.engine.ipc import ENGINE_FAILED, Cancel, Ended, Fatal, Ready, Shutdown, Step, Submit
 from vlm_demo.errors import DemoError, GenerationError
 from vlm_demo.schema import BeamView, EngineStats
 from vlm_demo.stream import Stream
@@ -157,6 +162,19 @@ class EngineCore:
         self.engine.shutdown()
         self.wake.set()
 
+    def exit_on_fatal(self, exc: BaseException) -> None:
+        """The engine thread died: send what ended (every request it held failed with the reason), then
+        exit, so the supervisor starts a fresh process instead of a server that looks alive and never answers."""
+        try:
+            step = self.collect()
+            with self.send_lock:
+                self.conn.send(step)
+        except Exception:  # noqa: BLE001 - exiting matters more than the last message
+            log.exception("could not send the last step")
+        finally:
+            logging.shutdown()
+            os._exit(ENGINE_FAILED)
+
 
 def run(config: Config, conn: Connection) -> None:
     """Entry point of the engine process (a ``spawn`` target): load, say ready, serve until told to stop."""
@@ -176,6 +194,9 @@ def run(config: Config, conn: Connection) -> None:
         conn.send(Fatal(f"The model could not be loaded: {type(err).__name__}: {err}"))
         return
     core = EngineCore(engine, conn)
+    engine.on_fatal = core.exit_on_fatal
+    if engine.fatal:  # it died before the hook was in place
+        core.exit_on_fatal(RuntimeError(engine.fatal))
     conn.send(Ready(config.model, notice, core.stats()))
     publisher = threading.Thread(target=core.publish_loop, name="vlm-engine-publish", daemon=True)
     publisher.start()

@@ -167,10 +167,12 @@ def run_load(
     workload: list[ValidRequest],
     concurrency: int,
     check: Callable[[int, str], bool] | None = None,
+    timeout: float = 600.0,
 ) -> tuple[list[Sample], float]:
     """Closed loop: ``concurrency`` threads each keep one request in flight until all are served.
 
-    ``check(index, text)`` says whether request ``index`` got the right answer.
+    ``check(index, text)`` says whether request ``index`` got the right answer. A request that sends
+    nothing for ``timeout`` seconds is cancelled and counted as an error.
     """
     samples: list[Sample] = []
     lock = threading.Lock()
@@ -186,10 +188,14 @@ def run_load(
             first = None
             try:
                 handle = backend.submit(workload[index])
-                for _ in handle.stream(timeout=600):
-                    if first is None:
-                        first = time.monotonic()
-                result = handle.result(timeout=600)
+                try:
+                    for _ in handle.stream(timeout=timeout):
+                        if first is None:
+                            first = time.monotonic()
+                    result = handle.result(timeout=timeout)
+                except TimeoutError:
+                    handle.cancel()
+                    raise
                 end = time.monotonic()
                 sample = Sample(end - start, (first or end) - start, result.completion_tokens, result.batch_size)
                 sample.wrong = check is not None and not check(index, result.text)

@@ -129,6 +129,9 @@ class _Done:
     def result(self, timeout: float | None = None) -> GenerationResult:
         return self._result
 
+    def cancel(self) -> None:
+        pass  # already complete
+
 
 class _GradioJob:
     """A streaming ``/ask`` job: each page update counts as streamed output."""
@@ -145,6 +148,9 @@ class _GradioJob:
     def result(self, timeout: float | None = None) -> GenerationResult:
         outputs = self._job.result(timeout=timeout)
         return _parse_status(str(outputs[5]), str(outputs[4]))
+
+    def cancel(self) -> None:
+        self._job.cancel()
 
 
 class _WebApp:
@@ -235,6 +241,9 @@ class _SSEJob:
         if self._final is None:
             raise RuntimeError("/ask ended without a result")
         return _parse_status(str(self._final[5]), str(self._final[4]))
+
+    def cancel(self) -> None:
+        self._response.close()
 
 
 class SSEClient(_WebApp):

@@ -1,0 +1,426 @@
+"""What the one-shot GPU check measures (``python -m vlm_demo.tools.gpucheck`` runs these in order).
+
+Each function is one check or one figure and runs on any device: the tests call them on CPU with the
+tiny model, the GPU run with the narrow real-shape model in fp32 and the full 11B architecture in bf16.
+
+- :func:`batched_vs_single`: every batched row against its single run, in both batching modes, with
+  forced mid-flight joins (one row runs first; the others are prefilled together while it runs) and one
+  seeded sampled row (a seeded row draws the same tokens whatever its neighbours);
+- :func:`step_vs_stock`: the engine's written-out decode step against the stock forward;
+- :func:`decode_read_bytes` and :func:`bandwidth_bound`: what one decode step must read (the text
+  weights it uses, not the vision tower, the embedding table or the cross-attention key/value
+  projections; plus each row's cached image states and text keys/values) and the batch-1 speed that
+  bandwidth allows;
+- :func:`benchmark`: closed-loop throughput per mode and concurrency, each run isolated (a failed run is
+  recorded and the others go on) with its peak GPU memory;
+- :func:`peak_run`: the planned row limit filled, rows joining and leaving, to see the join/evict peak
+  next to the memory plan;
+- :func:`load_saved`: the real loading path (``engine.loader.load``) on a saved model folder.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image
+
+from vlm_demo.config import Config
+from vlm_demo.engine import make_engine
+from vlm_demo.engine.base import Engine
+from vlm_demo.engine.batch_state import Row, RunningBatch
+from vlm_demo.engine.loader import load
+from vlm_demo.engine.memory import KVShape, activation_reserve, plan_for
+from vlm_demo.engine.request import make_request
+from vlm_demo.engine.sampler import RowSampling
+from vlm_demo.engine.worker import Worker
+from vlm_demo.models import realshape
+from vlm_demo.schema import Limits, SamplingParams, ValidRequest, validate_request
+
+log = logging.getLogger(__name__)
+
+GB = 1e9
+LIMITS = Limits(max_new_tokens=100_000)
+LENGTHS = (16, 256)  # forced answer lengths, log-uniform
+UNBATCHED_REQUESTS = 12  # one at a time whatever the concurrency: enough for its rate
+REQUEST_TIMEOUT_S = 120.0  # no single request of the check may wait longer
+SAMPLED = SamplingParams(max_new_tokens=0, temperature=0.8, top_p=0.9, seed=1234)  # length set per check
+
+# Peak memory bandwidth from the vendors' spec sheets (bytes/s); the first name contained in the
+# device name wins, so specific names come before general ones.
+SPEC_BANDWIDTH: list[tuple[str, float]] = [
+    ("GH200", 4.0e12),
+    ("H200", 4.8e12),
+    ("H100 NVL", 3.9e12),
+    ("H100 PCIe", 2.0e12),
+    ("H100", 3.35e12),
+    ("B200", 8.0e12),
+    ("A100-SXM4-80GB", 2.039e12),
+    ("A100 80GB PCIe", 1.935e12),
+    ("A100", 1.555e12),
+    ("L40S", 0.864e12),
+    ("L40", 0.864e12),
+    ("A10G", 0.6e12),
+    ("A10", 0.6e12),
+    ("L4", 0.3e12),
+    ("RTX 6000 Ada", 0.96e12),
+    ("RTX A6000", 0.768e12),
+    ("RTX 4090", 1.008e12),
+]
+
+# (width, height) -> 1, 2, 3 and 4 tiles of 560 px; prompts of different lengths.
+CASES = [
+    ((50, 50), "Hi"),
+    ((300, 900), "What is in this image?"),
+    ((1200, 400), "Describe the picture in one sentence, please, with as much detail as you can manage."),
+    ((1120, 1120), "Colour?"),
+]
+
+
+def spec_bandwidth(device_name: str) -> float | None:
+    """Peak bandwidth (bytes/s) of a known GPU, by name; None if unknown."""
+    return next((bw for key, bw in SPEC_BANDWIDTH if key in device_name), None)
+
+
+def measure_bandwidth(device: torch.device, size: int = 2 * 1024**3, repeats: int = 10) -> float:
+    """Device memory bandwidth (bytes/s) from timed copies: each copy reads and writes ``size``."""
+    src = torch.empty(size, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    torch.cuda.synchronize(device)
+    started = time.perf_counter()
+    for _ in range(repeats):
+        dst.copy_(src)
+    torch.cuda.synchronize(device)
+    return 2 * size * repeats / (time.perf_counter() - started)
+
+
+# ---- what a decode step reads -------------------------------------------------------------------------
+
+
+def decode_weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of weights one decode step reads: the text decoder and the LM head. Not the vision tower or
+    its projector (they run at prefill), not the input embedding table (one row per token), not the
+    cross-attention key/value projections and their norm (the image's keys and values are cached)."""
+    total = 0
+    for name, param in model.named_parameters():
+        if "vision_model." in name or "multi_modal_projector" in name or "embed_tokens" in name:
+            continue
+        if ".cross_attn." in name and any(part in name for part in (".k_proj.", ".v_proj.", ".k_norm.")):
+            continue
+        total += param.numel() * param.element_size()
+    return total
+
+
+def decode_read_bytes(model: torch.nn.Module, kv: KVShape, context: int = 0) -> int:
+    """Bytes one decode step of one row reads: the weights above, its image states, its text cache."""
+    return decode_weight_bytes(model) + kv.bytes_per_row + context * kv.bytes_per_token
+
+
+def bandwidth_bound(read_bytes: int, bandwidth: float) -> float:
+    """Decode tokens/s at batch 1 if a step only had to read ``read_bytes`` once."""
+    return bandwidth / read_bytes
+
+
+# ---- batched rows against single runs -----------------------------------------------------------------
+
+
+def noise_image(index: int, width: int, height: int) -> Image.Image:
+    return Image.fromarray(np.random.default_rng(index).integers(0, 256, (height, width, 3), dtype=np.uint8))
+
+
+def jobs(params: SamplingParams) -> list[ValidRequest]:
+    return [validate_request(noise_image(i, w, h), q, params, LIMITS) for i, ((w, h), q) in enumerate(CASES)]
+
+
+@dataclass
+class Comparison:
+    """Batched rows against single runs: per mode, each row's first differing token (None: equal), the
+    seeded sampled row's, and how the continuous run joined (rows joining a running one, prefills)."""
+
+    first_diff: dict[str, list[int | None]] = field(default_factory=dict)
+    sampled_first_diff: dict[str, int | None] = field(default_factory=dict)
+    joins: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def equal(self) -> bool:
+        rows = [d for diffs in self.first_diff.values() for d in diffs] + list(self.sampled_first_diff.values())
+        return all(d is None for d in rows)
+
+
+def first_difference(got: list[int], want: list[int]) -> int | None:
+    if len(got) != len(want):
+        return min(len(got), len(want))
+    return next((i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b), None)
+
+
+def _alone(worker: Worker, items: list[ValidRequest]) -> list[list[int]]:
+    """Each item alone, through a one-row continuous engine (the reference every batched row must match)."""
+    engine = make_engine(Config(batching="continuous", max_batch_size=1, batch_window_ms=0.0), worker)
+    try:
+        handles = []
+        for item in items:
+            handles.append(engine.submit(item))
+            handles[-1].result(timeout=REQUEST_TIMEOUT_S)
+        return [h.token_ids for h in handles]
+    finally:
+        engine.shutdown()
+
+
+def batched_vs_single(worker: Worker, tokens: int) -> Comparison:
+    """Every case alone (greedy, through plain ``model.generate``) and a seeded sampled row alone, then all
+    together: through the dynamic engine in one batch, and through the continuous engine with a first row
+    that runs ``4 × tokens`` while the others join it, prefilled together in one forward pass."""
+    greedy = SamplingParams(max_new_tokens=tokens, temperature=0.0, ignore_eos=True)
+    requests = jobs(greedy)
+    long_first = dataclasses.replace(requests[0], params=dataclasses.replace(greedy, max_new_tokens=4 * tokens))
+    sampled = dataclasses.replace(requests[2], params=dataclasses.replace(SAMPLED, max_new_tokens=tokens))
+    refs = []
+    for valid in requests:
+        inputs = worker.to_device(worker.prepare(valid.image, valid.question))
+        with torch.inference_mode():
+            out = worker.model.generate(**inputs, generation_config=worker.generation_config(tokens))
+        refs.append(out[0, inputs["input_ids"].shape[1] :].tolist())
+    first_ref, sampled_ref = _alone(worker, [long_first, sampled])
+    result = Comparison()
+    for mode in ("dynamic", "continuous"):
+        config = Config(batching=mode, max_batch_size=len(requests) + 1, batch_window_ms=2000.0)
+        engine = make_engine(config, worker)
+        try:
+            if mode == "continuous":
+                first = engine.submit(long_first)
+                while len(first.token_ids) < 2 and not first.done:
+                    time.sleep(0.002)
+                with engine.scheduler._cond:  # hold the queue: the rest arrive at the same step boundary
+                    written = len(first.token_ids)
+                    handles = [first, *(engine.submit(v) for v in requests[1:]), engine.submit(sampled)]
+            else:
+                handles = [*(engine.submit(v) for v in requests), engine.submit(sampled)]
+            results = [h.result(timeout=REQUEST_TIMEOUT_S) for h in handles]
+            stats = engine.stats()
+        finally:
+            engine.shutdown()
+        wanted = [first_ref if mode == "continuous" else refs[0], *refs[1:]]
+        result.first_diff[mode] = [first_difference(h.token_ids, r) for h, r in zip(handles, wanted, strict=False)]
+        result.sampled_first_diff[mode] = first_difference(handles[-1].token_ids, sampled_ref)
+        if mode == "continuous":
+            result.joins = {
+                "first_row_tokens_when_others_joined": written,
+                "first_row_tokens": 4 * tokens,
+                "prefills": stats.prefills_run,
+                "max_batch_size": max(r.batch_size for r in results),
+            }
+    return result
+
+
+def step_vs_stock(worker: Worker, steps: int = 4) -> dict[str, float | bool]:
+    """The written-out decode step against the text model's stock forward on the same padded batch."""
+    requests = [make_request(valid, worker) for valid in jobs(SamplingParams(max_new_tokens=steps + 1, temperature=0))]
+    batch = RunningBatch(cross_layers=worker.cross_attention_layers)
+    prefill = worker.prefill(requests)
+    sampling = RowSampling([r.params for r in requests], prefill.logits.device)
+    batch.join([Row(r, None) for r in requests], prefill, sampling.sample(prefill.logits), sampling)  # type: ignore[arg-type]
+    worst, same = 0.0, True
+    written_step = worker.decode_step
+    for _ in range(steps):
+        inputs = batch.step_inputs()
+        stock_inputs = {**inputs, "cache": copy.deepcopy(inputs["cache"])}
+        worker.decode_step = None
+        try:
+            stock = worker.decode(stock_inputs)
+        finally:
+            worker.decode_step = written_step
+        mine = worker.decode(inputs)
+        worst = max(worst, float((mine - stock).abs().max()))
+        same = same and bool(torch.equal(mine.argmax(-1), stock.argmax(-1)))
+        batch.advance(batch.sampling.sample(mine))
+    return {"max_abs_logit_diff": worst, "same_argmax": same, "written_out_step": written_step is not None}
+
+
+# ---- throughput -----------------------------------------------------------------------------------------
+
+
+def forced_lengths(n: int, low: int, high: int, seed: int = 0) -> list[int]:
+    rng = np.random.default_rng(seed)
+    return [int(round(x)) for x in np.exp(rng.uniform(np.log(low), np.log(high), n))]
+
+
+def workload(
+    n: int, seed: int = 0, lengths: tuple[int, int] = LENGTHS, sizes: list | None = None
+) -> list[ValidRequest]:
+    items = []
+    for i, length in enumerate(forced_lengths(n, *lengths, seed=seed)):
+        (w, h), question = CASES[i % len(CASES)]
+        if sizes is not None:
+            w, h = sizes[i % len(sizes)]
+        params = SamplingParams(max_new_tokens=length, temperature=0.0, ignore_eos=True)
+        items.append(validate_request(noise_image(i, w, h), question, params, LIMITS))
+    return items
+
+
+def _peak_memory(device: torch.device) -> int | None:
+    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+
+
+def _reset_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def load_run(
+    worker: Worker, mode: str, level: int, items: list[ValidRequest], rows: int, window_ms: float = 50.0
+) -> dict[str, Any]:
+    """One closed-loop run (``vlm_demo.tools.bench``'s clients) and its peak GPU memory."""
+    from vlm_demo.tools.bench import BatchCounter, run_load, summarise
+
+    batching = "dynamic" if mode == "unbatched" else mode
+    engine: Engine = make_engine(Config(batching=batching, max_batch_size=rows, batch_window_ms=window_ms), worker)
+    counter = BatchCounter()
+    engine.add_listener(counter)
+    try:
+        warm = validate_request(noise_image(99, 64, 64), "Hi", SamplingParams(4, 0.0, ignore_eos=True), LIMITS)
+        engine.submit(warm).result(timeout=REQUEST_TIMEOUT_S)
+        counter.sizes.clear()
+        _reset_peak(worker.device)
+        samples, wall = run_load(engine, items, level, timeout=REQUEST_TIMEOUT_S)
+        stats = engine.stats()
+    finally:
+        engine.shutdown()
+    result = dataclasses.asdict(summarise(mode, rows, level, samples, wall, counter.sizes))
+    result.update(peak_memory_bytes=_peak_memory(worker.device), prefills=stats.prefills_run)
+    errors = [s.error for s in samples if s.error]
+    if errors:
+        result["first_error"] = errors[0]
+    return result
+
+
+def benchmark(
+    worker: Worker,
+    levels: tuple[int, ...],
+    requests_at: Callable[[int], int],
+    deadline: float,
+    on_run: Callable[[dict[str, Any]], None],
+) -> list[dict[str, Any]]:
+    """Unbatched, dynamic and continuous batching at each concurrency level. At concurrency 1 dynamic
+    batching is unbatched (batches of one), so it runs once there. Each run is isolated: one that
+    raises is recorded with its error and the others go on; ``on_run`` sees every run as it ends."""
+    results = []
+    for level in levels:
+        for mode in ("unbatched", "dynamic", "continuous"):
+            if mode == "dynamic" and level == 1:
+                continue
+            if time.monotonic() > deadline:
+                log.warning("time budget spent: skipping %s at concurrency %d", mode, level)
+                results.append({"mode": mode, "concurrency": level, "skipped": "time budget"})
+                continue
+            rows = 1 if mode == "unbatched" else max(level, 1)
+            n = min(UNBATCHED_REQUESTS, requests_at(level)) if mode == "unbatched" else requests_at(level)
+            try:
+                result = load_run(worker, mode, level, workload(n, seed=level), rows)
+            except Exception as exc:  # noqa: BLE001 - recorded; the other runs' figures still count
+                log.exception("%s at concurrency %d failed", mode, level)
+                result = {"mode": mode, "concurrency": level, "error": f"{type(exc).__name__}: {exc}"}
+            log.info("%s", result)
+            results.append(result)
+            on_run(result)
+    return results
+
+
+def peak_run(worker: Worker, rows: int, answer_tokens: tuple[int, int] = (32, 96)) -> dict[str, Any]:
+    """``rows`` concurrent answers (1-tile images, so the vision tower's share stays small; every row's
+    image states are 4 tiles' worth anyway) through the continuous engine with ``rows`` rows: newcomers
+    join in prefill groups and finished rows leave while the batch is full, which is where the
+    concatenations peak. Reports the peak next to the memory plan."""
+    plan = plan_for(worker, Config(batching="continuous", max_batch_size=rows))
+    items = workload(rows, seed=7, lengths=answer_tokens, sizes=[(560, 560)])
+    result = load_run(worker, "continuous", rows, items, rows, window_ms=0.0)
+    weights = sum(p.numel() * p.element_size() for p in worker.model.parameters())
+    if worker.device.type == "cuda":
+        total = torch.cuda.get_device_properties(worker.device).total_memory
+        result.update(
+            gpu_total_bytes=total,
+            weight_bytes=weights,
+            kv_budget_bytes=plan.kv_budget_bytes,
+            activation_reserve_bytes=activation_reserve(total),
+            peak_over_weights_bytes=(result["peak_memory_bytes"] or 0) - weights,
+        )
+    return result
+
+
+def bytes_read_per_token(worker: Worker) -> dict[str, float]:
+    """What a decode step of one row reads (see :func:`decode_read_bytes`), in bytes."""
+    kv = KVShape.of(worker.model.config, worker.dtype)
+    return {
+        "weights": decode_weight_bytes(worker.model),
+        "image_states_per_row": kv.bytes_per_row,
+        "text_kv_per_token": kv.bytes_per_token,
+        "total_at_256_tokens": decode_read_bytes(worker.model, kv, 256),
+    }
+
+
+def batch1_decode(worker: Worker, tokens: int = 128) -> float:
+    """Decode tokens/s of one request alone (continuous mode: the engine's own step)."""
+    engine = make_engine(Config(batching="continuous", max_batch_size=1), worker)
+    try:
+        params = SamplingParams(max_new_tokens=tokens, temperature=0.0, ignore_eos=True)
+        engine.submit(validate_request(noise_image(7, 64, 64), "Hi", SamplingParams(8, 0.0), LIMITS)).result(
+            timeout=REQUEST_TIMEOUT_S
+        )
+        item = validate_request(noise_image(8, 560, 560), "Hi", params, LIMITS)
+        return engine.submit(item).result(timeout=REQUEST_TIMEOUT_S).tokens_per_s
+    finally:
+        engine.shutdown()
+
+
+def ratios(results: list[dict[str, Any]]) -> dict[int, dict[str, float]]:
+    """Per concurrency: dynamic ÷ unbatched and continuous ÷ dynamic throughput (tokens/s)."""
+    out: dict[int, dict[str, float]] = {}
+    for level in sorted({r["concurrency"] for r in results}):
+        by_mode = {r["mode"]: r["tokens_per_s"] for r in results if r["concurrency"] == level and "tokens_per_s" in r}
+        entry = {}
+        if by_mode.get("unbatched") and "dynamic" in by_mode:
+            entry["dynamic/unbatched"] = by_mode["dynamic"] / by_mode["unbatched"]
+        if by_mode.get("dynamic") and "continuous" in by_mode:
+            entry["continuous/dynamic"] = by_mode["continuous"] / by_mode["dynamic"]
+        out[level] = entry
+    return out
+
+
+# ---- building and loading ---------------------------------------------------------------------------------
+
+
+def build_worker(model: str, device: torch.device, processor: Any, dtype: torch.dtype | None = None) -> Worker:
+    """The model under test: the full 11B architecture or the narrow one with random weights (bf16
+    on a GPU, fp32 on CPU, unless ``dtype`` says), or the tiny test model (a dry run on CPU)."""
+    if model == "tiny":
+        return load("tiny", device=str(device))
+    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    config = realshape.full_config() if model == "full" else realshape.narrow_config()
+    return Worker(realshape.build_model(config, dtype, device), processor, f"{model}-random")
+
+
+def load_saved(worker: Worker, device: str, tokens: int = 8) -> dict[str, Any]:
+    """Save ``worker``'s model and processor to a folder and load it back through the server's own loading
+    path (``engine.loader.load``: placement, the on-GPU check); the reloaded model must answer alike."""
+    with tempfile.TemporaryDirectory() as folder:
+        worker.model.save_pretrained(folder)
+        worker.processor.save_pretrained(folder)
+        started = time.monotonic()
+        loaded = load(folder, device=device, dtype=str(worker.dtype).removeprefix("torch."))
+        load_s = time.monotonic() - started
+    params = SamplingParams(max_new_tokens=tokens, temperature=0.0, ignore_eos=True)
+    item = jobs(params)[1]
+    answers = []
+    for each in (worker, loaded):
+        answers += _alone(each, [item])
+    places = sorted({str(p.device) for p in loaded.model.parameters()})
+    return {"load_s": load_s, "devices": places, "same_answer": answers[0] == answers[1]}
