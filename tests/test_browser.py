@@ -321,6 +321,11 @@ def test_stop_cancels_only_this_visitor_mid_batch(server: str, page) -> None:
     time.sleep(1.0)
     assert panel_text(page, "reasoning") == reasoning, "the stopped answer kept growing"
     assert panel_text(page, "conclusion") == "", "the answer ran to the end although stopped"
+    assert "REASONING ■ stopped" in page.locator("#stages .step.stopped").inner_text()
+    label = page.evaluate(
+        """() => getComputedStyle(document.querySelector('#p_reasoning [data-testid="block-info"]'), '::after').content"""
+    )
+    assert "stopped" in label and "✓" not in label, label  # the panel says so too, not a ✓
 
     out = bystander.result(timeout=120)
     assert "blue" in out[3], "Stop in one browser cancelled another visitor's run"
@@ -356,6 +361,30 @@ def test_think_harder_shows_the_candidates_of_each_stage_then_the_winner(browser
         assert texts["caption"] in chosen, (texts["caption"], chosen)  # the panels hold the winners
         assert "stage beam search" in status_text(page)
         page.screenshot(path=str(shots / "screenshot-think-harder.png"), full_page=True)
+    finally:
+        page.close()
+
+
+def test_stop_during_think_harder_stops_the_candidates_box_too(browser, server: str) -> None:
+    page = open_page(browser, server)
+    try:
+        page.locator("#reasoning").get_by_text("Think harder", exact=True).click()
+        beams = page.locator("#beams input[type=number]")
+        beams.fill("6")  # more candidates: a longer answer, so Stop lands while they write under any load
+        beams.press("Enter")
+        for _ in range(3):  # on a fast machine the answer can still end before Stop reaches the server
+            watch(page, click_when_writing("#stop", "reasoning"))
+            ask(page, BLUE, LONG_QUESTION)
+            seen(page, "REASONING's candidates being written")
+            page.wait_for_function(
+                "() => /Stopped after|Done/.test(document.querySelector('#status')?.innerText || '')", timeout=60_000
+            )
+            if "Stopped after" in status_text(page):
+                break
+        assert "Stopped after" in status_text(page)
+        view = page.locator("#beams_view").inner_text()
+        assert "writing…" not in view and "judging…" not in view and "stopped" in view, view
+        assert "stopped" in page.locator("#stages .step.stopped").inner_text().lower()
     finally:
         page.close()
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import codecs
 import re
 
 from hypothesis import given, settings
@@ -115,3 +116,24 @@ def test_fuzz_streamed_prefixes_only_ever_grow_toward_the_final_text(contents: t
         for stage in STAGES:
             assert final.text(stage).startswith(partial.text(stage)), (text[:cut], stage)
         assert "<" not in partial.extra + "".join(partial.as_tuple())
+
+
+_unicode = st.text(alphabet=st.characters(blacklist_characters="<>", blacklist_categories=("Cs",)), max_size=12)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.tuples(_unicode, _unicode, _unicode, _unicode), _texts)
+def test_fuzz_a_stream_cut_at_any_byte_shows_no_tag_and_only_grows(contents: tuple[str, ...], noise: str) -> None:
+    """The answer's bytes cut anywhere (mid-tag, mid-UTF-8 character) and decoded as a client does, held-back
+    bytes included: no intermediate parse shows a tag bit, and each stage only grows toward its final text."""
+    text = "".join(f"<{n.upper()}>{c}</{n.upper()}>\n" for n, c in zip(STAGES, contents, strict=True))
+    for whole in (text, noise + text + noise):
+        data = whole.encode("utf-8")
+        final = parse_stages(whole, final=True)
+        for cut in range(len(data) + 1):
+            shown = parse_stages(codecs.getincrementaldecoder("utf-8")().decode(data[:cut]))
+            for field in (*STAGES, "extra"):
+                assert not ANY_TAG.search(shown.text(field)), (data[:cut], field)
+            if whole is text:
+                for stage in STAGES:
+                    assert final.text(stage).startswith(shown.text(stage)), (data[:cut], stage)

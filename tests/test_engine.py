@@ -222,12 +222,12 @@ class FakeOOMWorker:
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
-    def run(self, batch) -> None:
+    def run(self, batch, structured: bool = True) -> None:
         if self.fails(batch):
             self.failed.append(len(batch))
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB (injected)")
         self.succeeded.append(len(batch))
-        self.inner.run(batch)
+        self.inner.run(batch, structured)
 
 
 def test_oom_batch_is_split_and_retried_until_requests_succeed(worker, singles) -> None:
@@ -255,11 +255,11 @@ class FakeOOMAfterAllocWorker:
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
-    def run(self, batch) -> None:
+    def run(self, batch, structured: bool = True) -> None:
         self.alive_at_run.append(sum(ref() is not None for ref in self.caches))
         if len(batch) > 1:
             self._generate(len(batch))
-        self.inner.run(batch)
+        self.inner.run(batch, structured)
 
     def _generate(self, rows: int) -> None:
         kv_cache = torch.empty(rows, 256, 1024)  # what a real attempt holds when it runs out

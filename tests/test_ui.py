@@ -169,3 +169,37 @@ def test_a_bad_request_on_the_page_is_one_status_line_not_an_error(page: DemoUI)
     assert len(updates) == 1
     assert updates[0][5].startswith("⚠ Invalid input: ") and "type a question" in updates[0][5]
     assert updates[0][:4] == ("", "", "", ""), "the panels are cleared, not left holding an older answer"
+
+
+def test_a_stage_cut_or_stopped_is_marked_so_never_done() -> None:
+    """✓ means the stage was written to its end; one the budget cut short or one still open at Stop or an
+    error is marked ✂ cut / ■ stopped, in the strip and (through its data attributes) on the panel."""
+    from vlm_demo.schema import GenerationResult
+    from vlm_demo.web.render import render
+
+    partial = "<SUMMARY>s</SUMMARY><CAPTION>c</CAPTION><REASONING>part 8 is red, part"
+    stopped = render(partial, "Stopped after 1.0 s.", final=True, ended="cancelled").stages_html
+    assert 'data-stopped="reasoning"' in stopped and 'data-done="summary caption"' in stopped
+    assert "REASONING ■ stopped" in stopped and "REASONING ✓" not in stopped
+    failed = render(partial, "⚠ Model restarting: …", final=True, ended="error").stages_html
+    assert 'data-stopped="reasoning"' in failed
+    answer = partial + "</REASONING><CONCLUSION>red</CONCLUSION>"
+    cut = GenerationResult(answer, "length", 1, 10, 64, 0.0, 0.1, 0.5, cut_stage="reasoning")
+    outputs = render(answer, final=True, result=cut)
+    assert 'data-cut="reasoning"' in outputs.stages_html and "CONCLUSION ✓" in outputs.stages_html
+    assert outputs.status.startswith("Stopped at the max new tokens limit · the REASONING was cut short")
+    ran_out = render(partial, final=True, result=GenerationResult(partial, "length", 1, 10, 64, 0.0, 0.1, 0.5))
+    assert 'data-cut="reasoning"' in ran_out.stages_html  # open when the tokens ran out (no structure)
+    done = render(answer, final=True, result=GenerationResult(answer, "stop", 1, 10, 64, 0.0, 0.1, 0.5))
+    assert 'data-cut=""' in done.stages_html and 'data-stopped=""' in done.stages_html
+    assert 'data-done="summary caption reasoning conclusion"' in done.stages_html
+
+
+def test_think_harders_view_says_stopped_after_stop() -> None:
+    from vlm_demo.schema import BeamView, StageChoice
+    from vlm_demo.web.render import render
+
+    view = BeamView((StageChoice("summary", ("a", "b")),), "writing", 2)
+    assert "writing…" in render("<SUMMARY>a", view=view).beams_html
+    stopped = render("<SUMMARY>a", "Stopped after 1.0 s.", final=True, view=view, ended="cancelled").beams_html
+    assert "writing…" not in stopped and "stopped" in stopped

@@ -89,6 +89,13 @@ class Config:
         default=8,
         metadata={"help": "Continuous mode: most newcomers prefilled together in one forward pass.", "min": 1},
     )
+    structured_stages: bool = field(
+        default=True,
+        metadata={
+            "help": "Keep LLaVA-CoT's four stages while decoding (tags forced or redrawn where sampling would break "
+            "them; a reserve keeps room for the CONCLUSION); off for models that do not answer in the format."
+        },
+    )
     max_image_pixels: int = field(default=40_000_000, metadata={"help": "Reject larger images (bombs).", "min": 1})
     max_question_chars: int = field(default=2000, metadata={"help": "Reject longer questions.", "min": 1})
     share: bool = field(default=False, metadata={"help": "Ask Gradio for a public share link."})

@@ -126,6 +126,7 @@ class GenerationResult:
     ttft_s: float  # submit -> first streamed token
     total_s: float  # submit -> finished
     beam: BeamView | None = None  # a stage-beam search's candidates and winners, stage by stage
+    cut_stage: str | None = None  # the stage cut short to leave room for the CONCLUSION (finish "length")
 
     @property
     def tokens_per_s(self) -> float:

@@ -109,6 +109,8 @@ class Engine:
         self.memory: MemoryPlan = plan_for(worker, self.config)  # in the engine process, after the weights load
         self.max_batch_size = self.memory.max_batch_size
         self.scheduler = Scheduler(self.max_batch_size, self.config.batch_window_ms / 1000.0, self.config.max_queue)
+        if self.config.structured_stages:
+            _ = worker.grammar  # every token's text, built now (~0.5 s at 128k tokens) rather than at the first answer
         self.listeners: list[Listener] = []
         self.batches_run = 0
         self.failpoint: Callable[[str], None] | None = failpoints_from_env()  # fault drills only; see faults.py

@@ -271,6 +271,15 @@ class RunningBatch:
             "cache": self.cache,
         }
 
+    def replace_next(self, tokens: dict[int, int]) -> None:
+        """Give rows another next input than the token they sampled (row index -> token id): the stage
+        structure's replacements, made before the token enters the cache."""
+        device = self.next_tokens.device
+        index = torch.tensor(list(tokens), dtype=torch.long, device=device)
+        self.next_tokens = self.next_tokens.index_copy(
+            0, index, torch.tensor(list(tokens.values()), dtype=self.next_tokens.dtype, device=device)
+        )
+
     def advance(self, tokens: torch.Tensor) -> None:
         """After a step: each row's next input is the token it just got (a device tensor, not read back)."""
         self.positions = self.positions + 1

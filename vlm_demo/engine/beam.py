@@ -39,6 +39,7 @@ from vlm_demo.engine.batch_state import Prefill, Row, Snapshot
 from vlm_demo.engine.request import STOP_TEXT, Request, SamplingParams
 from vlm_demo.engine.sampler import RowSampling
 from vlm_demo.engine.streamer import RowStreamer
+from vlm_demo.engine.structure import GAP, conclusion_reserve
 from vlm_demo.engine.worker import Worker
 from vlm_demo.errors import DemoError
 from vlm_demo.judge import CHOICE, judge_question, parse_choice
@@ -118,6 +119,7 @@ class StageBeam:
     request: Request  # the visitor's: winners' text streams into it
     start: Snapshot  # the prompt after prefill: image states, and where the first stage forks from
     worker: Worker  # tokenizer, eos ids, device, ``prepare_with`` for judge prompts
+    structured: bool = True  # candidates follow the stage grammar, their stage's opening forced
     stage_index: int = 0
     tokens: list[int] = field(default_factory=list)  # the winners' tokens so far
     text: str = ""
@@ -133,6 +135,7 @@ class StageBeam:
     phase: str = "writing"
     judge_calls: int = 0
     retries: int = 0
+    cut: str | None = None  # the stage the CONCLUSION's reserve cut short or skipped
 
     def __post_init__(self) -> None:
         self.params = self.request.params
@@ -181,10 +184,17 @@ class StageBeam:
         params = [self._candidate_params(stage_index, first + i, written) for i in range(rows)]
         sampling = RowSampling(params, prefill.attention_mask.device)
         stop = f"</{STAGES[stage_index].upper()}>"
+        written_ids = (self.tokens + ahead.ids) if ahead is not None else self.tokens
+        tail = self.worker.tokenizer.decode(written_ids[-1:]) if written_ids else ""
+        lead = "" if not written_ids or tail[-1:].isspace() else GAP  # the stage's opening, as the model spaces it
         new_rows = []
         for p in params:
             request = InternalRequest(image=None, question="", params=p)
-            streamer = RowStreamer(self.worker.tokenizer, request, self.worker.eos_ids, stop)
+            structure = None
+            if self.structured and not p.ignore_eos:
+                grammar = self.worker.grammar
+                structure = grammar.candidate(STAGES[stage_index], p.max_new_tokens, self.params.max_new_tokens, lead)
+            streamer = RowStreamer(self.worker.tokenizer, request, self.worker.eos_ids, stop, structure)
             into.append(Candidate(request, streamer))
             new_rows.append(Row(request, streamer, beam=self))
         if ahead is None:
@@ -311,7 +321,7 @@ class StageBeam:
         if (
             not self.params.beam_serial
             and self.stage_index < len(STAGES) - 1
-            and len(self.tokens) + len(likelier.ids) < self.params.max_new_tokens
+            and self.params.max_new_tokens - len(self.tokens) - len(likelier.ids) > self._reserve
             and likelier.tagged
         ):
             self.spec_from = likelier
@@ -374,6 +384,8 @@ class StageBeam:
         request.batch_size = max(request.batch_size, *(c.request.batch_size for c in self.candidates))
         request.push_text(self.text)
         self.candidates, self.started, self.judgements, self.queued, self.said = [], 0, [], [], []
+        if winner.streamer.structure is not None and winner.streamer.structure.cut:
+            self.cut = self.cut or stage
         if not winner.tagged:  # it ended the answer (end of turn) or ran out of tokens
             self._finish(winner.streamer.request.finish_reason or "stop")
         elif self.stage_index == len(STAGES) - 1:
@@ -386,10 +398,28 @@ class StageBeam:
                 cross = self.worker.cross_attention_layers
                 layers = [layer if i in cross else None for i, layer in enumerate(self.start.layers)]
                 self.start = replace(self.start, layers=layers, logits=None)
-            self.stage_index += 1
+            self.stage_index = self._next_stage()
             self.phase = "writing"
 
+    def _next_stage(self) -> int:
+        """The next stage, or the CONCLUSION when the answer's reserve is reached (the stages between skipped)."""
+        last = len(STAGES) - 1
+        left = self.params.max_new_tokens - len(self.tokens)
+        if self.structured and (self.cut or left <= self._reserve):
+            if self.stage_index + 1 < last:
+                self.cut = self.cut or STAGES[self.stage_index + 1]
+            return last
+        return self.stage_index + 1
+
+    @property
+    def _reserve(self) -> int:
+        """The answer's CONCLUSION reserve (0 without stage structure: the next stage may start at any length)."""
+        return conclusion_reserve(self.params.max_new_tokens, self.worker.grammar.overhead) if self.structured else 0
+
     def _finish(self, reason: str) -> None:
+        if self.cut is not None:
+            self.request.cut_stage = self.cut
+            reason = "length" if reason == "stop" else reason
         self.phase = "done"
         if STOP_TEXT in self.text:
             self.text = self.text[: self.text.index(STOP_TEXT) + len(STOP_TEXT)]

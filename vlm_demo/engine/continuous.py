@@ -37,7 +37,7 @@ from vlm_demo.engine.batch_state import Prefill, Row, RunningBatch
 from vlm_demo.engine.beam import StageBeam
 from vlm_demo.engine.request import Request
 from vlm_demo.engine.sampler import RowSampling
-from vlm_demo.engine.streamer import RowStreamer
+from vlm_demo.engine.streamer import RowStreamer, commit_tokens
 from vlm_demo.engine.worker import Worker
 from vlm_demo.errors import DemoError
 from vlm_demo.schema import STAGE_BEAM, EngineStats
@@ -142,11 +142,10 @@ class ContinuousEngine(Engine):
             try:
                 prefill, rows, sampling, tokens, own_first = beam.fork(take)
                 size = len(self.batch) + len(rows)
-                firsts = tokens.tolist() if own_first else [None] * len(rows)
-                for row, token in zip(rows, firsts, strict=True):
+                for row in rows:
                     row.request.batch_size = size
-                    if token is not None:
-                        row.streamer.feed(token)
+                if own_first:  # drawn from the prompt's logits: the candidates' first tokens
+                    tokens = self._commit_first(rows, tokens, prefill.logits, sampling)
                 self.batch.join(rows, prefill, tokens, sampling)
             except Exception as exc:
                 failure = exc
@@ -226,10 +225,11 @@ class ContinuousEngine(Engine):
                 return group
             self._fail(group[0], failure)
             return []
+        structured = self.config.structured_stages
         searches = [i for i, r in enumerate(group) if r.params.reasoning == STAGE_BEAM]
         if searches:  # a search keeps its prompt's cache aside and forks candidates from it
             for i in searches:
-                beam = StageBeam(group[i], prefill.snapshot(i, self.batch.cross_layers), self.worker)
+                beam = StageBeam(group[i], prefill.snapshot(i, self.batch.cross_layers), self.worker, structured)
                 group[i].beam = beam
                 self.beams.append(beam)
             plain = [i for i in range(len(group)) if i not in searches]
@@ -240,12 +240,24 @@ class ContinuousEngine(Engine):
             tokens = tokens.index_select(0, torch.tensor(plain, device=tokens.device))
             first = [first[i] for i in plain]
             group = [group[i] for i in plain]
-        rows = [Row(r, RowStreamer(self.worker.tokenizer, r, self.worker.eos_ids, r.stop_text)) for r in group]
+        rows = [
+            Row(
+                r,
+                RowStreamer(
+                    self.worker.tokenizer,
+                    r,
+                    self.worker.eos_ids,
+                    r.stop_text,
+                    self.worker.tracker(r.params, structured),
+                ),
+            )
+            for r in group
+        ]
         size = len(self.batch) + len(rows)
-        for row, token in zip(rows, first, strict=True):
+        for row in rows:
             row.request.batch_size = max(row.request.batch_size, size)
-            row.streamer.feed(token)  # a row that ends on its first token leaves at the next eviction
-        try:
+        try:  # a row that ends on its first token leaves at the next eviction
+            tokens = self._commit_first(rows, tokens, prefill.logits, sampling, first)
             self.batch.join(rows, prefill, tokens, sampling)
         except Exception as exc:
             failure = exc
@@ -276,11 +288,33 @@ class ContinuousEngine(Engine):
                 beam.candidate_done(row, self.batch.snapshot(i) if row.streamer.reached_stop_text else None)
         self.batch.keep(keep)
 
-    def _next_tokens(self) -> torch.Tensor:
-        """One decode step and every row's next token, still on the device."""
+    def _next_tokens(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """One decode step: the logits and every row's next token, still on the device."""
         self._failpoint("forward")
         logits = self.worker.decode(self.batch.step_inputs())
-        return self.batch.sampling.sample(logits)
+        return logits, self.batch.sampling.sample(logits)
+
+    def _commit(self, rows: list[Row], sampled: list[int], logits: torch.Tensor, sampling: RowSampling) -> list[int]:
+        """The tokens the rows commit (the stage structure may replace a sampled one, or draw it again)."""
+        return commit_tokens(
+            [row.streamer for row in rows], sampled, lambda which: self.worker.redraw(sampling, logits, which).tolist()
+        )
+
+    def _commit_first(
+        self,
+        rows: list[Row],
+        tokens: torch.Tensor,
+        logits: torch.Tensor,
+        sampling: RowSampling,
+        sampled: list[int] | None = None,
+    ) -> torch.Tensor:
+        """Feed newcomers their first tokens (drawn from the prefill's logits) as committed; returns the
+        tokens to join the batch with (the next inputs)."""
+        sampled = tokens.tolist() if sampled is None else sampled
+        committed = self._commit(rows, sampled, logits, sampling)
+        for row, token in zip(rows, committed, strict=True):
+            row.streamer.feed(token)
+        return tokens if committed == sampled else torch.tensor(committed, dtype=tokens.dtype, device=tokens.device)
 
     def _host_tokens(self, tokens: torch.Tensor) -> list[int]:
         """The step's one read back to the host (where an asynchronous CUDA error from the step surfaces)."""
@@ -292,13 +326,19 @@ class ContinuousEngine(Engine):
         A failure anywhere in it reaches ``_loop``, which recovers (or stops the engine)."""
         rows = self.batch.rows
         size = len(rows)
-        tokens = self._next_tokens()
+        logits, tokens = self._next_tokens()
         self._failpoint("advance")
         self.batch.advance(tokens)
         ids = self._host_tokens(tokens)
+        committed = self._commit(rows, ids, logits, self.batch.sampling)
+        del logits
+        if committed != ids:  # not in the cache yet: the replacement is the row's next input
+            self.batch.replace_next(
+                {i: token for i, (token, was) in enumerate(zip(committed, ids, strict=True)) if token != was}
+            )
         self.steps_run += 1
         self._notify_batch(size)
-        for row, token in zip(rows, ids, strict=True):
+        for row, token in zip(rows, committed, strict=True):
             row.request.batch_size = max(row.request.batch_size, size)
             row.streamer.feed(token)
         self._evict_finished()

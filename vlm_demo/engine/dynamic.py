@@ -51,7 +51,7 @@ class DynamicEngine(Engine):
         failure: Exception | None = None
         try:
             self._failpoint("generate")
-            self.worker.run(live)
+            self.worker.run(live, self.config.structured_stages)
         except Exception as exc:
             failure = exc  # handled below, outside the except block: see ``release``
         if failure is not None and is_fatal_device_error(failure):

@@ -64,6 +64,7 @@ class Request(OutputStream):
     started: float | None = None
     first_token: float | None = None
     beam: Search | None = None  # its stage-beam search once admitted in that mode
+    cut_stage: str | None = None  # the stage the CONCLUSION's reserve cut short (stage structure)
 
     def __post_init__(self) -> None:
         OutputStream.__init__(self)
@@ -118,6 +119,7 @@ class Request(OutputStream):
                 ttft_s=(self.first_token or now) - self.arrival,
                 total_s=now - self.arrival,
                 beam=self.beam_view(),
+                cut_stage=self.cut_stage,
             ),
             None,
         )

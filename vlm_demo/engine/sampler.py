@@ -20,6 +20,7 @@ from transformers import LogitsProcessor
 from vlm_demo.engine.request import SamplingParams
 
 MASK32 = 0xFFFFFFFF
+REDRAW = 0x5BD1E995  # salts a redraw's draw index, so it never repeats a row's ordinary draws
 
 
 def _mul32(x: torch.Tensor, constant: int) -> torch.Tensor:
@@ -102,6 +103,27 @@ class RowSampling:
         index = torch.tensor(list(keep), dtype=torch.long, device=self.device)
         return RowSampling([self.params[i] for i in keep], self.device, self.draws.index_select(0, index))
 
+    def redraw(self, logits: torch.Tensor, rows: Sequence[int], ban: torch.Tensor) -> torch.Tensor:
+        """A second draw for ``rows`` (indices into this batch) with the ``ban`` vocabulary masked out: what the
+        stage structure asks for when a stage with no text yet would be closed. Greedy rows take the masked
+        argmax; sampled rows draw with their own parameters from a uniform keyed on (seed, the draw just
+        made, a salt), so a redraw is as reproducible as any other draw."""
+        index = torch.tensor(list(rows), dtype=torch.long, device=logits.device)
+        masked = logits.index_select(0, index).float().masked_fill(ban.to(logits.device), float("-inf"))
+        tokens = masked.argmax(dim=-1)
+        sampled = [j for j, row in enumerate(rows) if not self.params[row].greedy]
+        if sampled:
+            where = [self.sampled.index(rows[j]) for j in sampled]
+            pick = torch.tensor(where, dtype=torch.long, device=self.device)
+            draws = (
+                self.draws.index_select(0, torch.tensor([rows[j] for j in sampled], device=self.device)) - 1
+            ) ^ REDRAW
+            u = uniforms(self.keys.index_select(0, pick), draws)
+            chosen = masked.index_select(0, torch.tensor(sampled, device=masked.device))
+            drawn = draw(chosen, self.temperature.index_select(0, pick), self.top_p.index_select(0, pick), u)
+            tokens = tokens.index_copy(0, torch.tensor(sampled, device=tokens.device), drawn.to(tokens.device))
+        return tokens
+
     def sample(self, logits: torch.Tensor) -> torch.Tensor:
         """``[B, vocab]`` logits -> ``[B]`` token ids on the same device (no host sync)."""
         tokens = logits.argmax(dim=-1)
@@ -126,6 +148,12 @@ class RowSampler(LogitsProcessor):
     @property
     def needed(self) -> bool:
         return any(not p.greedy for p in self.params)
+
+    def redraw(self, logits: torch.Tensor, rows: Sequence[int], ban: torch.Tensor) -> torch.Tensor:
+        """See :meth:`RowSampling.redraw` (``generate`` has sampled at least once when this is asked)."""
+        if self.rows is None:
+            self.rows = RowSampling(self.params, logits.device)
+        return self.rows.redraw(logits, rows, ban)
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         if self.rows is None:

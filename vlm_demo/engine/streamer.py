@@ -4,22 +4,26 @@ transformers' stock streamers accept batch size 1 only, and its stop rules apply
 ``BatchStreamer`` is handed to ``generate`` as a stopping criterion because that hook sees every
 step's token ids for all rows, on CPU and on GPU alike (the ``streamer`` hook lags one step on CUDA).
 Each row decodes incrementally, streams its own text, and stops on its own: end of turn, the closing
-``</CONCLUSION>`` tag, its own ``max_new_tokens``, or cancellation.
+``</CONCLUSION>`` tag, its own ``max_new_tokens``, or cancellation. With stage structure on, each sampled
+token first goes past the row's :class:`~vlm_demo.engine.structure.StageTracker` (``choose``), which may
+replace it before it is committed; ``BatchStreamer`` writes a replacement into ``generate``'s last column,
+which the next step reads as its input.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from tokenizers.decoders import DecodeStream
-from transformers import StoppingCriteria
+from transformers import LogitsProcessor, StoppingCriteria
 
 from vlm_demo.engine.request import STOP_TEXT, Request
+from vlm_demo.engine.structure import RESAMPLE, StageGrammar, StageTracker
 
-__all__ = ["STOP_TEXT", "BatchStreamer", "RowStreamer"]
+__all__ = ["STOP_TEXT", "BatchStreamer", "RowStreamer", "ScoresTap", "StageGrammar", "commit_tokens"]
 
 
 class RowStreamer:
@@ -38,8 +42,10 @@ class RowStreamer:
         request: Request,
         eos_ids: Sequence[int],
         stop_text: str | re.Pattern[str] | None = STOP_TEXT,
+        structure: StageTracker | None = None,
     ) -> None:
         self.tokenizer = tokenizer
+        self.structure = structure  # the stage grammar this row follows (None: free text)
         # The row ends once its text contains this (a stage's closing tag) or matches it (a judge's choice).
         self.stop_text = stop_text
         self.request = request
@@ -110,8 +116,19 @@ class RowStreamer:
         if not self.done:
             self._stop("length")
 
+    def choose(self, token: int, redrawn: bool = False) -> int:
+        """The token this row commits for the sampled ``token``: itself, a replacement that keeps the stage
+        grammar, or :data:`~vlm_demo.engine.structure.RESAMPLE` (draw again with the "<"-tokens masked)."""
+        if self.structure is None or self.done or self.request.cancelled:
+            return token
+        return self.structure.check(token, len(self.ids), redrawn=redrawn)
+
     def _stop(self, reason: str) -> bool:
         self.done = True
+        cut = self.structure.cut if self.structure is not None else None
+        if cut is not None:  # the reserve cut a stage short: the answer ran out of tokens, honestly said
+            self.request.cut_stage = cut
+            reason = "length" if reason == "stop" else reason
         if reason != "cancelled":
             full = self._decode(self.ids)
             end = self._stop_end(full, len(full)) if reason == "stop" else -1
@@ -124,18 +141,66 @@ class RowStreamer:
         return True
 
 
+class ScoresTap(LogitsProcessor):
+    """Keeps a reference to each step's logits (first in the list: before any per-row sampling touches
+    them), for the rare second draw the stage structure asks for."""
+
+    def __init__(self) -> None:
+        self.scores: torch.Tensor | None = None
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        self.scores = scores
+        return scores
+
+
 class BatchStreamer(StoppingCriteria):
     """Feeds each step's newest token to every row and tells ``generate`` which rows are done."""
 
-    def __init__(self, rows: list[RowStreamer]) -> None:
+    def __init__(
+        self,
+        rows: list[RowStreamer],
+        redraw: Callable[[torch.Tensor, list[int]], torch.Tensor] | None = None,
+        tap: ScoresTap | None = None,
+    ) -> None:
         self.rows = rows
+        self.redraw = redraw  # (logits, rows) -> a second draw for those rows, "<"-tokens masked
+        self.tap = tap
 
     def __call__(
         self, input_ids: torch.LongTensor, scores: torch.FloatTensor | None = None, **kwargs: Any
     ) -> torch.BoolTensor:
         newest = input_ids[:, -1].tolist()
-        flags = [row.feed(token) for row, token in zip(self.rows, newest, strict=False)]
+        committed = commit_tokens(self.rows, newest, self._redraw)
+        changed = [i for i, (a, b) in enumerate(zip(newest, committed, strict=False)) if a != b]
+        if changed:  # generate's next step reads this column as its input: the replacement takes effect
+            where = torch.tensor(changed, device=input_ids.device)
+            input_ids[where, -1] = torch.tensor([committed[i] for i in changed], device=input_ids.device)
+        flags = [row.feed(token) for row, token in zip(self.rows, committed, strict=False)]
         return torch.tensor(flags, dtype=torch.bool, device=input_ids.device)
+
+    def finish_all(self) -> None:
+        """After ``generate`` returns, end rows it stopped for its own reasons (overall length)."""
+        for row in self.rows:
+            if not row.done:
+                row._stop("length")
+
+    def _redraw(self, rows: list[int]) -> list[int]:
+        assert self.redraw is not None and self.tap is not None and self.tap.scores is not None
+        return self.redraw(self.tap.scores, rows).tolist()
+
+
+def commit_tokens(
+    rows: Sequence[RowStreamer], sampled: list[int], redraw: Callable[[list[int]], list[int]]
+) -> list[int]:
+    """Every row's committed token for this step (see :meth:`RowStreamer.choose`): rows whose structure
+    asks for a second draw get one, all together, from ``redraw(row indices)`` (the only extra host read,
+    and only on the steps that need it)."""
+    committed = [row.choose(token) for row, token in zip(rows, sampled, strict=False)]
+    again = [i for i, token in enumerate(committed) if token == RESAMPLE]
+    if again:
+        for i, token in zip(again, redraw(again), strict=True):
+            committed[i] = rows[i].choose(token, redrawn=True)
+    return committed
 
     def finish_all(self) -> None:
         """After ``generate`` returns, end rows it stopped for its own reasons (overall length)."""

@@ -19,9 +19,11 @@ from transformers.models.mllama.modeling_mllama import _prepare_cross_attention_
 from vlm_demo.engine.batch_state import Prefill
 from vlm_demo.engine.decode_step import TextDecodeStep, single_device
 from vlm_demo.engine.request import Request
-from vlm_demo.engine.sampler import RowSampler
-from vlm_demo.engine.streamer import BatchStreamer, RowStreamer
+from vlm_demo.engine.sampler import RowSampler, RowSampling
+from vlm_demo.engine.streamer import BatchStreamer, RowStreamer, ScoresTap
+from vlm_demo.engine.structure import StageGrammar, StageTracker
 from vlm_demo.errors import InvalidRequestError
+from vlm_demo.schema import SamplingParams
 
 # Tensors whose second dimension is the token sequence: these get left padding in a batch.
 SEQUENCE_KEYS = ("input_ids", "attention_mask", "cross_attention_mask")
@@ -80,6 +82,7 @@ class Worker:
         self.decode_step = TextDecodeStep(model) if single_device(model) else None
         # sdpa takes the boolean mask as is; eager (and the other kernels) add the mask to the scores.
         self.additive_mask = model.config.get_text_config()._attn_implementation != "sdpa"
+        self._grammar: StageGrammar | None = None
 
     def _pad_id(self) -> int:
         tok = self.tokenizer
@@ -98,6 +101,21 @@ class Worker:
             if isinstance(tid, int) and tid >= 0 and tid != self.tokenizer.unk_token_id and tid not in ids:
                 ids.append(tid)
         return ids
+
+    @property
+    def grammar(self) -> StageGrammar:
+        """The stage grammar's view of this tokenizer (every token's text: built once, on first use)."""
+        if self._grammar is None:
+            self._grammar = StageGrammar(self.tokenizer, self.eos_ids)
+        return self._grammar
+
+    def tracker(self, params: SamplingParams, structured: bool) -> StageTracker | None:
+        """A whole answer's stage tracker, unless structure is off (or a benchmark forces lengths)."""
+        return self.grammar.answer(params.max_new_tokens) if structured and not params.ignore_eos else None
+
+    def redraw(self, sampling: RowSampling | RowSampler, logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """A second draw for ``rows`` with the "<"-tokens and end of turn masked (the stage structure's)."""
+        return sampling.redraw(logits, rows, self.grammar.ban_mask(logits.shape[-1], logits.device))
 
     def prompt(self, question: str) -> str:
         """The chat-templated prompt text (image placeholder + question), as the model was trained."""
@@ -207,21 +225,25 @@ class Worker:
         return self.model.lm_head(hidden[:, -1]).float()
 
     @torch.inference_mode()
-    def run(self, batch: list[Request]) -> None:
-        """Generate for every request in ``batch``; each row streams and finishes on its own."""
+    def run(self, batch: list[Request], structured: bool = True) -> None:
+        """Generate for every request in ``batch``; each row streams and finishes on its own (and follows the
+        stage grammar when ``structured``)."""
         now = time.monotonic()
         for request in batch:
             request.started = request.started or now
             request.batch_size = max(request.batch_size, len(batch))
             request.reset_progress()
         inputs = self.to_device(collate([r.inputs for r in batch], self.pad_id))
-        rows = [RowStreamer(self.tokenizer, r, self.eos_ids) for r in batch]
-        streamer = BatchStreamer(rows)
+        rows = [
+            RowStreamer(self.tokenizer, r, self.eos_ids, structure=self.tracker(r.params, structured)) for r in batch
+        ]
         sampler = RowSampler([r.params for r in batch])
+        tap = ScoresTap()
+        streamer = BatchStreamer(rows, lambda logits, which: self.redraw(sampler, logits, which), tap)
         self.model.generate(
             **inputs,
             generation_config=self.generation_config(max(r.params.max_new_tokens for r in batch)),
-            logits_processor=LogitsProcessorList([sampler] if sampler.needed else []),
+            logits_processor=LogitsProcessorList([tap, sampler] if sampler.needed else [tap]),
             stopping_criteria=StoppingCriteriaList([streamer]),
         )
         streamer.finish_all()

@@ -196,7 +196,7 @@ class Handlers:
                 async for update in updates:
                     yield update
         except gr.Error as err:
-            yield render(raw[0], f"⚠ {err.title}: {err.message}", final=True)
+            yield render(raw[0], f"⚠ {err.title}: {err.message}", final=True, ended="error")
 
     async def _ask(
         self, inputs: tuple[Any, ...], request: gr.Request | None, shown: list[str] | None = None
@@ -242,7 +242,9 @@ class Handlers:
                         pass
             result = stream.result(timeout=TOKEN_TIMEOUT_S)
         except RequestCancelledError:
-            yield render(raw, f"Stopped after {time.monotonic() - started:.1f} s.", final=True, view=view)
+            yield render(
+                raw, f"Stopped after {time.monotonic() - started:.1f} s.", final=True, view=view, ended="cancelled"
+            )
             return
         except TimeoutError:
             stream.cancel()

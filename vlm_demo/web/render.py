@@ -27,30 +27,68 @@ ERROR_TITLES = {
 }
 
 
-def tracker_html(stages: Stages, active: str | None) -> str:
-    """The stage strip above the panels; page CSS keys on ``data-active``/``data-done`` to mark the panels.
+MARKS = {"active": " ●", "done": " ✓", "cut": " ✂ cut", "stopped": " ■ stopped", "todo": ""}
+
+
+def stage_states(
+    stages: Stages, active: str | None, ended: str | None = None, cut: str | None = None, running: str | None = None
+) -> dict[str, str]:
+    """Each stage's mark: ``active`` (being written), ``done``, ``cut`` (closed or skipped early to leave room
+    for the CONCLUSION, or still open when the token budget ran out), ``stopped`` (still open when the
+    answer was stopped or failed), or ``todo``. ``ended`` is how a finished answer ended (a finish reason,
+    or "error"); while it streams, every stage seen and not active is done. ``running`` is the stage a
+    stage-beam search was writing (its candidates are not in the answer's text yet)."""
+    states = {}
+    left_open = (running or stages.active) if ended else None
+    for stage in STAGES:
+        if stage == active:
+            state = "active"
+        elif stage == cut:
+            state = "cut"
+        elif stage == left_open and ended != "stop":
+            state = "cut" if ended == "length" else "stopped"
+        elif stage in stages.seen:
+            state = "done"
+        else:
+            state = "todo"
+        states[stage] = state
+    return states
+
+
+def tracker_html(
+    stages: Stages, active: str | None, ended: str | None = None, cut: str | None = None, running: str | None = None
+) -> str:
+    """The stage strip above the panels; page CSS keys on ``data-active``, ``data-done``, ``data-cut`` and
+    ``data-stopped`` to mark the panels the same way.
 
     Marking panels through this one HTML output keeps the panels' API values plain strings (a
     ``gr.update`` with CSS classes would reach API clients as a dict).
     """
-    done = [s for s in stages.seen if s != active]
-    steps = []
-    for stage in STAGES:
-        state = "active" if stage == active else "done" if stage in done else "todo"
-        mark = {"active": " ●", "done": " ✓", "todo": ""}[state]
-        steps.append(f'<span class="step {state}">{stage.upper()}{mark}</span>')
+    states = stage_states(stages, active, ended, cut, running)
+    steps = [f'<span class="step {state}">{stage.upper()}{MARKS[state]}</span>' for stage, state in states.items()]
     body = ' <span class="arrow">→</span> '.join(steps)
     extra = ""
     if stages.extra:
         extra = (
             '<div class="extra"><b>Text outside the four stages:</b><pre>' + html.escape(stages.extra) + "</pre></div>"
         )
-    return f'<div class="cot-tracker" data-active="{active or ""}" data-done="{" ".join(done)}">{body}</div>{extra}'
+    marked = {kind: " ".join(s for s, state in states.items() if state == kind) for kind in ("done", "cut", "stopped")}
+    return (
+        f'<div class="cot-tracker" data-active="{active or ""}" data-done="{marked["done"]}" '
+        f'data-cut="{marked["cut"]}" data-stopped="{marked["stopped"]}">{body}</div>{extra}'
+    )
 
 
 def result_status(result: GenerationResult, stages: Stages | None = None) -> str:
     """The status line for a finished answer: how it ended, how it ran (batch size) and how fast."""
-    if result.finish_reason == "length":
+    if result.finish_reason == "length" and result.cut_stage == "conclusion":
+        head = "Stopped at the max new tokens limit · the CONCLUSION was closed with the last tokens"
+    elif result.finish_reason == "length" and result.cut_stage:
+        head = (
+            f"Stopped at the max new tokens limit · the {result.cut_stage.upper()} was cut short "
+            "to leave room for the CONCLUSION"
+        )
+    elif result.finish_reason == "length":
         head = "Stopped at the max new tokens limit"
     elif stages is not None and stages.seen and "conclusion" not in stages.seen:
         head = "Ended without a CONCLUSION"
@@ -77,8 +115,9 @@ def candidates_text(choice: StageChoice) -> str:
     return "\n\n".join(f"[Candidate {i + 1}] {text or '…'}" for i, text in enumerate(choice.candidates))
 
 
-def beams_html(view: BeamView | None) -> str:
-    """Every stage of a stage-beam search: its candidates, the winner marked, the judge's words."""
+def beams_html(view: BeamView | None, stopped: bool = False) -> str:
+    """Every stage of a stage-beam search: its candidates, the winner marked, the judge's words (a stage
+    still running when the answer was ``stopped`` says so, not "writing…")."""
     if view is None:
         return ""
     blocks = []
@@ -93,7 +132,9 @@ def beams_html(view: BeamView | None) -> str:
             if choice.closed and not choice.closed[i]:
                 shown += " <i>(no closing tag: not judged)</i>"
             items.append(f'<li class="cand{" winner" if won else ""}">{mark}{shown}</li>')
-        if running:
+        if running and stopped:
+            state = "stopped"
+        elif running:
             state = "judging…" if view.phase == "judging" else "writing…"
         else:
             state = f"candidate {choice.winner + 1} chosen" if len(choice.candidates) > 1 else "one candidate"
@@ -118,12 +159,19 @@ def render(
     final: bool = False,
     result: GenerationResult | None = None,
     view: BeamView | None = None,
+    ended: str | None = None,
 ) -> Outputs:
     """All outputs for one moment of an answer.
 
     With ``result`` the status line is the finished answer's (honest about how it ended). With a
-    running stage-beam ``view``, the running stage's panel shows its candidates.
+    running stage-beam ``view``, the running stage's panel shows its candidates. ``ended`` says how an
+    answer that has no result ended ("cancelled" by Stop, "error"), so a stage it left open is marked
+    stopped, not done.
     """
+    if result is not None:
+        ended = result.finish_reason
+    elif final and ended is None:
+        ended = "stop"
     stages = parse_stages(raw, final=final)
     active = None if final else stages.active
     panels = list(stages.as_tuple())
@@ -138,7 +186,9 @@ def render(
     status = status or ""
     if final and raw.strip() and not stages.seen:
         status += " · the answer did not use the four stages (shown above the panels)"
-    return Outputs(*panels, raw, status, stages.extra, tracker_html(stages, active), beams_html(view))
+    cut = result.cut_stage if result is not None else None
+    strip = tracker_html(stages, active, ended if final else None, cut, running.stage if running is not None else None)
+    return Outputs(*panels, raw, status, stages.extra, strip, beams_html(view, stopped=final and ended != "stop"))
 
 
 def waiting_status(ahead: int | None) -> str:
