@@ -39,7 +39,10 @@ MAX_QUESTION = 2000  # Config.max_question_chars default
 @pytest.fixture(scope="module")
 def server(tiny_dir: str) -> Iterator[str]:
     """One tiny-model server for this module (default batching mode, batches of up to 8)."""
-    with running_app("--max-batch-size", "8", "--max-queue", "256") as url:
+    # Every request must reach the engine here (batching, cancelling): no per-client cap, no response cache.
+    with running_app(
+        "--max-batch-size", "8", "--max-queue", "256", "--max-per-client", "0", "--response-cache-mb", "0"
+    ) as url:
         yield url
 
 

@@ -48,9 +48,9 @@ class Spy:
         self.calls: list[list[str]] = []
         self._prefill = worker.prefill
 
-    def __call__(self, requests):
+    def __call__(self, requests, images=None):
         self.calls.append([r.question for r in requests])
-        return self._prefill(requests)
+        return self._prefill(requests, images)
 
 
 @pytest.fixture

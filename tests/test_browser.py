@@ -68,7 +68,7 @@ def shots(tmp_path_factory) -> Path:
 def server(tiny_dir: str, tracked_before) -> Iterator[str]:
     # Continuous batching lets a second visitor's request join the browser's running batch, so Stop is
     # tested on one row of a live batch.
-    with running_app("--max-batch-size", "4", "--batching", "continuous") as url:
+    with running_app("--max-batch-size", "4", "--batching", "continuous", "--response-cache-mb", "0") as url:
         yield url
 
 

@@ -247,11 +247,11 @@ class FakeOOMPrefillWorker:
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
-    def prefill(self, requests):
+    def prefill(self, requests, images=None):
         self.alive_at_prefill.append(sum(ref() is not None for ref in self.caches))
         if len(requests) > 1:
             self._forward(len(requests))
-        return self.inner.prefill(requests)
+        return self.inner.prefill(requests, images)
 
     def _forward(self, rows: int) -> None:
         cache = torch.empty(rows, 256, 1024)

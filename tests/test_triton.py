@@ -256,6 +256,27 @@ def test_dynamic_batching_forms_batches_and_every_row_is_right(server, engine):
 
 
 @pytest.mark.slow
+def test_tritons_response_cache_answers_a_repeated_greedy_request_and_never_an_unseeded_sampled_one(server):
+    """The infer model declares Triton's response cache (the server starts with ``--cache-config``): the same
+    greedy request twice reaches the engine once; sampled requests without a seed never hit."""
+
+    def hits() -> int:
+        stats = requests.get(f"{server['http']}/v2/models/{ENSEMBLE_MODEL}/stats", timeout=5).json()
+        return int(stats["model_stats"][0]["inference_stats"]["cache_hit"]["count"])
+
+    backend = backend_for(server, "http", ENSEMBLE_MODEL)
+    item = door(solid_image("white", 24, 24), "What colour is it, once more?", GREEDY)
+    before = hits()
+    first = backend.submit(item).result(60).text
+    assert backend.submit(item).result(60).text == first
+    assert hits() == before + 1
+    for _ in range(2):  # each request gets its own random seed at the door
+        fresh = door(solid_image("white", 24, 24), "What colour is it, once more?", SamplingParams(60, 1.0))
+        backend.submit(fresh).result(60)
+    assert hits() == before + 1
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("scheme,model", [("http", ENSEMBLE_MODEL), ("http", GENERATE_MODEL), ("grpc", GENERATE_MODEL)])
 def test_server_side_errors_arrive_typed(server, scheme, model):
     """The server's engine caps max_new_tokens at 2048; asking more (our client allows it) fails with its message.

@@ -73,6 +73,30 @@ class Config:
     )
     max_queue: int = field(default=128, metadata={"help": "Waiting requests beyond this get 'server busy'.", "min": 1})
     max_new_tokens: int = field(default=2048, metadata={"help": "Cap on tokens a request may ask for.", "min": 1})
+    max_per_client: int = field(
+        default=8,
+        metadata={
+            "help": "Answers one client (address, API key) may have waiting or running at once; more are refused "
+            "at once (HTTP 429 on the HTTP API); 0 = no cap.",
+            "min": 0,
+        },
+    )
+    response_cache_mb: float = field(
+        default=64.0,
+        metadata={
+            "help": "MB of finished answers kept to replay a repeated deterministic request (greedy, or seeded); "
+            "0 = off.",
+            "min": 0,
+        },
+    )
+    image_cache_mb: float = field(
+        default=2048.0,
+        metadata={
+            "help": "Continuous mode: MB of vision-tower output kept per image for repeated images, follow-up "
+            "questions and Think harder's judges (counted in the KV budget, emptied before a request waits); 0 = off.",
+            "min": 0,
+        },
+    )
     kv_token_budget: int = field(
         default=0,
         metadata={"help": "Continuous mode: most cached tokens over running rows (0 = no limit).", "min": 0},
@@ -98,6 +122,13 @@ class Config:
     )
     max_image_pixels: int = field(default=40_000_000, metadata={"help": "Reject larger images (bombs).", "min": 1})
     max_question_chars: int = field(default=2000, metadata={"help": "Reject longer questions.", "min": 1})
+    forwarded_allow_ips: str = field(
+        default="",
+        metadata={
+            "help": "Proxies trusted to name the visitor in X-Forwarded-For (fair share counts by visitor): "
+            "comma-separated addresses or '*'; empty = uvicorn's default (127.0.0.1), '*' on Hugging Face Spaces."
+        },
+    )
     share: bool = field(default=False, metadata={"help": "Ask Gradio for a public share link."})
     auth: str = field(default="", metadata={"help": "USER:PASS for the page (recommended with --share)."})
     triton_url: str = field(

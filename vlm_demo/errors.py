@@ -25,6 +25,12 @@ class QueueFullError(DemoError):
     code = "server_busy"
 
 
+class TooManyRequestsError(DemoError):
+    """This client already has its share of answers in progress (``--max-per-client``); others go on."""
+
+    code = "too_many_requests"
+
+
 class OutOfMemoryError(DemoError):
     """The accelerator ran out of memory for this request even when run on its own."""
 

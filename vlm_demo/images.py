@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import hashlib
 import io
 import logging
 import os
@@ -27,6 +28,15 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_PIXELS = 40_000_000
 DEFAULT_MAX_BYTES = 50 * 1024 * 1024
 SUPPORTED = "PNG, JPEG, WebP, GIF, BMP or TIFF"
+
+
+def image_digest(image: Image.Image) -> str:
+    """A digest of a decoded picture (mode, size, pixels): equal pictures, equal digests, whatever file
+    they came in. The image-state and response caches key on it."""
+    digest = hashlib.blake2b(digest_size=16)
+    digest.update(f"{image.mode}:{image.size[0]}x{image.size[1]}:".encode())
+    digest.update(image.tobytes())
+    return digest.hexdigest()
 
 
 def load_image(source: Any, max_pixels: int = DEFAULT_MAX_PIXELS, max_bytes: int = DEFAULT_MAX_BYTES) -> Image.Image:

@@ -46,10 +46,16 @@ class SamplingParams:
     reasoning: str = NORMAL  # or STAGE_BEAM
     beams: int = DEFAULT_BEAMS  # candidates per stage in stage-beam mode (1 only for benchmarks)
     beam_serial: bool = False  # benchmarks only: run the candidates and judges one at a time
+    seeded: bool = False  # the caller chose the seed (set by ``validated``): a sampled answer is then repeatable
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def deterministic(self) -> bool:
+        """The same request always gets the same answer (greedy, or sampled with a seed the caller chose)."""
+        return self.greedy or self.seeded
 
     def validated(self, max_new_tokens_cap: int) -> SamplingParams:
         """Check ranges with messages a person can act on; returns a copy with a seed set."""
@@ -80,6 +86,7 @@ class SamplingParams:
             self.reasoning,
             int(self.beams),
             bool(self.beam_serial),
+            self.seeded or self.seed is not None,
         )
 
 
@@ -127,6 +134,7 @@ class GenerationResult:
     total_s: float  # submit -> finished
     beam: BeamView | None = None  # a stage-beam search's candidates and winners, stage by stage
     cut_stage: str | None = None  # the stage cut short to leave room for the CONCLUSION (finish "length")
+    cached: bool = False  # replayed from the response cache (the same deterministic request ran before)
 
     @property
     def tokens_per_s(self) -> float:
@@ -156,6 +164,12 @@ class EngineStats:
     steps_run: int = 0
     prefills_run: int = 0
     beam_searches: int = 0  # stage-beam searches in progress
+    preemptions: int = 0  # rows handed back to a waiting client's fair share (resumed later)
+    vision_encodes: int = 0  # images run through the vision tower
+    image_cache_hits: int = 0  # prefills whose image states came from the image-state cache
+    image_cache_misses: int = 0
+    image_cache_bytes: int = 0
+    image_cache_entries: int = 0
 
 
 @dataclass(frozen=True)
@@ -179,6 +193,8 @@ class ValidRequest:
     image: Image.Image
     question: str
     params: SamplingParams
+    image_key: str = ""  # a digest of the picture's pixels: the image-state and response caches key on it
+    client: str = ""  # who asks (an address, an API key): fair share and the per-client cap count by it
 
 
 def validate_question(question: Any, max_chars: int) -> str:
@@ -255,7 +271,7 @@ def validate_request(
     ``image`` may be a PIL image, a file path, bytes or a Gradio file payload. Raises
     :class:`InvalidRequestError` with a message the visitor can act on.
     """
-    from vlm_demo.images import load_image  # PIL only; kept local so the vocabulary imports fast
+    from vlm_demo.images import image_digest, load_image  # PIL only; kept local so the vocabulary imports fast
 
     limits = limits or Limits()
     if not has_image(image):
@@ -263,4 +279,4 @@ def validate_request(
     question = validate_question(question, limits.max_question_chars)
     params = (params or SamplingParams()).validated(limits.max_new_tokens)
     picture = load_image(image, max_pixels=limits.max_image_pixels, max_bytes=limits.max_image_bytes)
-    return ValidRequest(picture, question, params)
+    return ValidRequest(picture, question, params, image_digest(picture))

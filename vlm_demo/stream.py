@@ -14,7 +14,7 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Protocol
 
-from vlm_demo.errors import BackendTimeoutError, DemoError
+from vlm_demo.errors import BackendTimeoutError, DemoError, RequestCancelledError
 from vlm_demo.schema import BeamView, GenerationResult, ValidRequest
 
 log = logging.getLogger(__name__)
@@ -99,6 +99,10 @@ class OutputStream:
         """Requests ahead of this one in the queue (``None``: running, or not known here)."""
         return None
 
+    def cancel(self) -> None:
+        """Stop it now (producers that can stop remote work override this)."""
+        self.fail(RequestCancelledError("Request cancelled."))
+
     def stream(self, timeout: float | None = None) -> Iterator[str]:
         """Yield text deltas as they come; raise the request's typed error if it failed.
 
@@ -145,8 +149,12 @@ class OutputStream:
         return self._result
 
     def add_done_callback(self, fn: Callable[[Stream], None]) -> None:
-        """Call ``fn(self)`` once when the stream ends, whichever way."""
-        self._callbacks.append(fn)
+        """Call ``fn(self)`` once when the stream ends, whichever way (now, if it already has)."""
+        with self._lock:
+            if not self._done.is_set():
+                self._callbacks.append(fn)
+                return
+        fn(self)
 
     def fail(self, error: DemoError) -> bool:
         """End with an error (no-op if already ended); True if this call ended it."""

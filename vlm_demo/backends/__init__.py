@@ -10,10 +10,20 @@ __all__ = ["Backend", "Stream", "make_backend"]
 
 def make_backend(config: Config) -> Backend:
     """The Triton backend when ``--triton-url`` is set, else the local batching engine: in its own
-    process (the default), or in this one with ``--no-engine-process``.
+    process (the default), or in this one with ``--no-engine-process``; with the response cache in front
+    (``--response-cache-mb``).
 
     Raises ``SystemExit`` with one sentence when the model cannot be loaded at all.
     """
+    backend = _make_backend(config)
+    if config.response_cache_mb > 0:
+        from vlm_demo.backends.cache import CachingBackend
+
+        return CachingBackend(backend, int(config.response_cache_mb * 1024**2))
+    return backend
+
+
+def _make_backend(config: Config) -> Backend:
     if config.triton_url:
         from vlm_demo.backends.triton import TritonBackend
 

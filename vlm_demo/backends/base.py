@@ -37,6 +37,8 @@ class Health:
     engine_restarts: int = 0
     remote: RemoteStatus | None = None
     error: str | None = None  # why it is not ready
+    response_cache_hits: int = 0  # the web process's response cache (backends/cache.py), when it is on
+    response_cache_misses: int = 0
 
     def details(self) -> dict[str, Any]:
         """Everything but ``ready`` and ``queue_depth``, flat (``/health``'s ``details``)."""
@@ -55,6 +57,8 @@ class Health:
             )
         if self.error:
             out["error"] = self.error
+        if self.response_cache_hits or self.response_cache_misses:
+            out.update(response_cache_hits=self.response_cache_hits, response_cache_misses=self.response_cache_misses)
         return out
 
 

@@ -43,6 +43,7 @@ from vlm_demo.errors import (
     InvalidRequestError,
     QueueFullError,
     RequestCancelledError,
+    TooManyRequestsError,
 )
 from vlm_demo.schema import STAGE_BEAM, GenerationResult, SamplingParams, ValidRequest
 from vlm_demo.stream import Listener, OutputStream, run_all
@@ -222,6 +223,7 @@ class TritonBackend:
         self.notice: str | None = None  # the page's banner when the remote model is not the real one
         self._listeners: list[Listener] = []
         self._in_flight = 0
+        self._per_client: dict[str, int] = {}  # client -> requests in flight (the per-client cap; Triton orders them)
         self._lock = threading.Lock()
         self._closed = False
 
@@ -255,11 +257,19 @@ class TritonBackend:
         if not isinstance(request, ValidRequest):
             raise TypeError(f"the Triton backend takes a ValidRequest, not {type(request)}")
         image, question, params = request.image, request.question, request.params
+        cap, client = self.config.max_per_client, request.client
         with self._lock:
             if self._in_flight >= self.config.max_queue:
                 raise QueueFullError(f"Server busy: {self._in_flight} requests already waiting. Try again shortly.")
+            held = self._per_client.get(client, 0)
+            if cap and client and held >= cap:
+                raise TooManyRequestsError(
+                    f"You already have {held} answer{'s' if held != 1 else ''} in progress; wait for one to finish "
+                    f"(at most {cap} at a time per visitor), then ask again."
+                )
             self._in_flight += 1
-        stream = TritonStream(self.config.triton_timeout, self._request_done)
+            self._per_client[client] = held + 1
+        stream = TritonStream(self.config.triton_timeout, lambda done: self._request_done(done, client))
         target = self._run_generate if self.info.protocol == "generate" else self._run_infer
         threading.Thread(target=self._guarded, args=(target, stream, image, question, params), daemon=True).start()
         return stream
@@ -288,9 +298,12 @@ class TritonBackend:
         self._closed = True
 
     # ---- internals ----
-    def _request_done(self, stream: TritonStream) -> None:
+    def _request_done(self, stream: TritonStream, client: str) -> None:
         with self._lock:
             self._in_flight -= 1
+            left = self._per_client.pop(client, 1) - 1
+            if left > 0:
+                self._per_client[client] = left
         for listener in self._listeners:
             try:
                 listener.on_request_done(stream)
@@ -318,7 +331,7 @@ class TritonBackend:
             "max_new_tokens": params.max_new_tokens,
             "temperature": params.temperature,
             "top_p": params.top_p,
-            "seed": params.seed if params.seed is not None else 0,
+            "seed": 0 if params.greedy or params.seed is None else params.seed,  # greedy: one cache key
             "reasoning": params.reasoning.encode("utf-8"),
             "beams": params.beams,
         }

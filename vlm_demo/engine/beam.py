@@ -189,7 +189,7 @@ class StageBeam:
         lead = "" if not written_ids or tail[-1:].isspace() else GAP  # the stage's opening, as the model spaces it
         new_rows = []
         for p in params:
-            request = InternalRequest(image=None, question="", params=p)
+            request = InternalRequest(image=None, question="", params=p, client=self.request.client)
             structure = None
             if self.structured and not p.ignore_eos:
                 grammar = self.worker.grammar
@@ -342,6 +342,7 @@ class StageBeam:
     def _judge_request(self, first: Candidate, second: Candidate) -> JudgeRequest:
         text = judge_question(self.stage, self.request.question, first.inner(self.stage), second.inner(self.stage))
         request = JudgeRequest(image=None, question=text, params=SamplingParams(JUDGE_MAX_NEW_TOKENS, 0.0, 1.0, seed=0))
+        request.client, request.image_key = self.request.client, self.request.image_key  # its image states: cached
         request.inputs = self.worker.prepare_with(self.request.inputs, text)
         return request
 

@@ -35,7 +35,8 @@ from vlm_demo.config import Config
 from vlm_demo.engine.base import Engine, error_for, is_fatal_device_error, is_out_of_memory, release
 from vlm_demo.engine.batch_state import Prefill, Row, RunningBatch
 from vlm_demo.engine.beam import StageBeam
-from vlm_demo.engine.request import Request
+from vlm_demo.engine.image_cache import ImageStates
+from vlm_demo.engine.request import Request, Resume
 from vlm_demo.engine.sampler import RowSampling
 from vlm_demo.engine.streamer import RowStreamer, commit_tokens
 from vlm_demo.engine.worker import Worker
@@ -46,6 +47,7 @@ log = logging.getLogger(__name__)
 
 # After an out-of-memory step the row limit is halved; it grows back by one after this many good steps.
 RECOVERY_STEPS = 256
+PREEMPT_AFTER = 8  # a row that joined less than this many tokens ago is not handed back (no thrashing)
 
 
 class ContinuousEngine(Engine):
@@ -64,6 +66,9 @@ class ContinuousEngine(Engine):
         self.recoveries = 0  # failed steps (or joins) whose rows were requeued
         self.beams: list[StageBeam] = []  # stage-beam searches in progress (engine thread only)
         self.admitting: list[Request] = []  # taken from the queue by the admission under way
+        self.preemptions = 0
+        mb = self.config.image_cache_mb
+        self.images = ImageStates(int(mb * 1024**2)) if mb > 0 else None
 
     # ---- observation -------------------------------------------------------------------------
     def running_rows(self) -> int:
@@ -78,6 +83,11 @@ class ContinuousEngine(Engine):
             steps_run=self.steps_run,
             prefills_run=self.prefills_run,
             beam_searches=len(self.beams),
+            preemptions=self.preemptions,
+            image_cache_hits=self.images.hits if self.images is not None else 0,
+            image_cache_misses=self.images.misses if self.images is not None else 0,
+            image_cache_bytes=self.images.bytes if self.images is not None else 0,
+            image_cache_entries=len(self.images) if self.images is not None else 0,
         )
 
     @property
@@ -168,10 +178,13 @@ class ContinuousEngine(Engine):
 
         def fits(request: Request) -> bool:
             nonlocal rows, length
-            new_length = max(length, request.prompt_tokens)
+            new_length = max(length, request.input_tokens)
             need = request.rows_needed
             over_tokens = 0 < self.kv_token_budget < (rows + need) * new_length
-            over_bytes = 0 < budget < kv.batch_bytes(rows + need, new_length)
+            cache_bytes = kv.batch_bytes(rows + need, new_length)
+            if self.images is not None and 0 < budget < cache_bytes + self.images.bytes:
+                self.images.evict(cache_bytes + self.images.bytes - budget)  # rows before remembered images
+            over_bytes = 0 < budget < cache_bytes + (self.images.bytes if self.images is not None else 0)
             if rows and (over_tokens or over_bytes):
                 return False  # a lone request is always admitted, or it could never run
             rows, length = rows + need, new_length
@@ -179,7 +192,52 @@ class ContinuousEngine(Engine):
 
         return fits
 
+    def _preempt(self) -> None:
+        """Give each waiting client its share of the rows when they are all taken: a client holding more
+        than ``rows ÷ clients`` gives back the rows that wrote least (cheapest to resume), which wait their
+        turn and continue where they stopped (``Request.resume``: the prompt and what they wrote are
+        prefilled again, the image from the image-state cache). A stage-beam search's rows stay."""
+        if len(self.batch) < self.rows_allowed:
+            return  # a row is free: the next client in turn gets it
+        waiting = self.scheduler.clients_waiting()
+        if not waiting:
+            return
+        held: dict[str, int] = {}
+        movable: dict[str, list[int]] = {}
+        for index, row in enumerate(self.batch.rows):
+            owner = row.beam.request.client if row.beam is not None else row.request.client
+            held[owner] = held.get(owner, 0) + 1
+            plain = row.beam is None and type(row.request) is Request and not row.streamer.done
+            if plain and len(row.streamer.ids) >= PREEMPT_AFTER:
+                movable.setdefault(owner, []).append(index)
+        share = max(1, self.rows_allowed // len(set(held) | set(waiting)))
+        victims = []
+        for client in waiting:
+            if held.get(client, 0) >= share:
+                continue
+            over = [c for c, n in held.items() if n > share and movable.get(c)]
+            if not over:
+                break
+            donor = max(over, key=lambda c: held[c])
+            victims.append(min(movable[donor], key=lambda i: len(self.batch.rows[i].streamer.ids)))
+            movable[donor].remove(victims[-1])
+            held[donor] -= 1
+            held[client] = held.get(client, 0) + 1
+        if victims:
+            self._suspend(victims)
+
+    def _suspend(self, indices: list[int]) -> None:
+        requests = []
+        for index in indices:
+            row = self.batch.rows[index]
+            row.request.resume = Resume(row.streamer, draws=len(row.streamer.ids))
+            requests.append(row.request)
+        self.batch.keep([i for i in range(len(self.batch)) if i not in set(indices)])
+        self.preemptions += len(requests)
+        self.scheduler.requeue_front(requests, first=False)  # their clients wait their turn
+
     def _admit(self) -> None:
+        self._preempt()
         free = self._join_forks(self.rows_allowed - len(self.batch))
         if free is None or free <= 0:
             return
@@ -204,7 +262,8 @@ class ContinuousEngine(Engine):
         one is put back, so are the ones after it."""
         now = time.monotonic()
         for request in group:
-            request.reset_progress()
+            if request.resume is None:
+                request.reset_progress()
             request.started = request.started or now
         failure: Exception | None = None
         try:
@@ -240,36 +299,58 @@ class ContinuousEngine(Engine):
             tokens = tokens.index_select(0, torch.tensor(plain, device=tokens.device))
             first = [first[i] for i in plain]
             group = [group[i] for i in plain]
-        rows = [
-            Row(
-                r,
-                RowStreamer(
-                    self.worker.tokenizer,
-                    r,
-                    self.worker.eos_ids,
-                    r.stop_text,
-                    self.worker.tracker(r.params, structured),
-                ),
-            )
-            for r in group
-        ]
+        rows = [Row(r, r.resume.streamer if r.resume is not None else self._streamer(r, structured)) for r in group]
         size = len(self.batch) + len(rows)
         for row in rows:
             row.request.batch_size = max(row.request.batch_size, size)
         try:  # a row that ends on its first token leaves at the next eviction
-            tokens = self._commit_first(rows, tokens, prefill.logits, sampling, first)
+            tokens = self._first_tokens(rows, tokens, prefill.logits, sampling, first)
             self.batch.join(rows, prefill, tokens, sampling)
         except Exception as exc:
             failure = exc
         if failure is not None:
             self._recover(failure, newcomers=group)
+            return []
+        for request in group:
+            request.resume = None
         return []
+
+    def _streamer(self, request: Request, structured: bool) -> RowStreamer:
+        tracker = self.worker.tracker(request.params, structured)
+        return RowStreamer(self.worker.tokenizer, request, self.worker.eos_ids, request.stop_text, tracker)
+
+    def _first_tokens(
+        self, rows: list[Row], tokens: torch.Tensor, logits: torch.Tensor, sampling: RowSampling, first: list[int]
+    ) -> torch.Tensor:
+        """Newcomers' first tokens (committed and fed); a resumed row's is the last token it wrote, its
+        draw counter where it was. Returns the rows' next inputs."""
+        resumed = [i for i, row in enumerate(rows) if row.request.resume is not None]
+        if not resumed:
+            return self._commit_first(rows, tokens, logits, sampling, first)
+        fresh = [i for i in range(len(rows)) if i not in resumed]
+        values = list(first)
+        if fresh:
+            chosen = commit_tokens(
+                [rows[i].streamer for i in fresh],
+                [first[i] for i in fresh],
+                lambda which: self.worker.redraw(sampling, logits, [fresh[j] for j in which]).tolist(),
+            )
+            for i, token in zip(fresh, chosen, strict=True):
+                values[i] = token
+                rows[i].streamer.feed(token)
+        draws = sampling.draws.clone()
+        for i in resumed:
+            request = rows[i].request
+            values[i] = request.token_ids[-1]
+            draws[i] = request.resume.draws  # type: ignore[union-attr]
+        sampling.draws = draws
+        return torch.tensor(values, dtype=tokens.dtype, device=tokens.device)
 
     def _prefill(self, group: list[Request]) -> tuple[Prefill, RowSampling, torch.Tensor, list[int]]:
         """The model call for newcomers and their first tokens (kept in its own frame: when it
         fails, nothing of the attempt stays referenced from the caller's)."""
         self._failpoint("prefill")
-        prefill = self.worker.prefill(group)
+        prefill = self.worker.prefill(group, self.images)
         self.prefills_run += 1
         sampling = RowSampling([r.params for r in group], prefill.logits.device)
         tokens = sampling.sample(prefill.logits)

@@ -38,6 +38,15 @@ class Search(Protocol):
     def view(self) -> BeamView: ...
 
 
+@dataclass
+class Resume:
+    """A row taken out of the running batch to give a waiting client its share: what it needs to continue
+    exactly where it stopped (its streamer holds the text, the stage tracker and the decoder's state)."""
+
+    streamer: Any  # its ``RowStreamer``
+    draws: int  # the sampler's draws so far: the next token is draw ``draws``, as it would have been
+
+
 class Preparer(Protocol):
     """What turns a picture and a question into the model's inputs (:meth:`Worker.prepare`)."""
 
@@ -64,6 +73,9 @@ class Request(OutputStream):
     started: float | None = None
     first_token: float | None = None
     beam: Search | None = None  # its stage-beam search once admitted in that mode
+    client: str = ""  # who asked (fair share, the per-client cap)
+    image_key: str = ""  # its picture's digest (the image-state cache)
+    resume: Resume | None = None  # set while a preempted row waits to continue where it stopped
     cut_stage: str | None = None  # the stage the CONCLUSION's reserve cut short (stage structure)
 
     def __post_init__(self) -> None:
@@ -74,6 +86,30 @@ class Request(OutputStream):
     def prompt_tokens(self) -> int:
         ids = self.inputs.get("input_ids")
         return int(ids.shape[-1]) if ids is not None else 0
+
+    @property
+    def input_tokens(self) -> int:
+        """Tokens its prefill takes: the prompt, and for a preempted row the tokens it had already written
+        (all but the last, which is its next input)."""
+        return self.prompt_tokens + (max(0, len(self.token_ids) - 1) if self.resume is not None else 0)
+
+    def prefill_inputs(self) -> dict[str, Any]:
+        """The processor's inputs for its prefill; a preempted row continues after what it wrote, every
+        new position seeing the image as the prompt's last one does."""
+        if self.resume is None or len(self.token_ids) < 2:
+            return self.inputs
+        import torch  # the engine's side only
+
+        written = torch.tensor([self.token_ids[:-1]], dtype=self.inputs["input_ids"].dtype)
+        cross = self.inputs["cross_attention_mask"]
+        extra = cross[:, -1:].expand(1, written.shape[1], *cross.shape[2:])
+        ids = torch.cat([self.inputs["input_ids"], written], dim=1)
+        return {
+            **self.inputs,
+            "input_ids": ids,
+            "attention_mask": torch.ones_like(ids),
+            "cross_attention_mask": torch.cat([cross, extra], dim=1),
+        }
 
     @property
     def rows_needed(self) -> int:
@@ -139,5 +175,6 @@ def make_request(valid: ValidRequest, worker: Preparer, kind: type[R] = Request)
     if not isinstance(valid, ValidRequest):
         raise TypeError(f"the engine takes a ValidRequest (vlm_demo.schema.validate_request), not {type(valid)}")
     request = kind(image=valid.image, question=valid.question, params=valid.params)
+    request.client, request.image_key = valid.client, valid.image_key
     request.inputs = worker.prepare(valid.image, valid.question)
     return request

@@ -18,6 +18,7 @@ from transformers.models.mllama.modeling_mllama import _prepare_cross_attention_
 
 from vlm_demo.engine.batch_state import Prefill
 from vlm_demo.engine.decode_step import TextDecodeStep, single_device
+from vlm_demo.engine.image_cache import ImageStates
 from vlm_demo.engine.request import Request
 from vlm_demo.engine.sampler import RowSampler, RowSampling
 from vlm_demo.engine.streamer import BatchStreamer, RowStreamer, ScoresTap
@@ -83,6 +84,7 @@ class Worker:
         # sdpa takes the boolean mask as is; eager (and the other kernels) add the mask to the scores.
         self.additive_mask = model.config.get_text_config()._attn_implementation != "sdpa"
         self._grammar: StageGrammar | None = None
+        self.vision_encodes = 0  # pictures run through the vision tower (the engine reports it)
 
     def _pad_id(self) -> int:
         tok = self.tokenizer
@@ -179,21 +181,64 @@ class Worker:
         return frozenset(self.model.config.get_text_config().cross_attention_layers)
 
     @torch.inference_mode()
-    def prefill(self, requests: list[Request]) -> Prefill:
+    def prefill(self, requests: list[Request], images: ImageStates | None = None) -> Prefill:
         """Continuous mode: run newcomers' images and prompts together, left-padded like a dynamic
         batch (positions counted from each row's first real token, as ``generate`` does); return
-        their cache, last logits and masks, ready to join the running batch."""
-        inputs = self.to_device(collate([r.inputs for r in requests], self.pad_id))
-        lengths = [r.prompt_tokens for r in requests]
+        their cache, last logits and masks, ready to join the running batch. With ``images`` the vision
+        tower runs only for pictures it does not hold (each once, however many rows show it)."""
+        inputs = self.to_device(collate([r.prefill_inputs() for r in requests], self.pad_id))
+        lengths = [r.input_tokens for r in requests]
         mask = inputs["attention_mask"].bool()
         cross = inputs["cross_attention_mask"]
         if len(set(lengths)) == 1:  # no padding: what generate passes then (no mask, default positions)
             inputs["attention_mask"] = None
         else:
             inputs["position_ids"] = (inputs["attention_mask"].long().cumsum(-1) - 1).masked_fill(~mask, 0)
+        if images is not None:
+            image_inputs = {key: inputs.pop(key) for key in ("pixel_values", "aspect_ratio_ids", "aspect_ratio_mask")}
+            inputs["cross_attention_states"] = self._vision_states(requests, image_inputs, images)
+        else:
+            self.vision_encodes += len(requests)
         out = self.model(**inputs, use_cache=True, logits_to_keep=1)
         cross_mask, row_mask = self.cross_attention_masks(cross)
         return Prefill(out.cache, out.logits[:, -1].float(), mask, lengths, cross_mask, row_mask)
+
+    def _vision_states(
+        self, requests: list[Request], image_inputs: dict[str, torch.Tensor], images: ImageStates
+    ) -> torch.Tensor:
+        """Every row's projected vision states, from the cache or from one vision-tower pass over the
+        distinct pictures it lacks (which it then keeps)."""
+        found: dict[str, torch.Tensor] = {}
+        missing: dict[str, int] = {}  # picture -> the first row showing it
+        for row, request in enumerate(requests):
+            key = request.image_key or f"row-{row}"
+            if key in found or key in missing:
+                continue
+            states = images.get(request.image_key) if request.image_key else None
+            if states is not None:
+                found[key] = states
+            else:
+                missing[key] = row
+        if missing:
+            index = torch.tensor(list(missing.values()), device=self.device)
+            encoded = self.encode_images(**{k: v.index_select(0, index) for k, v in image_inputs.items()})
+            per_row = encoded.shape[0] // len(missing)
+            for i, key in enumerate(missing):
+                found[key] = encoded[i * per_row : (i + 1) * per_row]
+                images.put(requests[missing[key]].image_key, found[key])
+            self.vision_encodes += len(missing)
+        return torch.cat([found[r.image_key or f"row-{row}"] for row, r in enumerate(requests)], dim=0)
+
+    def encode_images(
+        self, pixel_values: torch.Tensor, aspect_ratio_ids: torch.Tensor, aspect_ratio_mask: torch.Tensor
+    ) -> torch.Tensor:
+        """The vision tower and projector, as the model's own forward runs them: ``[rows × images × tiles,
+        patches, hidden]`` (what its cross-attention layers read)."""
+        model = self.model.model
+        states = model.vision_model(
+            pixel_values=pixel_values, aspect_ratio_ids=aspect_ratio_ids, aspect_ratio_mask=aspect_ratio_mask
+        ).last_hidden_state
+        return model.multi_modal_projector(states).reshape(-1, states.shape[-2], model.hidden_size)
 
     def cross_attention_masks(self, cross_attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Continuous mode: a row's decode-step cross-attention masks, built once when it joins.
@@ -240,6 +285,7 @@ class Worker:
         sampler = RowSampler([r.params for r in batch])
         tap = ScoresTap()
         streamer = BatchStreamer(rows, lambda logits, which: self.redraw(sampler, logits, which), tap)
+        self.vision_encodes += len(batch)
         self.model.generate(
             **inputs,
             generation_config=self.generation_config(max(r.params.max_new_tokens for r in batch)),

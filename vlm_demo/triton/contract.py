@@ -30,6 +30,7 @@ from vlm_demo.errors import (
     OutOfMemoryError,
     QueueFullError,
     RequestCancelledError,
+    TooManyRequestsError,
 )
 
 ENSEMBLE_MODEL = "llama_3_2v_11b_cot_ensemble"
@@ -108,6 +109,7 @@ ERRORS_BY_CODE: dict[str, type[DemoError]] = {
         GenerationError,
         BackendUnavailableError,
         BackendTimeoutError,
+        TooManyRequestsError,
     )
 }
 

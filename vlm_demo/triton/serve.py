@@ -136,6 +136,7 @@ def bind_models(triton: Any, engine: Engine, config: Config) -> None:
             max_batch_size=engine.max_batch_size,  # the engine sizes it (from memory when 0)
             # A short delay lets concurrent requests meet; a lone request waits at most this long.
             batcher=DynamicBatcher(max_queue_delay_microseconds=int(config.batch_window_ms * 1000)),
+            response_cache=config.response_cache_mb > 0,  # Triton's own cache (see cache_config)
         ),
         strict=True,
     )
@@ -151,6 +152,14 @@ def bind_models(triton: Any, engine: Engine, config: Config) -> None:
         outputs=[Tensor(name=n, dtype=_wire(t), shape=(-1,)) for n, t in contract.GENERATE_OUTPUT_TYPES.items()],
         config=ModelConfig(batching=False, decoupled=True),
     )
+
+
+def cache_config(config: Config) -> list[str] | None:
+    """Triton's ``--cache-config`` for its response cache (the infer model declares ``response_cache``):
+    the local cache, ``--response-cache-mb`` large; ``None`` (no cache) at 0."""
+    if config.response_cache_mb <= 0:
+        return None
+    return [f"local,size={int(config.response_cache_mb * 1024**2)}"]
 
 
 def libdir_on_path() -> bool:
@@ -175,7 +184,12 @@ def serve(config: Config, http_port: int, grpc_port: int, metrics_port: int, hos
 
     engine = make_engine(config)
     triton_config = TritonConfig(
-        http_address=host, grpc_address=host, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port
+        http_address=host,
+        grpc_address=host,
+        http_port=http_port,
+        grpc_port=grpc_port,
+        metrics_port=metrics_port,
+        cache_config=cache_config(config),
     )
     try:
         with Triton(config=triton_config, security_config=_security()) as triton:
@@ -243,6 +257,7 @@ def serve_repository(
             http_port=http_port,
             grpc_port=grpc_port,
             metrics_port=metrics_port,
+            cache_config=cache_config(config),
         )
         with Triton(config=triton_config, security_config=_security()) as triton:
             log.info("Triton serving %s on http://%s:%d and grpc://%s:%d", repository, host, http_port, host, grpc_port)
@@ -261,9 +276,12 @@ def build_arg_parser() -> argparse.ArgumentParser:
             "batch_window_ms",
             "max_queue",
             "max_new_tokens",
+            "response_cache_mb",
+            "image_cache_mb",
             "max_image_pixels",
             "max_question_chars",
             "batching",
+            "structured_stages",
             "tiny_dir",
         ],
     )

@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import ipaddress
 import logging
 import threading
 import time
@@ -112,6 +114,25 @@ def _wake(loop: asyncio.AbstractEventLoop, event: asyncio.Event) -> None:
         loop.call_soon_threadsafe(event.set)
     except RuntimeError:
         pass
+
+
+def client_of(request: gr.Request | None) -> str:
+    """Who asks, for fair share and the per-client cap: the caller's address as uvicorn reports it (the
+    visitor's own when a trusted proxy said so in X-Forwarded-For), else the browser session: a loopback
+    address is this machine (a share-link tunnel, a local proxy, the owner), not one visitor."""
+    if request is None:
+        return ""
+    address = request.client.host if request.client is not None else ""
+    if address and not _loopback(address):
+        return address
+    return f"session:{request.session_hash}" if request.session_hash else address
+
+
+def _loopback(address: str) -> bool:
+    try:
+        return ipaddress.ip_address(address).is_loopback
+    except ValueError:  # not an IP (a test client's name)
+        return False
 
 
 def gr_error(error: DemoError) -> gr.Error:
@@ -203,7 +224,7 @@ class Handlers:
     ) -> AsyncIterator[Outputs]:
         loop = asyncio.get_running_loop()
         try:  # decoding an upload takes up to ~0.1 s: not on the event loop that serves everyone
-            stream = await loop.run_in_executor(None, self._submit, *inputs)
+            stream = await loop.run_in_executor(None, self._submit, client_of(request), *inputs)
         except DemoError as err:
             self.metrics.rejected(err.code)
             raise gr_error(err) from None
@@ -256,8 +277,8 @@ class Handlers:
             stream.cancel()  # no-op when finished; frees the model row if the visitor went away
         yield render(result.text, final=True, result=result, view=result.beam or stream.beam_view())
 
-    def _submit(self, *inputs: Any) -> Stream:
-        return self.backend.submit(self.admit(*inputs))
+    def _submit(self, client: str, *inputs: Any) -> Stream:
+        return self.backend.submit(dataclasses.replace(self.admit(*inputs), client=client))
 
     def stop(self, request: gr.Request = None) -> None:  # type: ignore[assignment]
         """Cancel this visitor's running answers only; other visitors' requests keep going."""
@@ -280,6 +301,7 @@ class Handlers:
         top_p: list[Any],
         reasoning: list[Any] | None = None,
         beams: list[Any] | None = None,
+        request: gr.Request = None,  # type: ignore[assignment]  # the batch's first caller (Gradio's rule)
     ) -> tuple[list[str], ...]:
         """Answer without streaming: the same inputs and outputs as /ask, final values only.
 
@@ -294,7 +316,7 @@ class Handlers:
             zip(image, question, max_new_tokens, temperature, top_p, reasoning, beams, strict=True)
         ):
             try:
-                admitted.append((i, self.admit(*args)))
+                admitted.append((i, dataclasses.replace(self.admit(*args), client=client_of(request))))
             except DemoError as err:
                 self.metrics.rejected(err.code)
                 rows[i] = list(render("", error_status(err), final=True))

@@ -9,9 +9,11 @@ queue) are counted by the UI through :meth:`Metrics.rejected`, so each request i
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, Metric
 
 from vlm_demo.stream import Stream
 
@@ -29,12 +31,51 @@ def outcome_of(request: Stream) -> str:
     return "length" if request.finish_reason == "length" else "ok"
 
 
+@dataclass(frozen=True)
+class CacheCounts:
+    """What the caches have done, read at each scrape (the engine's side arrives with its stats)."""
+
+    response_hits: int = 0
+    response_misses: int = 0
+    image_hits: int = 0
+    image_misses: int = 0
+    vision_encodes: int = 0
+
+
+class _CacheCollector:
+    """``vlm_cache_requests_total{cache,result}`` and ``vlm_vision_encodes_total``, from counts kept elsewhere
+    (the response cache in this process, the image-state cache in the engine's)."""
+
+    def __init__(self, read: Callable[[], CacheCounts]) -> None:
+        self.read = read
+
+    def collect(self) -> Iterator[Metric]:
+        try:
+            counts = self.read()
+        except Exception as err:  # a scrape must not fail because the backend is briefly unreachable
+            log.warning("cache counts unavailable: %r", err)
+            counts = CacheCounts()
+        cache = CounterMetricFamily(
+            "vlm_cache_requests", "Cache lookups by cache and result.", labels=["cache", "result"]
+        )
+        cache.add_metric(["response", "hit"], counts.response_hits)
+        cache.add_metric(["response", "miss"], counts.response_misses)
+        cache.add_metric(["image", "hit"], counts.image_hits)
+        cache.add_metric(["image", "miss"], counts.image_misses)
+        yield cache
+        yield CounterMetricFamily(
+            "vlm_vision_encodes", "Images run through the vision tower.", value=counts.vision_encodes
+        )
+
+
 class Metrics:
     """The ``vlm_*`` metrics; also a backend listener (``on_batch`` / ``on_request_done``)."""
 
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self, queue_depth: Callable[[], int] | None = None) -> None:
+    def __init__(
+        self, queue_depth: Callable[[], int] | None = None, caches: Callable[[], CacheCounts] | None = None
+    ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.requests = Counter(
             "vlm_requests", "Requests by how they ended.", ["outcome"], registry=self.registry
@@ -58,6 +99,7 @@ class Metrics:
         self.tokens = Counter("vlm_generated_tokens", "Tokens generated.", registry=self.registry)
         if queue_depth is not None:
             self.queue_depth.set_function(lambda: _safe(queue_depth))
+        self.registry.register(_CacheCollector(caches or CacheCounts))
 
     # ---- backend listener ---------------------------------------------------------------------
     def on_batch(self, size: int) -> None:

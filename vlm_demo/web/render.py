@@ -18,6 +18,7 @@ from vlm_demo.web.contract import Outputs
 ERROR_TITLES = {
     "invalid_request": "Invalid input",
     "server_busy": "Server busy",
+    "too_many_requests": "Too many answers in progress",
     "out_of_memory": "Out of GPU memory",
     "cancelled": "Stopped",
     "engine_stopped": "Model restarting",
@@ -94,6 +95,8 @@ def result_status(result: GenerationResult, stages: Stages | None = None) -> str
         head = "Ended without a CONCLUSION"
     else:
         head = "Done"
+    if result.cached:  # replayed: there was no batch and no decoding to report
+        return " · ".join([head, "from the response cache", f"{result.completion_tokens} tokens"])
     parts = [
         head,
         f"batch of {result.batch_size}",

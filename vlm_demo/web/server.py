@@ -26,7 +26,7 @@ from vlm_demo.backends import Backend, make_backend
 from vlm_demo.backends.base import Health
 from vlm_demo.config import Config
 from vlm_demo.images import DEFAULT_MAX_BYTES
-from vlm_demo.web.metrics import Metrics
+from vlm_demo.web.metrics import CacheCounts, Metrics
 from vlm_demo.web.page import CSS, THEME, DemoUI
 from vlm_demo.web.spaces import on_spaces
 
@@ -57,7 +57,7 @@ def create_app(config: Config, backend: Backend | None = None) -> DemoApp:
     batch = batch or config.max_batch_size or REMOTE_BATCH_SIZE
     if batch != config.max_batch_size:
         config = dataclasses.replace(config, max_batch_size=batch)
-    metrics = Metrics(queue_depth=lambda: backend.health().queue_depth)
+    metrics = Metrics(queue_depth=lambda: backend.health().queue_depth, caches=lambda: cache_counts(backend))
     backend.add_listener(metrics)
     demo = DemoUI(backend, config, metrics, notice).build()
 
@@ -102,6 +102,19 @@ def create_app(config: Config, backend: Backend | None = None) -> DemoApp:
         show_error=True,
     )
     return DemoApp(app, demo, backend, metrics, config, notice)
+
+
+def cache_counts(backend: Backend) -> CacheCounts:
+    """The caches' counts for ``/metrics``: the response cache's here, the image-state cache's from the engine."""
+    health = backend.health()
+    engine = health.engine
+    return CacheCounts(
+        response_hits=health.response_cache_hits,
+        response_misses=health.response_cache_misses,
+        image_hits=engine.image_cache_hits if engine is not None else 0,
+        image_misses=engine.image_cache_misses if engine is not None else 0,
+        vision_encodes=engine.vision_encodes if engine is not None else 0,
+    )
 
 
 def open_share_link(host: str, port: int) -> str | None:
@@ -164,8 +177,16 @@ def serve(config: Config) -> None:
             share = False
         if share and not config.auth:
             log.warning("--share without --auth: anyone with the link can use this demo; consider --auth USER:PASS")
+        proxies = config.forwarded_allow_ips or ("*" if on_spaces() else None)  # a Space's proxy names the visitor
         server = uvicorn.Server(
-            uvicorn.Config(demo_app.app, host=config.host, port=port, log_level="info", timeout_graceful_shutdown=3)
+            uvicorn.Config(
+                demo_app.app,
+                host=config.host,
+                port=port,
+                log_level="info",
+                timeout_graceful_shutdown=3,
+                forwarded_allow_ips=proxies,
+            )
         )
         if share:
             threading.Thread(target=_share_when_up, args=(server, config.host, port), daemon=True).start()

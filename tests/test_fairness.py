@@ -1,0 +1,194 @@
+"""A public demo stays fair and fast: clients take turns, a flooding client gives rows back (and its answers
+continue exactly where they stopped), one client cannot hold more than its cap, and repeated images are
+encoded once (Think harder's judges and follow-up questions included)."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Iterator
+
+import pytest
+from support import door, metric, running_app
+
+from vlm_demo.config import Config
+from vlm_demo.engine.base import Engine
+from vlm_demo.engine.continuous import ContinuousEngine
+from vlm_demo.engine.dynamic import DynamicEngine
+from vlm_demo.engine.request import Request
+from vlm_demo.engine.scheduler import FairQueue
+from vlm_demo.errors import TooManyRequestsError
+from vlm_demo.models.tiny import solid_image
+from vlm_demo.schema import STAGE_BEAM, SamplingParams
+
+LONG = SamplingParams(max_new_tokens=400, temperature=0.0, ignore_eos=True)
+SHORT = SamplingParams(max_new_tokens=160, temperature=0.0)
+
+
+def ask(image, question: str, params: SamplingParams, client: str = ""):
+    return dataclasses.replace(door(image, question, params), client=client)
+
+
+@pytest.fixture
+def engines(worker) -> Iterator:
+    made: list[Engine] = []
+
+    def make(kind: type[Engine] = ContinuousEngine, **settings) -> Engine:
+        config = Config(**{"batching": kind.batching, "max_batch_size": 4, "batch_window_ms": 0.0, **settings})
+        made.append(kind(worker, config).start())
+        return made[-1]
+
+    yield make
+    for engine in made:
+        engine.shutdown()
+
+
+def test_clients_take_turns_in_the_queue() -> None:
+    queue = FairQueue()
+    for client, n in (("a", 4), ("b", 2), ("", 1)):
+        for i in range(n):
+            request = Request(image=None, question=f"{client}{i}", params=SHORT)
+            request.client = client
+            queue.append(request)
+    assert [r.question for r in queue] == ["a0", "b0", "0", "a1", "b1", "a2", "a3"]  # what "N ahead" counts
+    assert [queue.popleft().question for _ in range(7)] == ["a0", "b0", "0", "a1", "b1", "a2", "a3"]
+    back = Request(image=None, question="a-back", params=SHORT)
+    back.client = "a"
+    later = Request(image=None, question="b-new", params=SHORT)
+    later.client = "b"
+    queue.append(later)
+    queue.appendleft(back, first=False)  # a preempted row waits its client's turn
+    assert [r.question for r in queue] == ["b-new", "a-back"]
+
+
+def test_a_flooding_client_gives_a_row_back_and_its_answers_resume_exactly(engines) -> None:
+    engine = engines()
+    flood = [
+        ask(solid_image(c, 48, 48), "Describe this picture in detail.", LONG, "flooder")
+        for c in ("red", "green", "blue", "yellow", "white", "black")
+    ]
+    alone = engines(max_batch_size=1)
+    references = []
+    for item in flood[:4]:
+        handle = alone.submit(item)
+        handle.result(timeout=120)
+        references.append(handle.token_ids)
+    handles = [engine.submit(item) for item in flood]
+    while sum(len(h.token_ids) > 40 for h in handles) < 4:  # every row busy well into its answer
+        time.sleep(0.005)
+    visitor = engine.submit(ask(solid_image("blue", 40, 40), "What colour is this image?", SHORT, "visitor"))
+    result = visitor.result(timeout=120)
+    assert "blue" in result.text.split("<CONCLUSION>")[-1]
+    assert sum(not h.done for h in handles) >= 3, "the visitor waited for the flood to drain"
+    assert engine.stats().preemptions >= 1
+    texts = [h.result(timeout=300) for h in handles]
+    assert all(t.completion_tokens == 400 for t in texts)
+    assert [h.token_ids for h in handles[:4]] == references, "a row given back did not continue exactly"
+    streamed = ["".join(h.stream(timeout=1)) for h in handles]
+    assert streamed == [t.text for t in texts], "a resumed answer repeated or lost text"
+
+
+def test_a_client_past_its_cap_is_refused_at_once_and_others_go_on(engines) -> None:
+    engine = engines(max_per_client=3)
+    image = solid_image("red", 32, 32)
+    mine = [engine.submit(ask(image, "Describe this picture in detail.", LONG, "script")) for _ in range(3)]
+    with pytest.raises(TooManyRequestsError, match="You already have 3 answers in progress.*at most 3"):
+        engine.submit(ask(image, "one more", SHORT, "script"))
+    other = engine.submit(ask(image, "What colour is this image?", SHORT, "visitor")).result(timeout=120)
+    assert "red" in other.text.split("<CONCLUSION>")[-1]
+    anonymous = [engine.submit(ask(image, "What colour is this image?", SHORT)) for _ in range(5)]  # not capped
+    for handle in mine:
+        handle.cancel()
+    assert all("red" in h.result(timeout=120).text for h in anonymous)
+    again = engine.submit(ask(image, "What colour is this image?", SHORT, "script")).result(timeout=120)
+    assert again.finish_reason == "stop", "finished answers must free the client's places"
+
+
+def test_dynamic_batches_take_clients_in_turn(engines) -> None:
+    engine = engines(DynamicEngine, max_batch_size=2, batch_window_ms=300.0)
+    image = solid_image("green", 32, 32)
+    with engine.scheduler._cond:  # all queued before the first batch forms
+        firsts = [engine.submit(ask(image, "What colour is this image?", SHORT, "a")) for _ in range(3)]
+        second = engine.submit(ask(image, "What colour is this image?", SHORT, "b"))
+    second.result(timeout=120)
+    assert second.batch_size == 2 and firsts[0].batch_size == 2  # b rode in the first batch, beside a's first
+    firsts[2].result(timeout=120)
+    assert firsts[2].started > second.started, "a's third answer went before b's first"
+
+
+def test_a_repeated_image_is_encoded_once_and_answers_alike(engines) -> None:
+    engine = engines()
+    plain = engines(image_cache_mb=0)
+    image = solid_image("yellow", 80, 60)
+    encodes = engine.stats().vision_encodes
+    first = engine.submit(ask(image, "What colour is this image?", SHORT)).result(timeout=60)
+    follow_up = engine.submit(ask(image, "Describe this picture in detail.", SHORT)).result(timeout=60)
+    stats = engine.stats()
+    assert stats.vision_encodes == encodes + 1 and stats.image_cache_hits >= 1 and stats.image_cache_entries == 1
+    assert [first.text, follow_up.text] == [
+        plain.submit(ask(image, q, SHORT)).result(timeout=60).text
+        for q in ("What colour is this image?", "Describe this picture in detail.")
+    ]
+    search = SamplingParams(300, 1.0, 1.0, seed=5, reasoning=STAGE_BEAM, beams=4)
+    fresh = solid_image("green", 70, 50)
+    before = engine.stats().vision_encodes
+    answer = engine.submit(ask(fresh, "What colour is this image?", search)).result(timeout=120)
+    assert answer.beam is not None and answer.beam.judge_calls >= 1
+    assert engine.stats().vision_encodes == before + 1, "the judges must reuse the answer's image states"
+    engine.submit(ask(fresh, "what do you see", SHORT)).result(timeout=60)
+    assert engine.stats().vision_encodes == before + 1
+
+
+def test_the_image_cache_gives_way_to_rows_under_the_kv_budget(worker) -> None:
+    from vlm_demo.engine.memory import KVShape
+
+    kv = KVShape.of(worker.model.config, worker.dtype)
+    budget_gb = kv.batch_bytes(2, 200) / 1024**3  # two rows' worth
+    engine = ContinuousEngine(
+        worker, Config(batching="continuous", max_batch_size=4, batch_window_ms=0.0, kv_budget_gb=budget_gb)
+    ).start()
+    try:
+        for i, colour in enumerate(("red", "green", "blue", "white")):
+            engine.submit(ask(solid_image(colour, 40 + i, 40), "Colour?", SHORT)).result(timeout=60)
+        stats = engine.stats()
+        assert 0 < stats.image_cache_bytes <= stats.kv_budget_bytes
+        with engine.scheduler._cond:
+            pair = [engine.submit(ask(solid_image("black", 30, 30 + i), "Colour?", LONG)) for i in range(2)]
+        assert all(h.result(timeout=120).batch_size == 2 for h in pair), "remembered images kept a row out"
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.slow
+def test_through_the_app_clients_are_told_apart_capped_and_repeats_come_from_the_cache(tmp_path) -> None:
+    """The visitor's address (X-Forwarded-For from the loopback proxy, which uvicorn trusts) is the client;
+    past its cap it is refused with the reason while another address is served; a repeated greedy
+    question is replayed from the response cache (counted in /metrics), a sampled one never is."""
+    from gradio_client import Client, handle_file
+
+    path = tmp_path / "red.png"
+    solid_image("red", 40, 40).save(path)
+    with running_app("--max-per-client", "1") as url:
+        first = Client(url, headers={"X-Forwarded-For": "198.51.100.7"}, verbose=False)
+        other = Client(url, headers={"X-Forwarded-For": "203.0.113.9"}, verbose=False)
+        think = first.submit(handle_file(str(path)), "Describe this picture in detail.", 1024, 0.6, 0.9, "stage-beam", 8, api_name="/ask")  # fmt: skip
+        deadline = time.monotonic() + 60
+        while not think.outputs() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        with pytest.raises(Exception, match="You already have 1 answer in progress"):
+            first.predict(handle_file(str(path)), "What colour is this image?", 160, 0.0, 1.0, api_name="/ask")
+        served = other.predict(handle_file(str(path)), "What colour is this image?", 160, 0.0, 1.0, api_name="/ask")
+        assert "red" in served[3]
+        think.result(timeout=120)
+        hits = metric(url, 'vlm_cache_requests_total{cache="response",result="hit"}')
+        again = other.predict(handle_file(str(path)), "What colour is this image?", 160, 0.0, 1.0, api_name="/ask")
+        assert again[:5] == served[:5] and "from the response cache" in again[5]
+        assert metric(url, 'vlm_cache_requests_total{cache="response",result="hit"}') == hits + 1
+        for _ in range(2):
+            sampled = other.predict(
+                handle_file(str(path)), "What colour is this image?", 160, 1.0, 1.0, api_name="/ask"
+            )
+            assert "from the response cache" not in sampled[5]
+        assert metric(url, 'vlm_cache_requests_total{cache="response",result="hit"}') == hits + 1
+        assert metric(url, "vlm_vision_encodes_total") >= 1
+        assert metric(url, 'vlm_requests_total{outcome="too_many_requests"}') == 1
