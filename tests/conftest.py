@@ -25,3 +25,26 @@ def worker(tiny_dir):
     from vlm_demo.engine.loader import load
 
     return load(tiny_dir, device="cpu")
+
+
+@pytest.fixture
+def engines(worker):
+    """``engines(kind=ContinuousEngine, faults="", **config)``: started engines over the shared tiny worker
+    (4 rows, no batch window unless the test says), each shut down after the test. ``faults`` plans
+    failpoints (``engine/faults.py``)."""
+    from vlm_demo.config import Config
+    from vlm_demo.engine.continuous import ContinuousEngine
+    from vlm_demo.engine.faults import FailPoints
+
+    made = []
+
+    def make(kind=ContinuousEngine, faults: str = "", **settings):
+        config = Config(**{"batching": kind.batching, "max_batch_size": 4, "batch_window_ms": 0.0, **settings})
+        engine = kind(worker, config)
+        engine.failpoint = FailPoints.parse(faults).hit if faults else None
+        made.append(engine.start())
+        return engine
+
+    yield make
+    for engine in made:
+        engine.shutdown()

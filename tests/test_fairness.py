@@ -6,13 +6,11 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Iterator
 
 import pytest
 from support import door, metric, running_app
 
 from vlm_demo.config import Config
-from vlm_demo.engine.base import Engine
 from vlm_demo.engine.continuous import ContinuousEngine
 from vlm_demo.engine.dynamic import DynamicEngine
 from vlm_demo.engine.request import Request
@@ -27,20 +25,6 @@ SHORT = SamplingParams(max_new_tokens=160, temperature=0.0)
 
 def ask(image, question: str, params: SamplingParams, client: str = ""):
     return dataclasses.replace(door(image, question, params), client=client)
-
-
-@pytest.fixture
-def engines(worker) -> Iterator:
-    made: list[Engine] = []
-
-    def make(kind: type[Engine] = ContinuousEngine, **settings) -> Engine:
-        config = Config(**{"batching": kind.batching, "max_batch_size": 4, "batch_window_ms": 0.0, **settings})
-        made.append(kind(worker, config).start())
-        return made[-1]
-
-    yield make
-    for engine in made:
-        engine.shutdown()
 
 
 def test_clients_take_turns_in_the_queue() -> None:

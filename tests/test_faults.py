@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
 
 import pytest
 from support import door
@@ -31,22 +30,6 @@ from vlm_demo.schema import SamplingParams
 GREEDY = SamplingParams(max_new_tokens=160, temperature=0.0)
 STEP_POINTS = ("forward", "advance", "host_read", "evict")
 CASES = [(solid_image("red", 40, 40), "What colour is this image?"), (solid_image("blue", 64, 30), "Colour?")]
-
-
-@pytest.fixture
-def engines(worker) -> Iterator:
-    made: list[Engine] = []
-
-    def make(kind: type[Engine] = ContinuousEngine, faults: str = "", **settings) -> Engine:
-        config = Config(**{"batching": kind.batching, "max_batch_size": 4, "batch_window_ms": 0.0, **settings})
-        engine = kind(worker, config)
-        engine.failpoint = FailPoints.parse(faults).hit if faults else None
-        made.append(engine.start())
-        return engine
-
-    yield make
-    for engine in made:
-        engine.shutdown()
 
 
 @pytest.fixture(scope="module")

@@ -8,12 +8,9 @@ the model already writes well are token-identical with and without it.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 from support import door
 
-from vlm_demo.config import Config
 from vlm_demo.cot import STAGES, parse_stages
 from vlm_demo.engine.base import Engine
 from vlm_demo.engine.continuous import ContinuousEngine
@@ -124,20 +121,6 @@ def test_the_reserve_closes_the_running_stage_and_opens_the_conclusion(worker, g
 # ---- in the engines ----------------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def engines(worker) -> Iterator:
-    made: list[Engine] = []
-
-    def make(kind: type[Engine] = ContinuousEngine, **settings) -> Engine:
-        config = Config(**{"batching": kind.batching, "max_batch_size": 8, "batch_window_ms": 0.0, **settings})
-        made.append(kind(worker, config).start())
-        return made[-1]
-
-    yield make
-    for engine in made:
-        engine.shutdown()
-
-
 def held_out(n: int, temperature: float, max_new_tokens: int = 400, offset: int = 0) -> list:
     jobs = []
     for i in range(offset, offset + n):
@@ -155,12 +138,12 @@ def answers(engine: Engine, jobs: list) -> list:
 @pytest.mark.parametrize("kind", [ContinuousEngine, DynamicEngine])
 def test_held_out_answers_hot_and_greedy_all_have_four_stages(engines, kind) -> None:
     """36 at temperature 1.3 / top_p 1.0 and 12 greedy, on sizes and wordings never trained on."""
-    engine = engines(kind)
+    engine = engines(kind, max_batch_size=8)
     jobs = held_out(36, 1.3) + held_out(12, 0.0, offset=36)
     results = answers(engine, jobs)
     broken = [r.text for r in results if not four_stages(r.text)]
     assert not broken, broken[:3]
-    unstructured = answers(engines(kind, structured_stages=False), jobs[:36])
+    unstructured = answers(engines(kind, max_batch_size=8, structured_stages=False), jobs[:36])
     assert sum(not four_stages(r.text) for r in unstructured) >= 5, "the flag should turn the structure off"
 
 
@@ -179,7 +162,7 @@ def test_greedy_answers_are_token_identical_with_and_without_the_structure(engin
         for i, colour in enumerate(COLOURS)
         for question in ("What colour is this image?", "Describe this picture in detail.", "what do you see")
     ]
-    on, off = engines(kind), engines(kind, structured_stages=False)
+    on, off = engines(kind, max_batch_size=8), engines(kind, max_batch_size=8, structured_stages=False)
     together = [on.submit(job) for job in jobs]  # batched
     for handle in together:
         handle.result(timeout=120)
@@ -193,7 +176,7 @@ def test_greedy_answers_are_token_identical_with_and_without_the_structure(engin
 @pytest.mark.parametrize("kind", [ContinuousEngine, DynamicEngine])
 @pytest.mark.parametrize("budget", [64, 96, 160])
 def test_an_answer_cut_by_the_token_budget_still_ends_with_a_conclusion(engines, kind, budget) -> None:
-    engine = engines(kind)
+    engine = engines(kind, max_batch_size=8)
     result = engine.submit(
         door(solid_image("blue", 40, 40), "Describe this picture in detail.", SamplingParams(budget, 0.0))
     ).result(60)

@@ -154,6 +154,23 @@ def bind_models(triton: Any, engine: Engine, config: Config) -> None:
     )
 
 
+def triton_config_for(
+    config: Config, http_port: int, grpc_port: int, metrics_port: int, host: str, repository: str | None = None
+) -> Any:
+    """PyTriton's server settings: our ports on ``host``, the response cache, a model repository if given."""
+    from pytriton.triton import TritonConfig
+
+    return TritonConfig(
+        model_repository=repository,
+        http_address=host,
+        grpc_address=host,
+        http_port=http_port,
+        grpc_port=grpc_port,
+        metrics_port=metrics_port,
+        cache_config=cache_config(config),
+    )
+
+
 def cache_config(config: Config) -> list[str] | None:
     """Triton's ``--cache-config`` for its response cache (the infer model declares ``response_cache``):
     the local cache, ``--response-cache-mb`` large; ``None`` (no cache) at 0."""
@@ -178,19 +195,12 @@ def _security() -> Any:
 
 def serve(config: Config, http_port: int, grpc_port: int, metrics_port: int, host: str) -> None:
     """Load the engine, start Triton with both models bound, and block until SIGTERM/SIGINT."""
-    from pytriton.triton import Triton, TritonConfig
+    from pytriton.triton import Triton
 
     from vlm_demo.engine import make_engine
 
     engine = make_engine(config)
-    triton_config = TritonConfig(
-        http_address=host,
-        grpc_address=host,
-        http_port=http_port,
-        grpc_port=grpc_port,
-        metrics_port=metrics_port,
-        cache_config=cache_config(config),
-    )
+    triton_config = triton_config_for(config, http_port, grpc_port, metrics_port, host)
     try:
         with Triton(config=triton_config, security_config=_security()) as triton:
             bind_models(triton, engine, config)
@@ -238,7 +248,7 @@ def serve_repository(
     import tempfile
 
     import torch
-    from pytriton.triton import Triton, TritonConfig
+    from pytriton.triton import Triton
 
     package_parent = REPO_ROOT
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (package_parent, os.environ.get("PYTHONPATH", "")) if p)
@@ -250,15 +260,7 @@ def serve_repository(
         if not torch.cuda.is_available():
             log.warning("no GPU: running the repository's KIND_GPU instances on the CPU")
             repository = cpu_copy_of_repository(repository, scratch)
-        triton_config = TritonConfig(
-            model_repository=repository,
-            http_address=host,
-            grpc_address=host,
-            http_port=http_port,
-            grpc_port=grpc_port,
-            metrics_port=metrics_port,
-            cache_config=cache_config(config),
-        )
+        triton_config = triton_config_for(config, http_port, grpc_port, metrics_port, host, repository)
         with Triton(config=triton_config, security_config=_security()) as triton:
             log.info("Triton serving %s on http://%s:%d and grpc://%s:%d", repository, host, http_port, host, grpc_port)
             triton.serve()
