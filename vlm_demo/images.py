@@ -3,7 +3,10 @@
 Uploads are taken unprocessed (a file path, bytes or Gradio's file payload) so that *we* decide what
 is too big and say exactly what is wrong: the pixel count is checked from the header before any
 pixel is decoded (decompression bombs), and every failure is an :class:`InvalidRequestError` whose
-message the visitor can act on. Normalising here (EXIF orientation, alpha, palette, CMYK, 16-bit,
+message the visitor can act on. A camera JPEG (a phone's 48-200 megapixels) is decoded at reduced
+scale (JPEG draft mode: 1/2, 1/4 or 1/8 straight from the compressed data) to what the model can use
+— at most four 560-px tiles side by side, so a long side of 2240 px — and the cap applies to the pixels
+actually decoded; other formats cannot be decoded smaller, so their cap applies to the file's size. Normalising here (EXIF orientation, alpha, palette, CMYK, 16-bit,
 animation) means the engine only ever sees ``RGB`` images.
 """
 
@@ -26,6 +29,10 @@ from vlm_demo.errors import InvalidRequestError
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_PIXELS = 40_000_000
+DRAFT_LONG_SIDE = 2240  # the most pixels a tile layout uses along one side (4 tiles of 560)
+# Our own caps decide, before anything is decoded (PIL's guard would refuse a 200 MP camera JPEG that
+# draft mode decodes at a quarter of its size).
+Image.MAX_IMAGE_PIXELS = None
 DEFAULT_MAX_BYTES = 50 * 1024 * 1024
 SUPPORTED = "PNG, JPEG, WebP, GIF, BMP or TIFF"
 
@@ -58,13 +65,27 @@ def load_image(source: Any, max_pixels: int = DEFAULT_MAX_PIXELS, max_bytes: int
         if kind:
             raise InvalidRequestError(f"The file looks like a {kind} but is corrupt or truncated.") from None
         raise InvalidRequestError(f"That file is not an image we can read. Please upload a {SUPPORTED} file.") from None
-    except Image.DecompressionBombError:  # PIL's hard limit (2 x 89 MP), above any sane cap
-        raise InvalidRequestError(_too_big_message(None, max_pixels)) from None
     except Exception as err:  # a header so broken PIL fails while identifying it
         log.info("image header unreadable: %r", err)
         raise InvalidRequestError("The image file is corrupt (its header cannot be read).") from None
-    _check_pixels(image.size, max_pixels)
+    original = image.size
+    if image.format == "JPEG":
+        _draft(image)
+    _check_pixels(image.size, max_pixels, original)
     return _decode(image)
+
+
+def _draft(image: Image.Image) -> None:
+    """Let the JPEG decoder scale down (by 2, 4 or 8) as far as the long side stays >= DRAFT_LONG_SIDE."""
+    width, height = image.size
+    longest = max(width, height)
+    if longest <= DRAFT_LONG_SIDE:
+        return
+    wanted = (max(1, width * DRAFT_LONG_SIDE // longest), max(1, height * DRAFT_LONG_SIDE // longest))
+    try:
+        image.draft(image.mode, wanted)
+    except (OSError, ValueError) as err:  # a JPEG whose header draft mode cannot use: decode it whole
+        log.info("JPEG draft mode unavailable: %r", err)
 
 
 def _decode(image: Image.Image) -> Image.Image:
@@ -141,20 +162,21 @@ def _too_many_bytes(size: int, max_bytes: int) -> str:
     return f"The file is {size / 1e6:.1f} MB; the limit is {max_bytes / 1e6:.0f} MB."
 
 
-def _too_big_message(size: tuple[int, int] | None, max_pixels: int) -> str:
+def _too_big_message(size: tuple[int, int], max_pixels: int, decoded: tuple[int, int] | None = None) -> str:
     limit = f"the limit is {max_pixels / 1e6:g} megapixels"
-    if size is None:
-        return f"The image has far too many pixels; {limit}."
     w, h = size
+    if decoded is not None and decoded != size:  # a JPEG too big even at an eighth of its size
+        limit += f" ({decoded[0]}×{decoded[1]} even decoded at reduced scale)"
     return f"The image is {w}×{h} ({w * h / 1e6:.1f} megapixels); {limit}. Please resize it."
 
 
-def _check_pixels(size: tuple[int, int], max_pixels: int) -> None:
+def _check_pixels(size: tuple[int, int], max_pixels: int, original: tuple[int, int] | None = None) -> None:
+    """``size``: what will be decoded; ``original``: the file's own size, for the message."""
     w, h = size
     if w < 1 or h < 1:
         raise InvalidRequestError("The image has no pixels.")
     if w * h > max_pixels:
-        raise InvalidRequestError(_too_big_message(size, max_pixels))
+        raise InvalidRequestError(_too_big_message(original or size, max_pixels, size if original else None))
 
 
 def normalise(image: Image.Image) -> Image.Image:
