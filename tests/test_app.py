@@ -398,3 +398,10 @@ def test_killing_the_engine_process_fails_in_flight_answers_and_the_server_recov
         assert 503 in statuses
         answer = client.predict(handle_file(image), "What colour is it?", *GREEDY, api_name="/ask")
         assert colour_of(answer[3]) == "green"
+
+
+def test_phone_photos_of_48_and_108_megapixels_are_answered(client: Client, tmp_path) -> None:
+    for width, height in ((8000, 6000), (12000, 9000)):
+        path = save(Image.new("RGB", (width, height), (30, 180, 40)), tmp_path / f"{width}.jpg", "JPEG", quality=85)
+        answer = client.predict(handle_file(path), "What colour is this image?", *GREEDY, api_name="/ask")
+        assert colour_of(answer[3]) == "green", answer[5]
