@@ -25,7 +25,7 @@ import openai
 import pytest
 import requests
 from PIL import Image
-from support import metric, running_app
+from support import ended, metric, running_app
 
 from vlm_demo.models.tiny import solid_image
 
@@ -291,23 +291,16 @@ def test_bad_requests_leave_good_ones_alone_and_are_counted(client: openai.OpenA
 
 
 def test_a_client_that_goes_away_frees_its_model_row(server: str) -> None:
-    cancelled = _cancelled(server)
+    cancelled = ended(server, "cancelled")
     body = {"model": "tiny", "messages": ask("Describe this picture in detail.", GREEN), "stream": True, **GREEDY}
     with requests.post(
         server + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}, stream=True, timeout=60
     ) as reply:
         next(reply.iter_lines())  # it is running; now hang up
     deadline = time.monotonic() + 30
-    while _cancelled(server) == cancelled and time.monotonic() < deadline:
+    while ended(server, "cancelled") == cancelled and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert _cancelled(server) == cancelled + 1, "the abandoned answer kept its model row"
-
-
-def _cancelled(server: str) -> float:
-    try:
-        return metric(server, 'vlm_requests_total{outcome="cancelled"}')
-    except KeyError:
-        return 0.0
+    assert ended(server, "cancelled") == cancelled + 1, "the abandoned answer kept its model row"
 
 
 def test_the_mcp_tool_answers_an_image_sent_as_a_data_url(server: str) -> None:
