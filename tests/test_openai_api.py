@@ -25,7 +25,7 @@ import openai
 import pytest
 import requests
 from PIL import Image
-from support import ended, metric, running_app
+from support import ROOT, ended, metric, running_app
 
 from vlm_demo.models.tiny import solid_image
 
@@ -321,8 +321,8 @@ def test_the_mcp_tool_answers_an_image_sent_as_a_data_url(server: str) -> None:
 
 
 def test_an_engine_death_mid_stream_ends_the_stream_with_an_error_event(server: str) -> None:
-    """As the out-of-memory killer would: the stream ends with an error the client raises, not a hang. Last in
-    this module: it waits for the restarted engine."""
+    """As the out-of-memory killer would: the stream ends with an error the client raises, not a hang; then it
+    waits for the restarted engine, so the tests after it are served as before."""
     pid = requests.get(server + "/health", timeout=10).json()["details"]["engine_pid"]
     body = {"model": "tiny", "messages": ask("Describe this picture in detail.", GREEN), "stream": True}
     stream = openai.OpenAI(base_url=server + "/v1", api_key=KEY, max_retries=0).chat.completions.create(
@@ -345,3 +345,19 @@ def test_with_auth_and_no_key_the_api_is_closed_and_says_how_to_open_it(tiny_dir
         assert reply.status_code == 401 and "--api-key" in reply.json()["error"]["message"]
         posted = requests.post(url + "/v1/chat/completions", json=with_(), timeout=10, auth=("alice", "pw"))
         assert posted.status_code == 401 and posted.json()["error"]["code"] == "api_key_required"
+
+
+def test_the_readmes_openai_example_runs(server: str, capsys) -> None:
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## OpenAI-compatible API") :]
+    snippet = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    assert "http://127.0.0.1:7860/v1" in snippet and 'api_key="unused"' in snippet
+    snippet = snippet.replace("http://127.0.0.1:7860", server).replace('api_key="unused"', f'api_key="{KEY}"')
+    cwd = os.getcwd()
+    os.chdir(ROOT)  # the example reads assets/ relative to the repository, as the README says to run it
+    try:
+        exec(compile(snippet, "README.md", "exec"), {})  # noqa: S102
+    finally:
+        os.chdir(cwd)
+    printed = capsys.readouterr().out
+    assert "<SUMMARY>" in printed and "completion_tokens=" in printed

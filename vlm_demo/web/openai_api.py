@@ -56,6 +56,7 @@ from vlm_demo.web.handlers import TOKEN_TIMEOUT_S, Handlers, wake
 from vlm_demo.web.openai_wire import (
     DONE,
     INVALID,
+    SERVER,
     APIError,
     Completion,
     ThinkingSplitter,
@@ -93,6 +94,7 @@ MESSAGE_KEYS = {"role", "content", "name"}  # ``name`` is accepted and not used
 ASSISTANT_KEYS = {"reasoning_content", "reasoning", "refusal"}  # earlier reasoning is not folded in
 LEGACY_KEYS = {"image_base64", "question"}
 BODY_SLACK = 1 << 20  # JSON around the image: the question, the other turns, the options
+INTERNAL = APIError(500, "Internal error; the server's log has the details.", SERVER, "internal_error")
 
 
 @dataclass(frozen=True)
@@ -209,7 +211,7 @@ class OpenAIAPI:
         router = APIRouter(prefix="/v1")
         router.add_api_route("/chat/completions", self.chat_completions, methods=["POST"])
         router.add_api_route("/models", self.models, methods=["GET"])
-        router.add_api_route("/models/{model_id:path}", self.model_card, methods=["GET"])
+        router.add_api_route("/models/{model_id:path}", self.model_info, methods=["GET"])
         router.add_api_route(
             "/{path:path}", self.unknown, methods=["GET", "POST", "PUT", "PATCH", "DELETE"], include_in_schema=False
         )
@@ -223,7 +225,7 @@ class OpenAIAPI:
             return self._refuse(err)
         return JSONResponse({"object": "list", "data": [model_card(self.model, self.created)]})
 
-    async def model_card(self, model_id: str, request: Request) -> Response:
+    async def model_info(self, model_id: str, request: Request) -> Response:
         try:
             self._authorize(request)
             self._check_model(model_id, "model")
@@ -248,6 +250,9 @@ class OpenAIAPI:
             call, stream = await loop.run_in_executor(None, self._submit, body)
         except APIError as err:
             return self._refuse(err)
+        except Exception:  # a bug of ours: still an answer in OpenAI's shape, and the traceback in the log
+            log.exception("/v1/chat/completions failed before reaching the backend")
+            return INTERNAL.response()
         if call.user:
             log.info("/v1/chat/completions for user %r", call.user[:100])
         if call.stream:
@@ -476,6 +481,11 @@ class OpenAIAPI:
             return
         except DemoError as err:  # failed after the stream began: an error event, then the end
             yield sse(APIError.of(err).body())
+            yield DONE
+            return
+        except Exception:  # a bug of ours mid-stream: the client still gets an ending, not a cut connection
+            log.exception("/v1/chat/completions stream failed")
+            yield sse(INTERNAL.body())
             yield DONE
             return
         for delta in deltas(*splitter.advance(result.text, final=True)):

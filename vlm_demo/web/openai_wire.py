@@ -1,4 +1,4 @@
-"""What the OpenAI-compatible API sends back, as plain data: completions, stream chunks, errors.
+"""What the OpenAI-compatible API sends back: completions, stream chunks, errors.
 
 Pure functions and one small state machine (:class:`ThinkingSplitter`), no I/O, so every shape the
 ``openai`` client reads is built in one place. The thinking stages are kept apart from the answer the way

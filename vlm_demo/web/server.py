@@ -1,4 +1,5 @@
-"""The web server: FastAPI with ``/health`` and ``/metrics``, the Gradio page mounted at ``/``, uvicorn.
+"""The web server: FastAPI with ``/health``, ``/metrics`` and the OpenAI-compatible ``/v1``, the Gradio page
+mounted at ``/``, uvicorn.
 
 One serving path for every mode: even with ``--share`` we run our own uvicorn app (so ``/health``
 and ``/metrics`` always exist) and open Gradio's share tunnel to it ourselves; offline that fails
