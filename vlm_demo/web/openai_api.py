@@ -91,9 +91,11 @@ WHY_NOT = {  # why an option is refused, where a reason helps
 }
 ROLES = {"system": "system", "developer": "system", "user": "User", "assistant": "Assistant"}
 MESSAGE_KEYS = {"role", "content", "name"}  # ``name`` is accepted and not used
-ASSISTANT_KEYS = {"reasoning_content", "reasoning", "refusal"}  # earlier reasoning is not folded in
+ASSISTANT_KEYS = {"reasoning_content", "reasoning"}  # accepted; earlier reasoning is not folded in
 LEGACY_KEYS = {"image_base64", "question"}
 BODY_SLACK = 1 << 20  # JSON around the image: the question, the other turns, the options
+FIRST_TEXT_POLL_S = 0.01  # until the first text: API clients and benchmark tools time the first token
+FIRST_TEXT_WINDOW_S = 1.0  # then (or after this long in the queue) the page's update budget applies
 INTERNAL = APIError(500, "Internal error; the server's log has the details.", SERVER, "internal_error")
 
 
@@ -168,8 +170,6 @@ def fold(messages: Any) -> Conversation:
         extra = sorted(k for k in message if k not in allowed and _given(message[k]))
         if extra:
             raise APIError.invalid(f"{where}.{extra[0]} is not supported by this server.", where)
-        if role == "assistant" and _given(message.get("refusal")):
-            raise APIError.invalid(f"{where}.refusal is not supported by this server.", where)
         text = _text_parts(message.get("content", ""), where, images, role == "user")
         if role == "assistant":
             thinking, answer = split_thinking(text, final=True)
@@ -427,8 +427,8 @@ class OpenAIAPI:
         stream.add_done_callback(lambda _: wake(loop, finished))
         session = f"v1-{id(stream)}"
         self.handlers.sessions.add(session, stream)  # counted in the page's update budget
-        last = time.monotonic()
-        view = None
+        started = last = time.monotonic()
+        view, seen = None, False
         try:
             while True:
                 text, ended = stream.drain()
@@ -437,6 +437,7 @@ class OpenAIAPI:
                 if text or (view is not None and view != searching):
                     last = now  # new text, or a stage-beam search writing or judging candidates
                 if text:
+                    seen = True
                     yield text
                 if ended:
                     return
@@ -445,8 +446,10 @@ class OpenAIAPI:
                 if await request.is_disconnected():
                     stream.cancel()  # the next drain raises RequestCancelledError
                 elif not stream.done:
+                    first = not seen and now - started < FIRST_TEXT_WINDOW_S  # time to first token is what clients time
+                    interval = FIRST_TEXT_POLL_S if first else self.handlers.update_interval()
                     with contextlib.suppress(asyncio.TimeoutError):
-                        await asyncio.wait_for(finished.wait(), self.handlers.update_interval())
+                        await asyncio.wait_for(finished.wait(), interval)
         finally:
             self.handlers.sessions.discard(session, stream)
             stream.cancel()  # no-op when finished
