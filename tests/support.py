@@ -108,6 +108,14 @@ def metric(url: str, name: str, auth: Any = None) -> float:
     raise KeyError(name)
 
 
+def ended(url: str, outcome: str) -> float:
+    """Requests the app counted with this outcome so far (``vlm_requests_total``; 0 before the first)."""
+    try:
+        return metric(url, f'vlm_requests_total{{outcome="{outcome}"}}')
+    except KeyError:
+        return 0.0
+
+
 # ---- our Triton server ---------------------------------------------------------------------------------
 
 

@@ -20,19 +20,19 @@ def test_through_app_runs_every_mode_side_by_side_and_checks_answers(tiny_dir, t
             "--concurrency",
             "3",
             "--modes",
-            "engine,app-ask,app-sse,static",
+            "engine,app-ask,app-sse,app-openai,static",
             "--json",
             str(out),
         ]
     )
     by_mode = {r.mode: r for r in results}
-    assert set(by_mode) == {"engine", "app-ask", "app-sse", "static"}
+    assert set(by_mode) == {"engine", "app-ask", "app-sse", "app-openai", "static"}
     for result in results:
         assert result.requests == 6 and result.errors == 0 and result.wrong == 0, result
         assert result.throughput_rps > 0
     assert "web" in by_mode["app-ask"].cpu_ms_per_request and "engine" in by_mode["app-ask"].cpu_ms_per_request
-    assert "web" in by_mode["app-sse"].cpu_ms_per_request
-    assert [r["mode"] for r in json.loads(out.read_text())] == ["engine", "app-ask", "app-sse", "static"]
+    assert "web" in by_mode["app-sse"].cpu_ms_per_request and "web" in by_mode["app-openai"].cpu_ms_per_request
+    assert [r["mode"] for r in json.loads(out.read_text())] == ["engine", "app-ask", "app-sse", "app-openai", "static"]
 
 
 def test_mixed_workload_checks_the_colour_in_the_conclusion() -> None:

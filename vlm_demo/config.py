@@ -131,6 +131,23 @@ class Config:
     )
     share: bool = field(default=False, metadata={"help": "Ask Gradio for a public share link."})
     auth: str = field(default="", metadata={"help": "USER:PASS for the page (recommended with --share)."})
+    api_key: str = field(
+        default="",
+        metadata={
+            "help": "Key the OpenAI-compatible API (/v1/*) requires as 'Authorization: Bearer KEY'; with --auth "
+            "and no key, /v1 is closed."
+        },
+    )
+    api_remote_images: bool = field(
+        default=False,
+        metadata={
+            "help": "Let /v1/chat/completions fetch http(s) image URLs (public addresses only, size and time "
+            "limits); off: data: URLs only."
+        },
+    )
+    mcp_server: bool = field(
+        default=False, metadata={"help": "Also serve the ask endpoint as an MCP tool (Gradio's MCP server)."}
+    )
     triton_url: str = field(
         default="", metadata={"help": "Forward to Triton instead of a local model: http://h:p or grpc://h:p."}
     )
@@ -315,5 +332,7 @@ def validate(config: Config) -> None:
             problems.append(f"{_flag(f.name)}: {err}")
     if config.auth and ":" not in config.auth:
         problems.append("--auth must look like USER:PASS")
+    if config.mcp_server and config.auth:  # its tool calls reach the page's queue without the page's password
+        problems.append("--mcp-server cannot be combined with --auth (Gradio's MCP tool calls would all be refused)")
     if problems:
         raise ConfigError("invalid configuration: " + "; ".join(problems))

@@ -91,6 +91,22 @@ def parse_stages(text: str, final: bool = False) -> Stages:
     return Stages(**joined, active=active, seen=tuple(seen))
 
 
+def split_thinking(text: str, final: bool = False) -> tuple[str, str]:
+    """``(thinking, answer)``: everything before the CONCLUSION's opening tag, tags as written, and the
+    CONCLUSION's text (as :func:`parse_stages` reads it), both stripped.
+
+    What OpenAI-style APIs return as ``reasoning_content`` and ``content``. Both only grow as ``text``
+    grows (a trailing partial tag is held back unless ``final``), so a streaming reader can send the
+    difference each time. An answer that never reaches its CONCLUSION is all thinking.
+    """
+    if not final:
+        text = text[: _partial_tag_start(text)]
+    opening = next((m for m in _TAG.finditer(text) if not m.group(1) and m.group(2).upper() == "CONCLUSION"), None)
+    if opening is None:
+        return text.strip(), ""
+    return text[: opening.start()].strip(), parse_stages(text, final=True).conclusion
+
+
 def _without_tags(text: str) -> str:
     """Remove tags that re-form when pieces around a dropped tag join (``"<SUM" + "MARY>"``)."""
     while True:

@@ -14,9 +14,18 @@ class DemoError(Exception):
 
 
 class InvalidRequestError(DemoError):
-    """The request itself is bad (image, question, parameters); nothing else is affected."""
+    """The request itself is bad (image, question, parameters); nothing else is affected.
+
+    ``param`` names the input at fault (a sampling parameter such as ``"temperature"``, or
+    ``"question"``), so an API can point at the field it came from; ``None`` for the image. It is not
+    pickled: across the engine pipe only the message travels.
+    """
 
     code = "invalid_request"
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class QueueFullError(DemoError):

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import math
 import random
+import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from vlm_demo.errors import InvalidRequestError
+from vlm_demo.errors import InvalidRequestError, TooManyRequestsError
 
 if TYPE_CHECKING:
     from PIL import Image
@@ -60,21 +61,23 @@ class SamplingParams:
     def validated(self, max_new_tokens_cap: int) -> SamplingParams:
         """Check ranges with messages a person can act on; returns a copy with a seed set."""
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, (int, float)):
-            raise InvalidRequestError("max_new_tokens must be a whole number.")
+            raise InvalidRequestError("max_new_tokens must be a whole number.", "max_new_tokens")
         if int(self.max_new_tokens) != self.max_new_tokens or not 1 <= self.max_new_tokens <= max_new_tokens_cap:
-            raise InvalidRequestError(f"max_new_tokens must be a whole number from 1 to {max_new_tokens_cap}.")
+            raise InvalidRequestError(
+                f"max_new_tokens must be a whole number from 1 to {max_new_tokens_cap}.", "max_new_tokens"
+            )
         for name, value, low, high in (
             ("temperature", self.temperature, 0.0, MAX_TEMPERATURE),
             ("top_p", self.top_p, 0.0, 1.0),
         ):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
-                raise InvalidRequestError(f"{name} must be a number from {low:g} to {high:g}.")
+                raise InvalidRequestError(f"{name} must be a number from {low:g} to {high:g}.", name)
         if self.top_p == 0 and self.temperature != 0:
-            raise InvalidRequestError("top_p must be above 0 when sampling (temperature > 0).")
+            raise InvalidRequestError("top_p must be above 0 when sampling (temperature > 0).", "top_p")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise InvalidRequestError("seed must be a whole number.")
+            raise InvalidRequestError("seed must be a whole number.", "seed")
         if self.reasoning not in REASONING_MODES:
-            raise InvalidRequestError(f"reasoning must be one of {', '.join(map(repr, REASONING_MODES))}.")
+            raise InvalidRequestError(f"reasoning must be one of {', '.join(map(repr, REASONING_MODES))}.", "reasoning")
         check_beams(self.beams, low=1)
         seed = self.seed if self.seed is not None else random.getrandbits(63)
         return SamplingParams(
@@ -95,7 +98,7 @@ def check_beams(beams: Any, low: int = 2) -> int:
     candidate per stage exists for benchmarks only)."""
     whole = not isinstance(beams, bool) and isinstance(beams, (int, float)) and int(beams) == beams
     if not whole or not low <= beams <= MAX_BEAMS:
-        raise InvalidRequestError(f"beams must be a whole number from {low} to {MAX_BEAMS}.")
+        raise InvalidRequestError(f"beams must be a whole number from {low} to {MAX_BEAMS}.", "beams")
     return int(beams)
 
 
@@ -172,6 +175,36 @@ class EngineStats:
     image_cache_entries: int = 0
 
 
+class ClientSlots:
+    """Answers in progress per client, against ``--max-per-client``: one client (an address, an API user)
+    cannot hold more, so one script cannot take a public demo from everyone. Anonymous callers (the
+    engine's own tools, benchmarks) are not counted. Thread-safe."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+        self.held: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def take(self, client: str) -> None:
+        """Count one more for ``client``, or raise :class:`TooManyRequestsError` saying why not."""
+        with self._lock:
+            held = self.held.get(client, 0)
+            if self.cap and client and held >= self.cap:
+                raise TooManyRequestsError(
+                    f"You already have {held} answer{'s' if held != 1 else ''} in progress; wait for one to finish "
+                    f"(at most {self.cap} at a time per visitor), then ask again."
+                )
+            self.held[client] = held + 1
+
+    def give_back(self, client: str) -> None:
+        with self._lock:
+            left = self.held.get(client, 1) - 1
+            if left > 0:
+                self.held[client] = left
+            else:
+                self.held.pop(client, None)
+
+
 @dataclass(frozen=True)
 class Limits:
     """The caps a request is checked against (from :class:`~vlm_demo.config.Config`)."""
@@ -200,13 +233,15 @@ class ValidRequest:
 def validate_question(question: Any, max_chars: int) -> str:
     """Text, not blank, no NUL, within the cap (measured before stripping); returns it stripped."""
     if not isinstance(question, str):
-        raise InvalidRequestError("The question must be text.")
+        raise InvalidRequestError("The question must be text.", "question")
     if not question.strip():
-        raise InvalidRequestError("Please type a question about the image.")
+        raise InvalidRequestError("Please type a question about the image.", "question")
     if len(question) > max_chars:
-        raise InvalidRequestError(f"The question is too long ({len(question)} characters; the limit is {max_chars}).")
+        raise InvalidRequestError(
+            f"The question is too long ({len(question)} characters; the limit is {max_chars}).", "question"
+        )
     if "\x00" in question:
-        raise InvalidRequestError("The question contains a NUL character; please send plain text.")
+        raise InvalidRequestError("The question contains a NUL character; please send plain text.", "question")
     return question.strip()
 
 
@@ -216,9 +251,9 @@ def number(name: str, value: Any) -> float:
         try:
             value = float(value.strip())
         except ValueError:
-            raise InvalidRequestError(f"{name} must be a number, not {value[:20]!r}.") from None
+            raise InvalidRequestError(f"{name} must be a number, not {value[:20]!r}.", name) from None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise InvalidRequestError(f"{name} must be a finite number.")
+        raise InvalidRequestError(f"{name} must be a finite number.", name)
     return value
 
 
@@ -231,17 +266,23 @@ def reasoning_mode(value: Any) -> str:
         if mode in REASONING_MODES:
             return mode
     raise InvalidRequestError(
-        f"reasoning must be one of {', '.join(map(repr, REASONING_MODES))}, not {str(value)[:20]!r}."
+        f"reasoning must be one of {', '.join(map(repr, REASONING_MODES))}, not {str(value)[:20]!r}.", "reasoning"
     )
 
 
 def params_from_inputs(
-    max_new_tokens: Any, temperature: Any, top_p: Any, limits: Limits, reasoning: Any = None, beams: Any = None
+    max_new_tokens: Any,
+    temperature: Any,
+    top_p: Any,
+    limits: Limits,
+    reasoning: Any = None,
+    beams: Any = None,
+    seed: Any = None,
 ) -> SamplingParams:
     """Sampling parameters from loose inputs (sliders, JSON numbers, numeric strings), checked.
 
     ``reasoning`` and ``beams`` are the API's optional inputs: left out (``None``) they mean the normal
-    mode and the default number of beams.
+    mode and the default number of beams. ``seed`` (the OpenAI API's) left out draws a random one.
     """
     mode = reasoning_mode(reasoning)
     count = DEFAULT_BEAMS if beams is None or beams == "" else check_beams(number("beams", beams))
@@ -251,6 +292,7 @@ def params_from_inputs(
         top_p=number("top_p", top_p),
         reasoning=mode,
         beams=count,
+        seed=seed,
     ).validated(limits.max_new_tokens)
 
 

@@ -34,7 +34,7 @@ from vlm_demo.errors import (
     QueueFullError,
     RequestCancelledError,
 )
-from vlm_demo.schema import BeamView, EngineStats, GenerationResult, ValidRequest
+from vlm_demo.schema import BeamView, ClientSlots, EngineStats, GenerationResult, ValidRequest
 from vlm_demo.stream import Listener, OutputStream, Stream, run_all
 
 log = logging.getLogger(__name__)
@@ -97,6 +97,7 @@ class EngineProcessBackend:
         self.messages_received = 0  # engine steps reported (one message each)
         self._ctx = multiprocessing.get_context("spawn")  # never fork a process that may hold CUDA or threads
         self._streams: dict[int, RemoteStream] = {}
+        self.clients = ClientSlots(config.max_per_client)
         self._positions: dict[int, int] = {}
         self._stats: EngineStats | None = None  # the engine's latest report
         self._ids = itertools.count(1)
@@ -129,8 +130,11 @@ class EngineProcessBackend:
                 raise QueueFullError(
                     f"Server busy: {len(self._streams)} requests are already in the engine. Please try again shortly."
                 )
+            self.clients.take(request.client)  # refused here, at once (the engine process counts too)
             stream = RemoteStream(next(self._ids), self)
             self._streams[stream.rid] = stream
+        client = request.client
+        stream.add_done_callback(lambda done: self.clients.give_back(client))
         stream.add_done_callback(self._on_done)
         try:
             self._send(Submit(stream.rid, request))

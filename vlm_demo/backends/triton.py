@@ -43,9 +43,8 @@ from vlm_demo.errors import (
     InvalidRequestError,
     QueueFullError,
     RequestCancelledError,
-    TooManyRequestsError,
 )
-from vlm_demo.schema import STAGE_BEAM, GenerationResult, SamplingParams, ValidRequest
+from vlm_demo.schema import STAGE_BEAM, ClientSlots, GenerationResult, SamplingParams, ValidRequest
 from vlm_demo.stream import Listener, OutputStream, run_all
 from vlm_demo.triton import contract
 from vlm_demo.triton.contract import chat_prompt, error_from_text
@@ -223,7 +222,7 @@ class TritonBackend:
         self.notice: str | None = None  # the page's banner when the remote model is not the real one
         self._listeners: list[Listener] = []
         self._in_flight = 0
-        self._per_client: dict[str, int] = {}  # client -> requests in flight (the per-client cap; Triton orders them)
+        self.clients = ClientSlots(config.max_per_client)
         self._lock = threading.Lock()
         self._closed = False
 
@@ -257,18 +256,12 @@ class TritonBackend:
         if not isinstance(request, ValidRequest):
             raise TypeError(f"the Triton backend takes a ValidRequest, not {type(request)}")
         image, question, params = request.image, request.question, request.params
-        cap, client = self.config.max_per_client, request.client
+        client = request.client
         with self._lock:
             if self._in_flight >= self.config.max_queue:
                 raise QueueFullError(f"Server busy: {self._in_flight} requests already waiting. Try again shortly.")
-            held = self._per_client.get(client, 0)
-            if cap and client and held >= cap:
-                raise TooManyRequestsError(
-                    f"You already have {held} answer{'s' if held != 1 else ''} in progress; wait for one to finish "
-                    f"(at most {cap} at a time per visitor), then ask again."
-                )
+            self.clients.take(client)  # Triton orders the requests; the cap is ours
             self._in_flight += 1
-            self._per_client[client] = held + 1
         stream = TritonStream(self.config.triton_timeout, lambda done: self._request_done(done, client))
         target = self._run_generate if self.info.protocol == "generate" else self._run_infer
         threading.Thread(target=self._guarded, args=(target, stream, image, question, params), daemon=True).start()
@@ -299,11 +292,9 @@ class TritonBackend:
 
     # ---- internals ----
     def _request_done(self, stream: TritonStream, client: str) -> None:
+        self.clients.give_back(client)
         with self._lock:
             self._in_flight -= 1
-            left = self._per_client.pop(client, 1) - 1
-            if left > 0:
-                self._per_client[client] = left
         for listener in self._listeners:
             try:
                 listener.on_request_done(stream)

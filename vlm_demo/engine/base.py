@@ -36,9 +36,8 @@ from vlm_demo.errors import (
     GenerationError,
     InvalidRequestError,
     OutOfMemoryError,
-    TooManyRequestsError,
 )
-from vlm_demo.schema import STAGE_BEAM, EngineStats, GenerationResult, ValidRequest
+from vlm_demo.schema import STAGE_BEAM, ClientSlots, EngineStats, GenerationResult, ValidRequest
 from vlm_demo.stream import Listener, Stream, run_all
 
 log = logging.getLogger(__name__)
@@ -117,8 +116,7 @@ class Engine:
         self.failpoint: Callable[[str], None] | None = failpoints_from_env()  # fault drills only; see faults.py
         self.on_fatal: Callable[[BaseException], None] | None = None  # called once the engine thread died
         self.fatal: str | None = None  # why the engine thread stopped, once it did
-        self.in_progress: dict[str, int] = {}  # client -> its requests waiting or running (the per-client cap)
-        self._clients = threading.Lock()
+        self.clients = ClientSlots(self.config.max_per_client)  # answers waiting or running per client
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -173,35 +171,14 @@ class Engine:
                 raise EngineStoppedError(f"The model engine stopped after {self.fatal}; please try again shortly.")
             raise EngineStoppedError("The server is shutting down; please try again shortly.")
         request = self.make_request(valid)
-        self._count_in(request)
+        self.clients.take(request.client)  # past --max-per-client: refused here, at once
         request.add_done_callback(self._on_done)
         try:
             self.scheduler.add(request)
         except DemoError:
-            self._count_out(request)
+            self.clients.give_back(request.client)
             raise
         return request
-
-    def _count_in(self, request: Request) -> None:
-        """Refuse a client's request past ``--max-per-client`` answers in progress (anonymous callers,
-        the engine's own tools, are not capped)."""
-        cap, client = self.config.max_per_client, request.client
-        with self._clients:
-            held = self.in_progress.get(client, 0)
-            if cap and client and held >= cap:
-                raise TooManyRequestsError(
-                    f"You already have {held} answer{'s' if held != 1 else ''} in progress; wait for one to finish "
-                    f"(at most {cap} at a time per visitor), then ask again."
-                )
-            self.in_progress[client] = held + 1
-
-    def _count_out(self, request: Request) -> None:
-        with self._clients:
-            left = self.in_progress.get(request.client, 1) - 1
-            if left > 0:
-                self.in_progress[request.client] = left
-            else:
-                self.in_progress.pop(request.client, None)
 
     def run_batch(self, items: list[ValidRequest]) -> list[GenerationResult | DemoError]:
         """Submit many at once (they batch together) and wait; errors come back in their slots."""
@@ -223,7 +200,7 @@ class Engine:
 
     def _on_done(self, request: Stream) -> None:
         if isinstance(request, Request):
-            self._count_out(request)
+            self.clients.give_back(request.client)
         for listener in self.listeners:
             try:
                 listener.on_request_done(request)

@@ -324,7 +324,8 @@ def build_parser() -> argparse.ArgumentParser:
         default="unbatched,dynamic,continuous",
         help="comma-separated: unbatched,dynamic,continuous (in-process engines), engine (in-process, the app's "
         "batching mode), engine-process (the same engine in its own process, over the pipe), app-ask, app-batch (the running web app via gradio_client), app-sse (its /ask over plain HTTP and "
-        "server-sent events, a light client), static (FastAPI static batcher baseline), triton",
+        "server-sent events, a light client), app-openai (its /v1/chat/completions, streaming, the same light "
+        "client), static (FastAPI static batcher baseline), triton",
     )
     p.add_argument(
         "--workload",
@@ -336,7 +337,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--through-app",
         action="store_true",
-        help="preset: the engine alone vs the running app (/ask, /ask_batch) vs the static batcher, app defaults, "
+        help="preset: the engine alone vs the running app (/ask, /ask_batch, /v1) vs the static batcher, app defaults, "
         "--workload mix, 8 clients, 48 requests, max_new_tokens 512",
     )
     p.add_argument("--static-window-ms", type=float, default=100.0, help="collector window of the static baseline")
@@ -386,12 +387,17 @@ def backend_factories(args: argparse.Namespace) -> dict[str, tuple[int, Callable
 
     def app(endpoint: str) -> Callable[[], Any]:
         def make() -> Any:
-            from vlm_demo.tools.load_clients import AppClient, ServerProcess, SSEClient
+            from vlm_demo.tools.load_clients import AppClient, OpenAIClient, ServerProcess, SSEClient
 
             command = ["app.py", "--model", args.model, "--max-batch-size", str(args.max_batch_size)]
             command += ["--cpu-threads", str(args.cpu_threads), "--max-new-tokens", str(max(2048, args.max_new_tokens))]
+            # One load generator is one client, and repeats ask the same questions: neither the per-client cap
+            # nor the response cache may shape what the engine is measured doing.
+            command += ["--max-per-client", "0", "--response-cache-mb", "0"]
             if endpoint == "sse":
                 return SSEClient(ServerProcess(command))
+            if endpoint == "openai":
+                return OpenAIClient(ServerProcess(command))
             return AppClient(ServerProcess(command), endpoint)
 
         return make
@@ -421,8 +427,8 @@ def backend_factories(args: argparse.Namespace) -> dict[str, tuple[int, Callable
             factories[mode] = (args.max_batch_size, engine_process)
         elif mode == "engine":
             factories[mode] = (args.max_batch_size, local(args.max_batch_size, Config().batching))
-        elif mode in ("app-ask", "app-batch", "app-sse"):
-            endpoint = {"app-ask": "/ask", "app-batch": "/ask_batch", "app-sse": "sse"}[mode]
+        elif mode in ("app-ask", "app-batch", "app-sse", "app-openai"):
+            endpoint = {"app-ask": "/ask", "app-batch": "/ask_batch", "app-sse": "sse", "app-openai": "openai"}[mode]
             factories[mode] = (args.max_batch_size, app(endpoint))
         elif mode == "static":
             factories[mode] = (args.static_max_batch_size, static)
@@ -451,7 +457,7 @@ def main(argv: list[str] | None = None) -> list[RunResult]:
     args = parser.parse_args(argv)
     if args.through_app:  # the preset changes defaults only: explicit flags still win
         parser.set_defaults(
-            modes="engine,app-ask,app-sse,app-batch,static",
+            modes="engine,app-ask,app-sse,app-openai,app-batch,static",
             workload="mix",
             concurrency="8",
             requests=48,

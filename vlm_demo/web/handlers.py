@@ -108,7 +108,7 @@ class Changes:
         return values
 
 
-def _wake(loop: asyncio.AbstractEventLoop, event: asyncio.Event) -> None:
+def wake(loop: asyncio.AbstractEventLoop, event: asyncio.Event) -> None:
     """Set an asyncio event from the backend's thread (a no-op once the page's loop has closed)."""
     try:
         loop.call_soon_threadsafe(event.set)
@@ -231,7 +231,7 @@ class Handlers:
         session = (request.session_hash if request is not None else None) or f"anonymous-{id(stream)}"
         self.sessions.add(session, stream)
         finished = asyncio.Event()
-        stream.add_done_callback(lambda _: _wake(loop, finished))
+        stream.add_done_callback(lambda _: wake(loop, finished))
         started = last = time.monotonic()
         changes = Changes()
         raw = ""

@@ -1,4 +1,5 @@
-"""The web server: FastAPI with ``/health`` and ``/metrics``, the Gradio page mounted at ``/``, uvicorn.
+"""The web server: FastAPI with ``/health``, ``/metrics`` and the OpenAI-compatible ``/v1``, the Gradio page
+mounted at ``/``, uvicorn.
 
 One serving path for every mode: even with ``--share`` we run our own uvicorn app (so ``/health``
 and ``/metrics`` always exist) and open Gradio's share tunnel to it ourselves; offline that fails
@@ -27,6 +28,7 @@ from vlm_demo.backends.base import Health
 from vlm_demo.config import Config
 from vlm_demo.images import DEFAULT_MAX_BYTES
 from vlm_demo.web.metrics import CacheCounts, Metrics
+from vlm_demo.web.openai_api import OpenAIAPI
 from vlm_demo.web.page import CSS, THEME, DemoUI
 from vlm_demo.web.spaces import on_spaces
 
@@ -59,9 +61,12 @@ def create_app(config: Config, backend: Backend | None = None) -> DemoApp:
         config = dataclasses.replace(config, max_batch_size=batch)
     metrics = Metrics(queue_depth=lambda: backend.health().queue_depth, caches=lambda: cache_counts(backend))
     backend.add_listener(metrics)
-    demo = DemoUI(backend, config, metrics, notice).build()
+    ui = DemoUI(backend, config, metrics, notice)
+    demo = ui.build()
 
     app = FastAPI(title="LLaVA-CoT demo", docs_url=None, redoc_url=None)
+    served = config.triton_model if config.triton_url else backend.model  # Triton's name, not "name @ url"
+    app.include_router(OpenAIAPI(ui.handlers, config, served).router())  # before the mount, which takes "/"
 
     @app.get("/health")
     def health() -> JSONResponse:
@@ -100,6 +105,7 @@ def create_app(config: Config, backend: Backend | None = None) -> DemoApp:
         run_history=False,
         ssr_mode=False,
         show_error=True,
+        mcp_server=config.mcp_server,
     )
     return DemoApp(app, demo, backend, metrics, config, notice)
 
@@ -176,7 +182,10 @@ def serve(config: Config) -> None:
             log.warning("--share is ignored on Hugging Face Spaces (the Space already has a public URL)")
             share = False
         if share and not config.auth:
-            log.warning("--share without --auth: anyone with the link can use this demo; consider --auth USER:PASS")
+            log.warning(
+                "--share without --auth: anyone with the link can use this demo%s; consider --auth USER:PASS",
+                "" if config.api_key else " and its API at /v1",
+            )
         proxies = config.forwarded_allow_ips or ("*" if on_spaces() else None)  # a Space's proxy names the visitor
         server = uvicorn.Server(
             uvicorn.Config(

@@ -1,0 +1,512 @@
+"""The OpenAI-compatible API on the page's own server and port: ``/v1/chat/completions`` and ``/v1/models``.
+
+Requests go straight to the backend (``Backend.submit`` with the same :class:`~vlm_demo.schema.ValidRequest`
+the page builds), not through Gradio's queue, so API clients and page visitors share the engine's batches.
+This module is the router and the translation of OpenAI's request body into our terms; what goes back on
+the wire is :mod:`~vlm_demo.web.openai_wire`'s.
+
+- **One image, one question.** The model answers one question about one image, and the engine's prompt
+  takes one question. So a conversation must hold exactly one ``image_url`` part (a ``data:`` URL; an
+  ``http(s)`` URL only with ``--api-remote-images``). Earlier turns and system messages are *folded into
+  the question text*: the system messages first, then, when there are earlier turns, the conversation as
+  a transcript (``User: …`` / ``Assistant: …`` lines, the last being the new question). An earlier
+  assistant turn contributes its answer (``content``; its CONCLUSION if it holds stage tags), never its
+  reasoning, as reasoning models' APIs ask. A single question with no system message goes in verbatim,
+  so an API answer equals the page's for the same image and question. The folded text must fit
+  ``--max-question-chars``.
+- **Nothing silently ignored**: every OpenAI option we do not implement is refused with a 400 naming it,
+  unless it holds the value that means "off" (``n`` = 1, penalties 0, ``logprobs`` false, or ``null``).
+- **Keys**: with ``--api-key`` every ``/v1`` call needs ``Authorization: Bearer KEY``; with ``--auth`` and
+  no key, ``/v1`` is closed (the page's password must not leave a side door open).
+- The design documents' body ``{"image_base64", "question"}`` on the same path answers
+  ``{"response": <the tagged answer>}``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import secrets
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from vlm_demo.backends.base import Stream
+from vlm_demo.config import Config
+from vlm_demo.cot import split_thinking
+from vlm_demo.errors import BackendTimeoutError, DemoError, InvalidRequestError, RequestCancelledError
+from vlm_demo.schema import (
+    DEFAULT_MAX_NEW_TOKENS,
+    DEFAULT_TEMPERATURE,
+    DEFAULT_TOP_P,
+    STAGE_BEAM,
+    ValidRequest,
+    params_from_inputs,
+    reasoning_mode,
+    validate_question,
+    validate_request,
+)
+from vlm_demo.web.handlers import TOKEN_TIMEOUT_S, Handlers, wake
+from vlm_demo.web.openai_wire import (
+    DONE,
+    INVALID,
+    SERVER,
+    APIError,
+    Completion,
+    ThinkingSplitter,
+    deltas,
+    finish_reason,
+    model_card,
+    sse,
+)
+from vlm_demo.web.remote_images import fetch_image
+
+log = logging.getLogger(__name__)
+
+SUPPORTED = frozenset(
+    ("model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stream")
+    + ("stream_options", "user", "reasoning", "beams")
+)
+NEUTRAL: dict[str, Any] = {"n": 1, "presence_penalty": 0, "frequency_penalty": 0, "logprobs": False}
+WHY_NOT = {  # why an option is refused, where a reason helps
+    "n": ": it writes one answer per request (n must be 1)",
+    "tools": ": the model does not call tools",
+    "tool_choice": ": the model does not call tools",
+    "parallel_tool_calls": ": the model does not call tools",
+    "functions": ": the model does not call functions",
+    "function_call": ": the model does not call functions",
+    "response_format": ": the answer is the model's own four-stage text",
+    "logprobs": " (logprobs must be false)",
+    "top_logprobs": "",
+    "stop": ": the answer ends at its CONCLUSION",
+    "presence_penalty": " (only 0)",
+    "frequency_penalty": " (only 0)",
+    "logit_bias": "",
+}
+ROLES = {"system": "system", "developer": "system", "user": "User", "assistant": "Assistant"}
+MESSAGE_KEYS = {"role", "content", "name"}  # ``name`` is accepted and not used
+ASSISTANT_KEYS = {"reasoning_content", "reasoning"}  # accepted; earlier reasoning is not folded in
+LEGACY_KEYS = {"image_base64", "question"}
+BODY_SLACK = 1 << 20  # JSON around the image: the question, the other turns, the options
+FIRST_TEXT_POLL_S = 0.01  # until the first text: API clients and benchmark tools time the first token
+FIRST_TEXT_WINDOW_S = 1.0  # then (or after this long in the queue) the page's update budget applies
+INTERNAL = APIError(500, "Internal error; the server's log has the details.", SERVER, "internal_error")
+
+
+def api_client(request: Request) -> str:
+    """Who calls, for fair share and the per-client cap (the body's ``user`` wins): the caller's address
+    as uvicorn reports it (X-Forwarded-For from trusted proxies)."""
+    return f"api:{request.client.host}" if request.client is not None else "api"
+
+
+@dataclass(frozen=True)
+class Call:
+    """One API request after translation: what to submit and how to answer."""
+
+    valid: ValidRequest
+    stream: bool = False
+    include_usage: bool = False
+    legacy: bool = False  # the design documents' body: answer {"response": ...}
+    user: str | None = None
+
+
+def _given(value: Any) -> bool:
+    """``null`` (and an empty list or object) is how loose clients leave an option out."""
+    return value is not None and value != [] and value != {}
+
+
+def _text_parts(content: Any, where: str, images: list[tuple[str, Any]], images_allowed: bool) -> str:
+    """A message's text (parts joined by newlines); its image parts are collected into ``images``."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise APIError.invalid(f"{where}.content must be a string or a list of content parts.", where)
+    texts = []
+    for j, part in enumerate(content):
+        at = f"{where}.content[{j}]"
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text":
+            if not isinstance(part.get("text"), str):
+                raise APIError.invalid(f"{at}.text must be a string.", at)
+            texts.append(part["text"])
+        elif kind == "image_url" and images_allowed:
+            image = part.get("image_url")
+            url = image.get("url") if isinstance(image, dict) else image  # some clients send the URL itself
+            if not isinstance(url, str):
+                raise APIError.invalid(f"{at}.image_url.url must be a string (a data: URL).", at)
+            images.append((at, url))
+        elif kind == "image_url":
+            raise APIError.invalid(f"{at}: only user messages may hold an image.", at)
+        else:
+            raise APIError.invalid(f"{at}: content parts of type {kind!r} are not supported (text and image_url).", at)
+    return "\n".join(texts)
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """The messages as the engine takes them: one question (folded, see the module's docstring), one image."""
+
+    question: str  # what is submitted
+    last: str  # the last user message's own text
+    image_url: str
+    image_at: str  # where the image was ("messages[0].content[1]"), for error messages
+
+
+def fold(messages: Any) -> Conversation:
+    """The conversation as one question and its one image; a 400 naming the message that does not fit."""
+    if not isinstance(messages, list) or not messages:
+        raise APIError.invalid("messages must be a non-empty list.", "messages")
+    system: list[str] = []
+    turns: list[tuple[str, str]] = []
+    images: list[tuple[str, Any]] = []
+    for i, message in enumerate(messages):
+        where = f"messages[{i}]"
+        role = message.get("role") if isinstance(message, dict) else None
+        if role not in ROLES:
+            raise APIError.invalid(
+                f"{where}.role {role!r} is not supported (system, developer, user, assistant; no tools).", where
+            )
+        allowed = MESSAGE_KEYS | (ASSISTANT_KEYS if role == "assistant" else set())
+        extra = sorted(k for k in message if k not in allowed and _given(message[k]))
+        if extra:
+            raise APIError.invalid(f"{where}.{extra[0]} is not supported by this server.", where)
+        text = _text_parts(message.get("content", ""), where, images, role == "user")
+        if role == "assistant":
+            thinking, answer = split_thinking(text, final=True)
+            text = answer or thinking
+        if ROLES[role] == "system":
+            system.append(text.strip())
+        else:
+            turns.append((ROLES[role], text.strip()))
+    if turns[-1:] == [] or turns[-1][0] != "User":
+        raise APIError.invalid("The last message must be the user's question.", "messages")
+    if len(images) != 1:
+        found = "none" if not images else f"{len(images)} (at {', '.join(at for at, _ in images)})"
+        raise APIError.invalid(
+            f"Send exactly one image per conversation (the model reads one); found {found}. Put it in a user "
+            'message as {"type": "image_url", "image_url": {"url": "data:image/png;base64,…"}}.',
+            "messages",
+        )
+    (at, url), last = images[0], turns[-1][1]
+    question = "\n".join(f"{role}: {text}" for role, text in turns) if len(turns) > 1 else last
+    return Conversation("\n\n".join([*(s for s in system if s), question]), last, url, at)
+
+
+class OpenAIAPI:
+    """The ``/v1`` routes, bound to the page's handlers (their backend, limits, metrics and live-answer count)."""
+
+    def __init__(self, handlers: Handlers, config: Config, model: str) -> None:
+        self.handlers = handlers
+        self.backend = handlers.backend
+        self.limits = handlers.limits
+        self.metrics = handlers.metrics
+        self.model = model
+        self.key = config.api_key
+        self.closed = bool(config.auth) and not config.api_key
+        self.remote_images = config.api_remote_images
+        self.created = int(time.time())
+        self.max_body = self.limits.max_image_bytes * 4 // 3 + BODY_SLACK
+
+    def router(self) -> APIRouter:
+        router = APIRouter(prefix="/v1")
+        router.add_api_route("/chat/completions", self.chat_completions, methods=["POST"])
+        router.add_api_route("/models", self.models, methods=["GET"])
+        router.add_api_route("/models/{model_id:path}", self.model_info, methods=["GET"])
+        router.add_api_route(
+            "/{path:path}", self.unknown, methods=["GET", "POST", "PUT", "PATCH", "DELETE"], include_in_schema=False
+        )
+        return router
+
+    # ---- the routes --------------------------------------------------------------------------------
+    async def models(self, request: Request) -> Response:
+        try:
+            self._authorize(request)
+        except APIError as err:
+            return self._refuse(err)
+        return JSONResponse({"object": "list", "data": [model_card(self.model, self.created)]})
+
+    async def model_info(self, model_id: str, request: Request) -> Response:
+        try:
+            self._authorize(request)
+            self._check_model(model_id, "model")
+        except APIError as err:
+            return self._refuse(err)
+        return JSONResponse(model_card(self.model, self.created))
+
+    async def unknown(self, path: str, request: Request) -> Response:
+        try:
+            self._authorize(request)
+        except APIError as err:
+            return self._refuse(err)
+        return self._refuse(APIError(404, f"No such endpoint: {request.method} /v1/{path}.", INVALID, "unknown_url"))
+
+    async def chat_completions(self, request: Request) -> Response:
+        """Translate, validate and submit (off the event loop: decoding an image takes up to ~0.1 s), then
+        answer at once or stream."""
+        loop = asyncio.get_running_loop()
+        try:
+            self._authorize(request)
+            body = await self._body(request)
+            call, stream = await loop.run_in_executor(None, self._submit, body, api_client(request))
+        except APIError as err:
+            return self._refuse(err)
+        except Exception:  # a bug of ours: still an answer in OpenAI's shape, and the traceback in the log
+            log.exception("/v1/chat/completions failed before reaching the backend")
+            return INTERNAL.response()
+        if call.user:
+            log.info("/v1/chat/completions for user %r", call.user[:100])
+        if call.stream:
+            headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+            return StreamingResponse(
+                self._events(call, stream, request), media_type="text/event-stream", headers=headers
+            )
+        return await self._answer(call, stream, request)
+
+    # ---- the door ----------------------------------------------------------------------------------
+    def _authorize(self, request: Request) -> None:
+        if self.key:
+            scheme, _, token = request.headers.get("authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), self.key.encode()):
+                raise APIError(
+                    401,
+                    "Incorrect or missing API key: send 'Authorization: Bearer KEY' with the key the server was "
+                    "started with (--api-key).",
+                    INVALID,
+                    "invalid_api_key",
+                )
+        elif self.closed:
+            raise APIError(
+                401,
+                "The API is closed: the page is password-protected (--auth) and no API key is set. Start the "
+                "server with --api-key KEY (or VLM_API_KEY=KEY) and send 'Authorization: Bearer KEY'.",
+                INVALID,
+                "api_key_required",
+            )
+
+    async def _body(self, request: Request) -> bytes:
+        declared = request.headers.get("content-length", "")
+        too_big = APIError.invalid(f"The request body is larger than {self.max_body / 1e6:.0f} MB.")
+        if declared.isdigit() and int(declared) > self.max_body:
+            raise too_big
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > self.max_body:
+                raise too_big
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    def _check_model(self, model: Any, param: str) -> None:
+        if model != self.model:
+            raise APIError(
+                404,
+                f"The model {str(model)[:100]!r} does not exist here; this server serves {self.model!r} "
+                "(GET /v1/models).",
+                INVALID,
+                "model_not_found",
+                param,
+            )
+
+    def _submit(self, body: bytes, client: str) -> tuple[Call, Stream]:
+        """The request's body into a :class:`Call`, submitted as ``client`` (or as its ``user``, when the body
+        names one); every refusal an :class:`APIError`."""
+        try:
+            data = json.loads(body)
+        except (ValueError, UnicodeDecodeError) as err:
+            raise APIError.invalid(f"The request body is not valid JSON: {err}.") from None
+        if not isinstance(data, dict):
+            raise APIError.invalid("The request body must be a JSON object.")
+        call = self._legacy(data) if "messages" not in data and LEGACY_KEYS & data.keys() else self._chat(data)
+        who = f"user:{call.user[:200]}" if call.user else client
+        try:
+            return call, self.backend.submit(dataclasses.replace(call.valid, client=who))
+        except DemoError as err:
+            raise APIError.of(err) from None
+
+    def _chat(self, data: dict[str, Any]) -> Call:
+        for name, value in data.items():
+            if name in SUPPORTED or not _given(value) or NEUTRAL.get(name, object()) == value:
+                continue
+            raise APIError.invalid(f"{name} is not supported by this server{WHY_NOT.get(name, '')}.", name)
+        if _given(data.get("model")):
+            self._check_model(data["model"], "model")
+        stream = data.get("stream") or False
+        if not isinstance(stream, bool):
+            raise APIError.invalid("stream must be true or false.", "stream")
+        options = data.get("stream_options") or {}
+        if options and not stream:
+            raise APIError.invalid("stream_options is only allowed when stream is true.", "stream_options")
+        if not isinstance(options, dict) or not set(options) <= {"include_usage"}:
+            raise APIError.invalid('stream_options supports only {"include_usage": true|false}.', "stream_options")
+        include_usage = options.get("include_usage") or False
+        if not isinstance(include_usage, bool):
+            raise APIError.invalid("stream_options.include_usage must be true or false.", "stream_options")
+        user = data.get("user")
+        if user is not None and not isinstance(user, str):
+            raise APIError.invalid("user must be a string.", "user")
+        conversation = fold(data.get("messages"))
+        try:
+            validate_question(conversation.last, self.limits.max_question_chars)  # not hidden by a system message
+            image = self._image(conversation.image_url)
+        except InvalidRequestError as err:
+            raise APIError.of(err, conversation.image_at if err.param is None else "messages") from None
+        return Call(self._validate(image, conversation, data), stream, include_usage, user=user)
+
+    def _validate(self, image: Any, conversation: Conversation, data: dict[str, Any]) -> ValidRequest:
+        """The door, with the API's option names in its messages."""
+        tokens = [n for n in ("max_completion_tokens", "max_tokens") if _given(data.get(n))]
+        if len(tokens) == 2 and data["max_tokens"] != data["max_completion_tokens"]:
+            raise APIError.invalid("Send max_completion_tokens or max_tokens, not both.", "max_tokens")
+        field = tokens[0] if tokens else "max_tokens"
+        default = min(DEFAULT_MAX_NEW_TOKENS, self.limits.max_new_tokens)  # the page's default
+        try:
+            beams = data.get("beams")
+            if _given(beams) and reasoning_mode(data.get("reasoning")) != STAGE_BEAM:
+                raise InvalidRequestError('beams applies only with "reasoning": "stage-beam".', "beams")
+            params = params_from_inputs(
+                data.get(field, default) if tokens else default,
+                _or(data.get("temperature"), DEFAULT_TEMPERATURE),
+                _or(data.get("top_p"), DEFAULT_TOP_P),
+                self.limits,
+                data.get("reasoning"),
+                beams,
+                data.get("seed"),
+            )
+            return validate_request(image, conversation.question, params, self.limits)
+        except InvalidRequestError as err:
+            if err.param == "max_new_tokens":
+                raise APIError.invalid(str(err).replace("max_new_tokens", field), field) from None
+            if err.param == "question" and conversation.question != conversation.last:
+                message = f"{err} The system messages and earlier turns are folded into the question and count."
+                raise APIError.invalid(message, "messages") from None
+            param = {None: conversation.image_at, "question": "messages"}.get(err.param, err.param)
+            raise APIError.of(err, param) from None
+
+    def _image(self, url: str) -> Any:
+        """What :func:`~vlm_demo.images.load_image` reads for an image URL: the data URL itself, or fetched bytes."""
+        scheme = url.split(":", 1)[0].lower() if ":" in url else ""
+        if scheme == "data":
+            return {"url": url}
+        if scheme not in ("http", "https"):
+            raise InvalidRequestError("An image URL must be a data: URL (data:image/png;base64,…).")
+        if not self.remote_images:
+            raise InvalidRequestError(
+                "This server does not fetch image URLs: send the image inline as a data: URL "
+                "(data:image/png;base64,…), or ask its operator to start it with --api-remote-images."
+            )
+        return fetch_image(url, self.limits.max_image_bytes)
+
+    def _legacy(self, data: dict[str, Any]) -> Call:
+        """The design documents' ``{"image_base64", "question"}`` (base64 of the file, or a data URL)."""
+        extra = sorted(set(data) - LEGACY_KEYS)
+        if extra:
+            raise APIError.invalid(
+                f"{extra[0]} is not part of the image_base64/question body; use messages for options.", extra[0]
+            )
+        image = data.get("image_base64")
+        if not isinstance(image, str) or not image:
+            raise APIError.invalid("image_base64 must be the image file in base64.", "image_base64")
+        url = image if image.startswith("data:") else "data:image;base64," + image
+        tokens = min(DEFAULT_MAX_NEW_TOKENS, self.limits.max_new_tokens)
+        try:
+            params = params_from_inputs(tokens, DEFAULT_TEMPERATURE, DEFAULT_TOP_P, self.limits)
+            valid = validate_request({"url": url}, data.get("question"), params, self.limits)
+        except InvalidRequestError as err:
+            raise APIError.of(err, "question" if err.param == "question" else "image_base64") from None
+        return Call(valid, legacy=True)
+
+    def _refuse(self, err: APIError) -> JSONResponse:
+        """A refusal before the backend took the request (the backend's listener counts the rest)."""
+        self.metrics.rejected(err.code)
+        return err.response()
+
+    # ---- answering ---------------------------------------------------------------------------------
+    async def _texts(self, stream: Stream, request: Request) -> AsyncIterator[str]:
+        """The answer's text as it arrives, polled on the event loop like the page's ``/ask`` (woken at once
+        when it ends); cancelled when the client goes away, so its model row is freed."""
+        loop = asyncio.get_running_loop()
+        finished = asyncio.Event()
+        stream.add_done_callback(lambda _: wake(loop, finished))
+        session = f"v1-{id(stream)}"
+        self.handlers.sessions.add(session, stream)  # counted in the page's update budget
+        started = last = time.monotonic()
+        view, seen = None, False
+        try:
+            while True:
+                text, ended = stream.drain()
+                now = time.monotonic()
+                searching, view = view, stream.beam_view()
+                if text or (view is not None and view != searching):
+                    last = now  # new text, or a stage-beam search writing or judging candidates
+                if text:
+                    seen = True
+                    yield text
+                if ended:
+                    return
+                if now - last > TOKEN_TIMEOUT_S:
+                    raise BackendTimeoutError(f"The model sent nothing for {TOKEN_TIMEOUT_S:.0f} s.")
+                if await request.is_disconnected():
+                    stream.cancel()  # the next drain raises RequestCancelledError
+                elif not stream.done:
+                    first = not seen and now - started < FIRST_TEXT_WINDOW_S  # time to first token is what clients time
+                    interval = FIRST_TEXT_POLL_S if first else self.handlers.update_interval()
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(finished.wait(), interval)
+        finally:
+            self.handlers.sessions.discard(session, stream)
+            stream.cancel()  # no-op when finished
+
+    async def _answer(self, call: Call, stream: Stream, request: Request) -> Response:
+        try:
+            async with contextlib.aclosing(self._texts(stream, request)) as texts:
+                async for _ in texts:
+                    pass
+            result = stream.result(0)
+        except RequestCancelledError:
+            return Response(status_code=499)  # nobody is listening any more
+        except DemoError as err:  # taken by the backend, then failed
+            return APIError.of(err).response()
+        if call.legacy:
+            return JSONResponse({"response": result.text})
+        return JSONResponse(Completion(self.model).message(result))
+
+    async def _events(self, call: Call, stream: Stream, request: Request) -> AsyncIterator[bytes]:
+        """The answer as ``chat.completion.chunk`` events: reasoning deltas, content deltas, the finish, usage."""
+        answer, splitter, usage = Completion(self.model), ThinkingSplitter(), call.include_usage
+        yield sse(answer.chunk({"role": "assistant", "content": ""}, with_usage=usage))
+        raw = ""
+        try:
+            async with contextlib.aclosing(self._texts(stream, request)) as texts:
+                async for text in texts:
+                    raw += text
+                    for delta in deltas(*splitter.advance(raw)):
+                        yield sse(answer.chunk(delta, with_usage=usage))
+            result = stream.result(0)
+        except RequestCancelledError:
+            return
+        except DemoError as err:  # failed after the stream began: an error event, then the end
+            yield sse(APIError.of(err).body())
+            yield DONE
+            return
+        except Exception:  # a bug of ours mid-stream: the client still gets an ending, not a cut connection
+            log.exception("/v1/chat/completions stream failed")
+            yield sse(INTERNAL.body())
+            yield DONE
+            return
+        for delta in deltas(*splitter.advance(result.text, final=True)):
+            yield sse(answer.chunk(delta, with_usage=usage))
+        yield sse(answer.chunk({}, finish_reason(result), with_usage=usage))
+        if usage:
+            yield sse(answer.usage_chunk(result))
+        yield DONE
+
+
+def _or(value: Any, default: Any) -> Any:
+    return default if value is None else value
