@@ -19,6 +19,11 @@ def main(argv: list[str] | None = None) -> None:
 
     config = load_config(argv, description="LLaVA-CoT (Llama-3.2V-11B-cot) web demo")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from vlm_demo.models.choice import folder_problem
+
+    problem = folder_problem(config.model)  # before the seconds of importing gradio and torch
+    if problem:
+        raise SystemExit(f"Cannot start the model: {problem}")
     from vlm_demo.web.server import serve  # imports gradio and torch: seconds
 
     serve(config)

@@ -21,7 +21,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import pytest
-from support import ROOT
+import requests
+from support import ROOT, free_port, start_app, stop_app
 
 from vlm_demo.backends.triton import Endpoint, check_ready
 from vlm_demo.config import Config, env_name
@@ -117,6 +118,22 @@ def test_a_busy_port_is_one_error_line_before_anything_is_built() -> None:
     ]
 
 
+def test_a_missing_model_folder_is_one_line_before_gradio_or_torch_is_imported() -> None:
+    out = subprocess.run(
+        [sys.executable, "-c", IMPORT_WATCH, "--model", "/nonexistent/llava-cot", "--port", "0"],
+        cwd=ROOT,
+        env={k: v for k, v in os.environ.items() if not k.startswith("VLM_")},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 1, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert lines[-1] == "imported: []", out.stderr  # nothing heavy: it answers in a fraction of a second
+    assert lines[-2].startswith("Cannot start the model: The model folder /nonexistent/llava-cot does not exist")
+    assert "engine process" not in out.stderr and "serving on" not in out.stderr
+
+
 @contextmanager
 def silent_server() -> Iterator[int]:
     """A port that accepts connections and never answers: "nothing there" as a timeout sees it."""
@@ -130,9 +147,9 @@ def test_port_0_logs_the_real_port_before_the_build_and_a_silent_triton_is_a_tim
     with silent_server() as triton_port:
         out = run_app("--port", "0", "--triton-url", f"http://127.0.0.1:{triton_port}", "--triton-timeout", "1")
     assert out.returncode == 1, out.stderr
-    announced = re.search(r"the page will be at http://127\.0\.0\.1:(\d+) once the model is ready", out.stderr)
+    announced = re.search(r"serving on http://127\.0\.0\.1:(\d+): a loading page until the model is ready", out.stderr)
     assert announced and int(announced.group(1)) > 0, out.stderr
-    assert ":0 " not in out.stderr and "serving" not in out.stderr
+    assert ":0 " not in out.stderr and "ready: serving" not in out.stderr
     last = out.stderr.strip().splitlines()[-1]
     assert last == f"Cannot use Triton: Triton at http://127.0.0.1:{triton_port} did not answer within 1 s.", last
     assert "Traceback" not in out.stderr
@@ -162,6 +179,39 @@ def answering(status: int) -> Iterator[int]:
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_while_the_backend_starts_the_port_already_answers_with_what_is_happening() -> None:
+    """Triton that never answers keeps the start-up in its "connecting" phase for the whole timeout: the
+    health check, the page and the API say so (503) meanwhile, then the server ends with the reason."""
+    with silent_server() as triton_port:
+        port = free_port()
+        proc = start_app(port, "--triton-url", f"http://127.0.0.1:{triton_port}", "--triton-timeout", "8")
+        url = f"http://127.0.0.1:{port}"
+        try:
+            health = None
+            deadline = time.monotonic() + 30
+            while health is None and time.monotonic() < deadline and proc.poll() is None:
+                try:
+                    health = requests.get(url + "/health", timeout=2)
+                except requests.RequestException:
+                    time.sleep(0.1)
+            assert health is not None, "the port never answered"
+            assert health.status_code == 503 and health.headers["Retry-After"] == "5"
+            body = health.json()
+            assert body["ready"] is False and body["status"] == "loading", body
+            assert body["loading"]["phase"] == f"connecting to Triton at http://127.0.0.1:{triton_port}", body
+            assert "s so far" in body["loading"]["message"]
+            page = requests.get(url + "/", timeout=5)
+            assert page.status_code == 503 and "getting ready" in page.text and "connecting to Triton" in page.text
+            api = requests.get(url + "/v1/models", timeout=5)
+            assert api.status_code == 503 and api.json()["error"]["code"] == "loading"
+            assert proc.wait(timeout=60) == 1
+        finally:
+            out = stop_app(proc)
+    last = out.strip().splitlines()[-1]
+    assert last == f"Cannot use Triton: Triton at http://127.0.0.1:{triton_port} did not answer within 8 s.", out
+    assert "Traceback" not in out
 
 
 @pytest.mark.parametrize(

@@ -8,9 +8,10 @@ from transformers import LlamaConfig
 
 from vlm_demo.config import Config
 from vlm_demo.engine import make_engine
-from vlm_demo.engine.loader import load, looks_like_path
+from vlm_demo.engine.loader import load
 from vlm_demo.engine.worker import Worker
 from vlm_demo.errors import ModelLoadError
+from vlm_demo.models.choice import looks_like_path
 
 
 def load_error(model: str, **kwargs) -> ModelLoadError:

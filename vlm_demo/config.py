@@ -138,6 +138,13 @@ class Config:
             "and no key, /v1 is closed."
         },
     )
+    metrics_token: str = field(
+        default="",
+        metadata={
+            "help": "Token for /metrics and the full /health as 'Authorization: Bearer TOKEN' (for a scraper); "
+            "with it or --auth, /metrics refuses anonymous callers and anonymous /health says only ready or not."
+        },
+    )
     api_remote_images: bool = field(
         default=False,
         metadata={

@@ -175,6 +175,15 @@ class EngineStats:
     image_cache_entries: int = 0
 
 
+@dataclass(frozen=True)
+class LoadProgress:
+    """Where a model load stands (the web process shows it on ``/health`` and the loading page)."""
+
+    phase: str  # what is happening, for a person ("loading Xkev/Llama-3.2V-11B-cot on cuda")
+    fraction: float | None = None  # how far along, 0..1, when known
+    eta_s: float | None = None  # seconds left, when known (a build's steps, the last load's duration)
+
+
 class ClientSlots:
     """Answers in progress per client, against ``--max-per-client``: one client (an address, an API user)
     cannot hold more, so one script cannot take a public demo from everyone. Anonymous callers (the

@@ -2,20 +2,27 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from vlm_demo.backends.base import Backend, Stream
 from vlm_demo.config import Config
+from vlm_demo.models.choice import folder_problem
+from vlm_demo.schema import LoadProgress
 
 __all__ = ["Backend", "Stream", "make_backend"]
 
 
-def make_backend(config: Config) -> Backend:
+def make_backend(config: Config, progress: Callable[[LoadProgress], None] | None = None) -> Backend:
     """The Triton backend when ``--triton-url`` is set, else the local batching engine: in its own
     process (the default), or in this one with ``--no-engine-process``; with the response cache in front
     (``--response-cache-mb``).
 
     Raises ``SystemExit`` with one sentence when the model cannot be loaded at all.
     """
-    backend = _make_backend(config)
+    problem = folder_problem(config.model)  # at once, before an engine process starts to find out
+    if problem:
+        raise SystemExit(f"Cannot start the model: {problem}")
+    backend = _make_backend(config, progress)
     if config.response_cache_mb > 0:
         from vlm_demo.backends.cache import CachingBackend
 
@@ -23,16 +30,18 @@ def make_backend(config: Config) -> Backend:
     return backend
 
 
-def _make_backend(config: Config) -> Backend:
+def _make_backend(config: Config, progress: Callable[[LoadProgress], None] | None) -> Backend:
     if config.triton_url:
         from vlm_demo.backends.triton import TritonBackend
 
+        if progress is not None:
+            progress(LoadProgress(f"connecting to Triton at {config.triton_url}"))
         return TritonBackend.from_config(config)
     if config.engine_process:
         from vlm_demo.backends.engine_client import EngineProcessBackend, EngineStartError
 
         try:
-            return EngineProcessBackend.from_config(config)
+            return EngineProcessBackend.from_config(config, progress)
         except EngineStartError as err:
             raise SystemExit(f"Cannot start the model: {err}") from None
     from vlm_demo.backends.local import LocalBackend
@@ -41,6 +50,6 @@ def _make_backend(config: Config) -> Backend:
 
     config, notice = choose_model(config)
     try:
-        return LocalBackend.from_config(config, notice)
+        return LocalBackend.from_config(config, notice, progress)
     except DemoError as err:
         raise SystemExit(f"Cannot start the model: {err}") from None

@@ -21,12 +21,13 @@ import multiprocessing
 import signal
 import threading
 import time
+from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 
 from vlm_demo.backends.base import Health
 from vlm_demo.config import Config
-from vlm_demo.engine.ipc import ENGINE_FAILED, Cancel, Fatal, Ready, Shutdown, Step, Submit
+from vlm_demo.engine.ipc import ENGINE_FAILED, Cancel, Fatal, Loading, Ready, Shutdown, Step, Submit
 from vlm_demo.errors import (
     BackendUnavailableError,
     DemoError,
@@ -34,7 +35,7 @@ from vlm_demo.errors import (
     QueueFullError,
     RequestCancelledError,
 )
-from vlm_demo.schema import BeamView, ClientSlots, EngineStats, GenerationResult, ValidRequest
+from vlm_demo.schema import BeamView, ClientSlots, EngineStats, GenerationResult, LoadProgress, ValidRequest
 from vlm_demo.stream import Listener, OutputStream, Stream, run_all
 
 log = logging.getLogger(__name__)
@@ -89,8 +90,9 @@ class EngineProcessBackend:
 
     name = "local"
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, progress: Callable[[LoadProgress], None] | None = None) -> None:
         self.config = config
+        self.progress = progress  # told where the engine process's model load stands
         self.model = config.model
         self.notice: str | None = None
         self.restarts = 0
@@ -114,8 +116,10 @@ class EngineProcessBackend:
         self._supervisor.start()
 
     @classmethod
-    def from_config(cls, config: Config) -> EngineProcessBackend:
-        return cls(config)
+    def from_config(
+        cls, config: Config, progress: Callable[[LoadProgress], None] | None = None
+    ) -> EngineProcessBackend:
+        return cls(config, progress)
 
     # ---- Backend interface ----
     def submit(self, request: ValidRequest) -> RemoteStream:
@@ -197,9 +201,11 @@ class EngineProcessBackend:
         import vlm_demo.engine.process as engine_process  # the spawn target; torch is imported only in the child
 
         proc = self._ctx.Process(target=engine_process.run, args=(self.config, child), name="vlm-engine", daemon=True)
+        if self.progress is not None:
+            self.progress(LoadProgress("starting the engine process (importing torch and transformers)"))
         proc.start()
         child.close()  # the child holds its end: EOF here means it is gone
-        log.info("engine process %d started; loading %s", proc.pid, self.config.model)
+        log.info("engine process %d started; it says which model it loads", proc.pid)
         while True:
             if parent.poll(0.5):
                 try:
@@ -208,6 +214,10 @@ class EngineProcessBackend:
                     message = None
                 if isinstance(message, Ready):
                     break
+                if isinstance(message, Loading):
+                    if self.progress is not None:
+                        self.progress(message.progress)
+                    continue
                 if isinstance(message, Fatal):
                     proc.join(10)
                     raise EngineStartError(message.message)

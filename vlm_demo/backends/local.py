@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from vlm_demo.backends.base import Health
 from vlm_demo.config import Config
 from vlm_demo.engine import make_engine
 from vlm_demo.engine.base import Engine
 from vlm_demo.engine.request import Request
 from vlm_demo.errors import DemoError
-from vlm_demo.schema import GenerationResult, ValidRequest
+from vlm_demo.schema import GenerationResult, LoadProgress, ValidRequest
 from vlm_demo.stream import Listener
 
 
@@ -23,8 +25,10 @@ class LocalBackend:
         self.notice = notice  # the page's banner when this is not the real model
 
     @classmethod
-    def from_config(cls, config: Config, notice: str | None = None) -> LocalBackend:
-        return cls(make_engine(config), config.model, notice)
+    def from_config(
+        cls, config: Config, notice: str | None = None, progress: Callable[[LoadProgress], None] | None = None
+    ) -> LocalBackend:
+        return cls(make_engine(config, progress=progress), config.model, notice)
 
     def submit(self, request: ValidRequest) -> Request:
         return self.engine.submit(request)

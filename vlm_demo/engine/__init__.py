@@ -6,18 +6,23 @@ from it); :func:`make_engine` imports the engine itself.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from vlm_demo.config import Config
+from vlm_demo.schema import LoadProgress
 
 if TYPE_CHECKING:  # for the annotations only: the modules themselves load torch
     from vlm_demo.engine.base import Engine
     from vlm_demo.engine.worker import Worker
 
 
-def make_engine(config: Config, worker: Worker | None = None) -> Engine:
+def make_engine(
+    config: Config, worker: Worker | None = None, progress: Callable[[LoadProgress], None] | None = None
+) -> Engine:
     """A started engine of the configured batching kind (``config.batching``), over ``worker`` or over
-    the model ``config`` names (loaded here; raises :class:`~vlm_demo.errors.ModelLoadError`)."""
+    the model ``config`` names (loaded here, reporting to ``progress``; raises
+    :class:`~vlm_demo.errors.ModelLoadError`)."""
     from vlm_demo.engine.continuous import ContinuousEngine
     from vlm_demo.engine.dynamic import DynamicEngine
     from vlm_demo.engine.loader import load_worker
@@ -25,4 +30,7 @@ def make_engine(config: Config, worker: Worker | None = None) -> Engine:
     kinds = {"continuous": ContinuousEngine, "dynamic": DynamicEngine}
     if config.batching not in kinds:
         raise ValueError(f"unknown batching mode {config.batching!r}")
-    return kinds[config.batching](worker or load_worker(config), config).start()
+    engine = kinds[config.batching](worker or load_worker(config, progress), config)
+    if progress is not None:
+        progress(LoadProgress("warming up the engine"))
+    return engine.start()

@@ -1,7 +1,7 @@
 """The messages between the web process and the engine process (torch-free; both sides import it).
 
 Web → engine: ``Submit`` (a request that passed the door), ``Cancel``, ``Shutdown``.
-Engine → web: ``Ready`` once the model is loaded (or ``Fatal`` if it cannot be), then one ``Step`` per
+Engine → web: ``Loading`` while the model loads, ``Ready`` once it is (or ``Fatal`` if it cannot be), then one ``Step`` per
 engine step carrying every row's new text, the requests that ended, the batch sizes run and the
 engine's stats. Text is sent per step, not per token per row: with 32 rows that is 32× fewer
 messages for the web process to unpickle and dispatch.
@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from vlm_demo.errors import DemoError
-from vlm_demo.schema import BeamView, EngineStats, GenerationResult, ValidRequest
+from vlm_demo.schema import BeamView, EngineStats, GenerationResult, LoadProgress, ValidRequest
 
 ENGINE_FAILED = 3  # the engine process's exit code after its engine thread died (the supervisor says so)
 
@@ -31,6 +31,13 @@ class Cancel:
 @dataclass
 class Shutdown:
     pass
+
+
+@dataclass
+class Loading:
+    """While the engine process loads the model: where it stands (sent at each phase and step)."""
+
+    progress: LoadProgress
 
 
 @dataclass

@@ -9,9 +9,12 @@ worker's business.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -21,6 +24,8 @@ import vlm_demo.engine.placement as placement
 from vlm_demo.config import Config
 from vlm_demo.engine.worker import Worker
 from vlm_demo.errors import ModelLoadError
+from vlm_demo.models.choice import folder_problem, looks_like_path
+from vlm_demo.schema import LoadProgress
 
 log = logging.getLogger(__name__)
 
@@ -56,32 +61,16 @@ def resolve_dtype(dtype: str, device: str) -> torch.dtype:
     return getattr(torch, dtype)
 
 
-def looks_like_path(model: str) -> bool:
-    """A filesystem path, never a hub id: starts with ``/``, ``.`` or ``~``, has a path separator
-    other than the one ``/`` of ``org/name``, or names an existing folder."""
-    separators = {os.sep, os.altsep} - {None, "/"}
-    return (
-        model.startswith(("/", ".", "~"))
-        or model.count("/") > 1
-        or any(sep in model for sep in separators)
-        or os.path.isdir(model)
-    )
-
-
 def resolve_model_path(model: str, tiny_dir: str | None = None) -> str:
     """``tiny`` means the offline test model, built once into its cache folder; a path must exist."""
     if model == "tiny":
         from vlm_demo.models.tiny import ensure_tiny
 
         return ensure_tiny(tiny_dir or None)
-    if looks_like_path(model):
-        path = os.path.expanduser(model)
-        if not os.path.isdir(path):
-            raise ModelLoadError(
-                f"The model folder {path} does not exist (--model takes a folder, a hub id or 'tiny')."
-            )
-        return path
-    return model
+    problem = folder_problem(model)
+    if problem:
+        raise ModelLoadError(problem)
+    return os.path.expanduser(model) if looks_like_path(model) else model
 
 
 def hub_error(model: str, exc: Exception) -> ModelLoadError:
@@ -116,13 +105,74 @@ def load_model_config(path: str, model: str) -> Any:
     return config
 
 
-def load_worker(config: Config) -> Worker:
+Progress = Callable[[LoadProgress], None]
+LOAD_TIMES = os.path.join(os.path.expanduser("~"), ".cache", "vlm_demo", "load_seconds.json")
+
+
+def load_worker(config: Config, progress: Progress | None = None) -> Worker:
     """The worker for ``config``'s model, device and dtype (``--model tiny`` builds the test model)."""
-    return load(config.model, config.device, config.dtype, config.resolved_tiny_dir(), config.cpu_threads)
+    return load(config.model, config.device, config.dtype, config.resolved_tiny_dir(), config.cpu_threads, progress)
+
+
+def last_load_seconds(model: str, device: str) -> float | None:
+    """How long this model took to load on this kind of device last time (for an ETA), if it ever loaded."""
+    try:
+        with open(LOAD_TIMES) as fh:
+            return float(json.load(fh)[f"{model} on {device}"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _remember_load_seconds(model: str, device: str, seconds: float) -> None:
+    try:
+        with open(LOAD_TIMES) as fh:
+            times = json.load(fh)
+    except (OSError, ValueError):
+        times = {}
+    times[f"{model} on {device}"] = round(seconds, 1)
+    try:
+        os.makedirs(os.path.dirname(LOAD_TIMES), exist_ok=True)
+        with open(LOAD_TIMES, "w") as fh:
+            json.dump(times, fh)
+    except OSError:  # a read-only home: no ETA next time, nothing worse
+        log.debug("could not remember the load time", exc_info=True)
+
+
+class _Ticker:
+    """Reports a long phase every few seconds while it runs, its ETA from the last time it ran."""
+
+    def __init__(self, progress: Progress | None, phase: str, expected: float | None, every: float = 2.0) -> None:
+        self.progress, self.phase, self.expected, self.every = progress, phase, expected, every
+        self.started = time.monotonic()
+        self._done = threading.Event()
+        self._tick()
+        if progress is not None:
+            threading.Thread(target=self._run, name="vlm-load-progress", daemon=True).start()
+
+    def _tick(self) -> None:
+        if self.progress is None:
+            return
+        elapsed = time.monotonic() - self.started
+        eta = max(0.0, self.expected - elapsed) if self.expected else None
+        fraction = min(0.99, elapsed / self.expected) if self.expected else None
+        self.progress(LoadProgress(self.phase, fraction, eta))
+
+    def _run(self) -> None:
+        while not self._done.wait(self.every):
+            self._tick()
+
+    def stop(self) -> float:
+        self._done.set()
+        return time.monotonic() - self.started
 
 
 def load(
-    model: str, device: str = "auto", dtype: str = "auto", tiny_dir: str | None = None, cpu_threads: int = 1
+    model: str,
+    device: str = "auto",
+    dtype: str = "auto",
+    tiny_dir: str | None = None,
+    cpu_threads: int = 1,
+    progress: Progress | None = None,
 ) -> Worker:
     """Load weights and processor from a hub id or folder (``tiny`` builds the test model).
 
@@ -130,6 +180,8 @@ def load(
     unreachable hub id, ``--device cuda`` without CUDA, a checkpoint that is not Mllama, or a
     model that does not fit the GPU.
     """
+    if progress is not None:
+        progress(LoadProgress("preparing the tiny test model" if model == "tiny" else f"finding {model}"))
     path = resolve_model_path(model, tiny_dir)
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev)
@@ -142,7 +194,7 @@ def load(
     if dev.startswith("cuda"):
         weights = placement.weight_bytes(config, torch_dtype)
         kwargs.update(placement.load_kwargs(dev, weights, placement.visible_gpus(), torch_dtype))
-    started = time.monotonic()
+    ticker = _Ticker(progress, f"loading {model} onto {dev}", last_load_seconds(model, dev))
     try:
         net = MllamaForConditionalGeneration.from_pretrained(path, config=config, **kwargs)
         processor = AutoProcessor.from_pretrained(path)
@@ -152,11 +204,14 @@ def load(
         if os.path.isdir(path):
             raise ModelLoadError(f"Could not load the model in {path}: {str(exc).splitlines()[0]}") from exc
         raise hub_error(model, exc) from exc
+    finally:
+        seconds = ticker.stop()
     if dev.startswith("cuda"):
         placement.check_on_gpus(net)
     else:
         net.to(dev)
     net.eval()
     where = sorted({str(p.device) for p in net.parameters()})
-    log.info("loaded %s on %s (%s) in %.1f s", model, ", ".join(where), torch_dtype, time.monotonic() - started)
+    log.info("loaded %s on %s (%s) in %.1f s", model, ", ".join(where), torch_dtype, seconds)
+    _remember_load_seconds(model, dev, seconds)
     return Worker(net, processor, model)

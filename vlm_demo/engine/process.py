@@ -26,9 +26,9 @@ from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING
 
 from vlm_demo.config import Config
-from vlm_demo.engine.ipc import ENGINE_FAILED, Cancel, Ended, Fatal, Ready, Shutdown, Step, Submit
+from vlm_demo.engine.ipc import ENGINE_FAILED, Cancel, Ended, Fatal, Loading, Ready, Shutdown, Step, Submit
 from vlm_demo.errors import DemoError, GenerationError
-from vlm_demo.schema import BeamView, EngineStats
+from vlm_demo.schema import BeamView, EngineStats, LoadProgress
 from vlm_demo.stream import Stream
 
 if TYPE_CHECKING:  # the engine (and torch) load in ``run``, inside the engine process
@@ -184,8 +184,14 @@ def run(config: Config, conn: Connection) -> None:
         from vlm_demo.engine import make_engine
         from vlm_demo.models.choice import choose_model
 
+        def progress(update: LoadProgress) -> None:
+            try:
+                conn.send(Loading(update))
+            except (BrokenPipeError, OSError):  # the web process went away: the load ends with it
+                pass
+
         config, notice = choose_model(config)
-        engine = make_engine(config)
+        engine = make_engine(config, progress=progress)
     except DemoError as err:
         conn.send(Fatal(str(err)))
         return

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 
 from vlm_demo.config import TINY, Config
 
@@ -17,6 +18,29 @@ REAL_MODEL_HINT = (
     "To run the real model, use a machine with a CUDA GPU (40 GB or more for bf16, see the README) and start "
     "`python app.py --model Xkev/Llama-3.2V-11B-cot`."
 )
+
+
+def looks_like_path(model: str) -> bool:
+    """A filesystem path, never a hub id: starts with ``/``, ``.`` or ``~``, has a path separator
+    other than the one ``/`` of ``org/name``, or names an existing folder."""
+    separators = {os.sep, os.altsep} - {None, "/"}
+    return (
+        model.startswith(("/", ".", "~"))
+        or model.count("/") > 1
+        or any(sep in model for sep in separators)
+        or os.path.isdir(model)
+    )
+
+
+def folder_problem(model: str) -> str | None:
+    """What is wrong with ``--model`` as a folder (it does not exist), said at once, in the web process,
+    before an engine process spends seconds importing torch to find out; ``None``: nothing (or a hub id)."""
+    if model == TINY or not looks_like_path(model):
+        return None
+    path = os.path.expanduser(model)
+    if not os.path.isdir(path):
+        return f"The model folder {path} does not exist (--model takes a folder, a hub id or 'tiny')."
+    return None
 
 
 def choose_model(config: Config, cuda: bool | None = None) -> tuple[Config, str | None]:
@@ -32,6 +56,8 @@ def choose_model(config: Config, cuda: bool | None = None) -> tuple[Config, str 
         cuda = torch.cuda.is_available()
     if config.triton_url:
         return config, None
+    if not cuda and config.device.startswith("cuda"):
+        return config, None  # asked for a GPU there is none of: the loader says so in one line, no fallback
     if not cuda and not config.model_explicit and config.model != TINY:
         log.warning("no CUDA GPU and no --model given: serving the tiny test model instead of %s", config.model)
         notice = (

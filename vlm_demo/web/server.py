@@ -15,11 +15,12 @@ import secrets
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import gradio as gr
 import uvicorn
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from vlm_demo import ASSETS_DIR
@@ -27,8 +28,11 @@ from vlm_demo.backends import Backend, make_backend
 from vlm_demo.backends.base import Health
 from vlm_demo.config import Config
 from vlm_demo.images import DEFAULT_MAX_BYTES
+from vlm_demo.schema import LoadProgress
+from vlm_demo.web.loading import LoadingState, Switch, loading_app
 from vlm_demo.web.metrics import CacheCounts, Metrics
 from vlm_demo.web.openai_api import OpenAIAPI
+from vlm_demo.web.operator import OperatorDoor
 from vlm_demo.web.page import CSS, THEME, DemoUI
 from vlm_demo.web.spaces import on_spaces
 
@@ -50,10 +54,13 @@ class DemoApp:
     notice: str | None
 
 
-def create_app(config: Config, backend: Backend | None = None) -> DemoApp:
-    """Build the backend (unless given), the metrics, the page, and the FastAPI app around them."""
+def create_app(
+    config: Config, backend: Backend | None = None, progress: Callable[[LoadProgress], None] | None = None
+) -> DemoApp:
+    """Build the backend (unless given; ``progress`` hears how its loading goes), the metrics, the page,
+    and the FastAPI app around them."""
     if backend is None:
-        backend = make_backend(config)
+        backend = make_backend(config, progress)
     notice = backend.notice
     batch = backend.health().max_batch_size  # sized by the engine (GPU memory); 0: Triton batches on its side
     batch = batch or config.max_batch_size or REMOTE_BATCH_SIZE
@@ -68,9 +75,12 @@ def create_app(config: Config, backend: Backend | None = None) -> DemoApp:
     served = config.triton_model if config.triton_url else backend.model  # Triton's name, not "name @ url"
     app.include_router(OpenAIAPI(ui.handlers, config, served).router())  # before the mount, which takes "/"
 
+    door = OperatorDoor(config)
+
     @app.get("/health")
-    def health() -> JSONResponse:
-        """Liveness and readiness for load balancers: 200 when the model can take requests, else 503."""
+    def health(request: Request) -> JSONResponse:
+        """Liveness and readiness for load balancers: 200 when the model can take requests, else 503
+        (the details only for the operator once the server is guarded)."""
         try:
             report = backend.health()
         except Exception as err:  # a remote backend that cannot be reached is simply not ready
@@ -84,10 +94,12 @@ def create_app(config: Config, backend: Backend | None = None) -> DemoApp:
             "tiny_notice": notice is not None,
             "details": report.details(),
         }
-        return JSONResponse(body, status_code=200 if report.ready else 503)
+        return door.health(request, body, 200 if report.ready else 503)
 
     @app.get("/metrics")
-    def prometheus() -> Response:
+    def prometheus(request: Request) -> Response:
+        if not door.allows(request):
+            return door.refusal()
         return Response(metrics.render(), media_type=metrics.content_type)
 
     auth = tuple(config.auth.split(":", 1)) if config.auth else None
@@ -146,9 +158,8 @@ def _share_when_up(server: uvicorn.Server, host: str, port: int) -> None:
 
 
 def bind(host: str, port: int) -> socket.socket:
-    """Take the port before the (possibly minutes-long) model build: a busy port fails at once, in one
-    line, and port 0 gets its real number to log. Not listening yet: until the page is ready, clients
-    are refused rather than left hanging."""
+    """Take the port before anything loads: a busy port fails at once, in one line, and port 0 gets its
+    real number to log."""
     try:
         family, kind, proto, _, address = socket.getaddrinfo(
             host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
@@ -171,25 +182,28 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 def serve(config: Config) -> None:
-    """Take the port, build everything, and serve until interrupted; the backend is closed on the way out."""
+    """Take the port, answer at once with the loading page, build everything in the background, then serve
+    the demo until interrupted; the backend is closed on the way out.
+
+    A model that cannot load ends the server with its one-line reason (``SystemExit``)."""
+    share = config.share
+    if share and on_spaces():
+        log.warning("--share is ignored on Hugging Face Spaces (the Space already has a public URL)")
+        share = False
+    if share and not config.auth:
+        log.warning(
+            "--share without --auth: anyone with the link can use this demo%s; consider --auth USER:PASS",
+            "" if config.api_key else " and its API at /v1",
+        )
     with bind(config.host, config.port) as sock:
         port = sock.getsockname()[1]
         url = f"http://{f'[{config.host}]' if ':' in config.host else config.host}:{port}"
-        log.info("the page will be at %s once the model is ready (building or loading it can take minutes)", url)
-        demo_app = create_app(config)
-        share = config.share
-        if share and on_spaces():
-            log.warning("--share is ignored on Hugging Face Spaces (the Space already has a public URL)")
-            share = False
-        if share and not config.auth:
-            log.warning(
-                "--share without --auth: anyone with the link can use this demo%s; consider --auth USER:PASS",
-                "" if config.api_key else " and its API at /v1",
-            )
+        state = LoadingState(config.triton_url or config.model)
+        switch = Switch(loading_app(state, OperatorDoor(config)))
         proxies = config.forwarded_allow_ips or ("*" if on_spaces() else None)  # a Space's proxy names the visitor
         server = uvicorn.Server(
             uvicorn.Config(
-                demo_app.app,
+                switch,
                 host=config.host,
                 port=port,
                 log_level="info",
@@ -197,10 +211,63 @@ def serve(config: Config) -> None:
                 forwarded_allow_ips=proxies,
             )
         )
+        build = _Build(config, state, switch, server, url)
+        switch.on_start = build.start
         if share:
             threading.Thread(target=_share_when_up, args=(server, config.host, port), daemon=True).start()
-        log.info("serving %s (%s) on %s", demo_app.backend.model, demo_app.backend.name, url)
+        log.info("serving on %s: a loading page until the model is ready (loading it can take minutes)", url)
         try:
             server.run(sockets=[sock])
         finally:
+            build.close()
+        if build.failure is not None:
+            raise SystemExit(build.failure)
+
+
+class _Build:
+    """Builds the demo in a thread while the loading page answers, then switches the server over to it."""
+
+    def __init__(self, config: Config, state: LoadingState, switch: Switch, server: uvicorn.Server, url: str) -> None:
+        self.config, self.state, self.switch, self.server, self.url = config, state, switch, server, url
+        self.demo_app: DemoApp | None = None
+        self.failure: str | None = None
+        self._thread = threading.Thread(target=self._run, name="vlm-build", daemon=True)
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            demo_app = create_app(self.config, progress=self.state.update)
+        except SystemExit as err:
+            self._fail(str(err.code))
+            return
+        except Exception as err:  # a bug, not a bad model: still one clear line and an ended server
+            log.exception("building the demo failed")
+            self._fail(f"Cannot start the demo: {type(err).__name__}: {err}")
+            return
+        with self._lock:
+            if self._closed:  # interrupted while loading: nobody will serve it
+                demo_app.backend.close()
+                return
+            self.demo_app = demo_app
+        try:
+            self.switch.activate(demo_app.app)
+        except Exception as err:
+            log.exception("starting the page failed")
+            self._fail(f"Cannot start the page: {type(err).__name__}: {err}")
+            return
+        log.info("ready: serving %s (%s) on %s", demo_app.backend.model, demo_app.backend.name, self.url)
+
+    def _fail(self, message: str) -> None:
+        self.failure = message  # said once, as the process's last line, when the server has stopped
+        self.server.should_exit = True
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            demo_app = self.demo_app
+        if demo_app is not None:
             demo_app.backend.close()
