@@ -24,9 +24,9 @@ ROOT = Path(__file__).resolve().parents[1]
 TEST_LIMITS = Limits(max_new_tokens=10_000)  # long forced answers in the engine tests
 
 
-def door(image: Any, question: Any, params: SamplingParams | None = None) -> ValidRequest:
+def door(image: Any, question: Any, params: SamplingParams | None = None, history: Any = None) -> ValidRequest:
     """The shared door with generous limits: what every backend's caller does before submitting."""
-    return validate_request(image, question, params, TEST_LIMITS)
+    return validate_request(image, question, params, TEST_LIMITS, history)
 
 
 def free_ports(count: int) -> list[int]:

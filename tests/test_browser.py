@@ -130,6 +130,16 @@ def wait_status(page, text: str, timeout: float = 60_000) -> None:
     )
 
 
+def done_again(page, before: str, timeout: float = 90_000) -> None:
+    """Until the status line says a new answer is done (it names its tokens and times: never the same twice)."""
+    page.wait_for_function(
+        "before => { const s = document.querySelector('#status [data-testid=markdown]')?.innerText.trim() || '';"
+        " return s.startsWith('Done') && s !== before; }",
+        arg=before,
+        timeout=timeout,
+    )
+
+
 # ---- contrast, from the colours the browser rendered ---------------------------------------------------
 
 # For each visible element matching a selector (its ::after, or those with text of their own): the text
@@ -385,6 +395,65 @@ def test_stop_during_think_harder_stops_the_candidates_box_too(browser, server: 
         view = page.locator("#beams_view").inner_text()
         assert "writing…" not in view and "judging…" not in view and "stopped" in view, view
         assert "stopped" in page.locator("#stages .step.stopped").inner_text().lower()
+    finally:
+        page.close()
+
+
+def test_a_follow_up_is_answered_with_the_first_turn_shown_retry_asks_again_and_a_new_image_starts_over(
+    browser, server: str
+) -> None:
+    page = open_page(browser, server)
+    try:
+        assert not page.locator("#retry").is_visible() and not page.locator("#new_chat").is_visible()
+        ask(page, RED, "What colour is this image?")
+        wait_status(page, "Done", 60_000)
+        first = panel_text(page, "conclusion")
+        assert "red" in first
+        page.locator("#retry").wait_for(state="visible", timeout=10_000)
+        assert page.locator("#new_chat").is_visible() and "follow-up" in page.locator("#q").inner_text()
+        assert page.locator("#history .turn").count() == 0, "the answer on screen is not history yet"
+
+        before = status_text(page)
+        page.locator("#q textarea").fill(LONG_QUESTION)
+        page.locator("#q textarea").press("Enter")
+        turn = page.locator("#history details.turn")
+        turn.wait_for(timeout=20_000)  # the first turn moved above the panels as the follow-up started
+        assert turn.count() == 1 and turn.get_attribute("open") is None, "earlier turns are shown collapsed"
+        line = turn.locator("summary").inner_text()
+        assert "What colour is this image?" in line and first in line, line
+        assert "1 earlier question" in page.locator("#history").inner_text()
+        done_again(page, before)
+        answer = {stage: panel_text(page, stage) for stage in STAGES}
+        assert all(answer.values()) and "red" in answer["conclusion"], answer
+        turn.click()  # unfolds: the first answer's stages are inside
+        assert "CONCLUSION" in turn.inner_text() and "red" in turn.inner_text()
+
+        before = status_text(page)
+        page.locator("#retry").click()
+        done_again(page, before)
+        assert page.locator("#q textarea").input_value() == LONG_QUESTION, "Retry asks the last question again"
+        assert page.locator("#history details.turn").count() == 1, "the retried answer replaced its turn"
+        assert panel_text(page, "reasoning") == answer["reasoning"], "greedy: the same history, the same answer"
+
+        page.locator("#new_chat").click()  # the same picture, a new conversation
+        page.wait_for_function("() => !document.querySelector('#history .turn')", timeout=20_000)
+        assert page.locator("#img img").count() == 1 and panel_text(page, "conclusion") == ""
+        assert not page.locator("#retry").is_visible()
+
+        upload(page, BLUE)  # a new picture: a new conversation
+        page.locator("#q textarea").fill("What colour is this image?")
+        page.locator("#ask").click()
+        wait_status(page, "Done", 60_000)
+        assert "blue" in panel_text(page, "conclusion") and page.locator("#history .turn").count() == 0
+        page.locator("#q textarea").fill("Describe this picture in detail.")
+        before = status_text(page)
+        page.locator("#ask").click()
+        done_again(page, before)
+        assert page.locator("#history details.turn").count() == 1, "the blue answer is the new first turn"
+        assert (
+            "blue" in page.locator("#history summary").inner_text()
+            and "red" not in page.locator("#history").inner_text()
+        )
     finally:
         page.close()
 

@@ -181,19 +181,31 @@ def test_a_wrong_or_missing_key_is_401(server: str) -> None:
     assert requests.get(server + "/health", timeout=10).status_code == 200  # the rest of the server is not keyed
 
 
-def test_follow_up_turns_and_a_system_message_are_folded_into_the_question(client: openai.OpenAI) -> None:
+def test_earlier_turns_are_turns_of_the_chat_template_and_a_system_message_is_folded_into_the_question(
+    client: openai.OpenAI,
+) -> None:
     messages = [
-        {"role": "system", "content": "Answer briefly."},
         *ask("What colour is it?", GREEN),
         {"role": "assistant", "content": "The image is green."},
         {"role": "user", "content": "Are you sure about the colour?"},
     ]
     reply = client.chat.completions.create(model="tiny", messages=messages, **GREEDY)
-    # The tiny model knows single questions only; that the image reached it is what it can show here.
+    alone = client.chat.completions.create(
+        model="tiny", messages=ask("Are you sure about the colour?", GREEN), **GREEDY
+    )
+    # The earlier turn is in the prompt as the template writes it: its question, its answer, then this one.
+    assert reply.usage.prompt_tokens > alone.usage.prompt_tokens
     caption = re.search(r"<CAPTION>(.*?)</CAPTION>", reply.choices[0].message.model_extra["reasoning_content"], re.S)
     assert caption and colour_of(caption.group(1)) == "green", reply.choices[0].message
-    messages[2]["content"] = "why " * 600
-    with pytest.raises(openai.BadRequestError, match="too long .* earlier turns are folded into the question"):
+    briefly = [{"role": "system", "content": "Answer briefly."}, *messages]
+    assert client.chat.completions.create(model="tiny", messages=briefly, **GREEDY).usage.prompt_tokens > (
+        reply.usage.prompt_tokens
+    )
+    briefly[-1]["content"] = "why " * 499  # fits alone; the system message folded in makes it too long
+    with pytest.raises(openai.BadRequestError, match="too long .* system messages are folded into the question"):
+        client.chat.completions.create(model="tiny", messages=briefly, **GREEDY)
+    messages[1]["content"] = "green " * 5000
+    with pytest.raises(openai.BadRequestError, match="conversation history is too long"):
         client.chat.completions.create(model="tiny", messages=messages, **GREEDY)
 
 

@@ -7,6 +7,7 @@ errors, unknown model, timeout, cancel, server stopped) must surface as specific
 from __future__ import annotations
 
 import base64
+import dataclasses
 import io
 import json
 import socket
@@ -28,16 +29,18 @@ from vlm_demo.errors import (
     InvalidRequestError,
     QueueFullError,
     RequestCancelledError,
+    UnsupportedError,
 )
 from vlm_demo.models.tiny import LONG_QUESTIONS, solid_image
-from vlm_demo.schema import Limits, SamplingParams
+from vlm_demo.schema import Limits, SamplingParams, Turn
+from vlm_demo.triton import contract
 from vlm_demo.triton.contract import (
     ENSEMBLE_MODEL,
     GENERATE_MODEL,
     chat_prompt,
+    conversation_from_prompt,
     error_from_text,
     error_text,
-    question_from_prompt,
 )
 from vlm_demo.triton.handlers import (
     config_from_model_config,
@@ -90,8 +93,12 @@ def test_prompt_round_trips_through_the_models_own_chat_template(worker):
     """The generate contract sends a chat-templated prompt; the server must recover the exact question."""
     ours = chat_prompt(QUESTION)
     assert ours == worker.prompt(QUESTION)  # same text the model's template renders
-    assert question_from_prompt(ours) == QUESTION
-    assert question_from_prompt("just a question") == "just a question"
+    assert conversation_from_prompt(ours) == (QUESTION, [])
+    assert conversation_from_prompt("just a question") == ("just a question", [])
+    history = [Turn(QUESTION, "<CONCLUSION>red</CONCLUSION>"), Turn("Sure?", "<CONCLUSION>yes</CONCLUSION>")]
+    follow_up = chat_prompt("Why?", history)
+    assert follow_up == worker.prompt("Why?", history)  # a follow-up too, earlier answers included
+    assert conversation_from_prompt(follow_up) == ("Why?", [list(turn) for turn in history])
 
 
 def test_typed_errors_survive_the_wire():
@@ -239,6 +246,35 @@ def test_the_client_refuses_think_harder_when_the_remote_model_cannot(server):
     params = SamplingParams(50, 1.0, 1.0, seed=1, reasoning="stage-beam", beams=2)
     with pytest.raises(InvalidRequestError, match="cannot think harder"):
         backend.submit(door(solid_image("red", 20, 20), "colour?", params)).result(30)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scheme,model", [("http", ENSEMBLE_MODEL), ("grpc", GENERATE_MODEL)])
+def test_a_follow_up_crosses_both_contracts_with_its_earlier_turns(server, engine, scheme, model):
+    """HISTORY (infer) and the multi-turn chat prompt (generate) reach the served engine: its answer equals
+    the local engine's for the same turns, and the prompt held them."""
+    backend = backend_for(server, scheme, model)
+    assert backend.features.history
+    image = solid_image("green", 48, 48)
+    history = [[QUESTION, engine.generate(door(image, QUESTION, GREEDY)).text]]
+    expected = engine.generate(door(image, "Describe this picture in detail.", GREEDY, history))
+    remote = backend.submit(door(image, "Describe this picture in detail.", GREEDY, history)).result(90)
+    alone = backend.submit(door(image, "Describe this picture in detail.", GREEDY)).result(90)
+    assert remote.text == expected.text
+    assert remote.prompt_tokens == expected.prompt_tokens > alone.prompt_tokens
+
+
+@pytest.mark.slow
+def test_a_remote_model_without_history_refuses_a_follow_up_at_once_and_still_answers_first_questions(server):
+    full = backend_for(server, "http", ENSEMBLE_MODEL)
+    inputs = {n: shape for n, shape in full.info.inputs.items() if n != contract.HISTORY}
+    backend = TritonBackend(full.config, full.endpoint, dataclasses.replace(full.info, inputs=inputs))
+    assert not backend.features.history
+    with pytest.raises(UnsupportedError, match="cannot answer follow-up questions"):
+        backend.submit(
+            door(solid_image("red", 20, 20), "And now?", GREEDY, [[QUESTION, "<CONCLUSION>red</CONCLUSION>"]])
+        )
+    assert "red" in backend.submit(door(solid_image("red", 20, 20), QUESTION, GREEDY)).result(60).text
 
 
 @pytest.mark.slow

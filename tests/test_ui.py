@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from support import ROOT
 
-from vlm_demo.backends.base import Health
+from vlm_demo.backends.base import Features, Health
 from vlm_demo.config import Config
 from vlm_demo.schema import GenerationResult, ValidRequest
 from vlm_demo.stream import OutputStream
@@ -52,6 +52,7 @@ class ScriptedBackend:
     name = "scripted"
     model = "scripted-model"
     notice = None
+    features = Features()
 
     def __init__(self) -> None:
         self.streams: list[ScriptedStream] = []

@@ -28,6 +28,14 @@ class InvalidRequestError(DemoError):
         self.param = param
 
 
+class UnsupportedError(InvalidRequestError):
+    """The request asks for something this server is not set up to do (a server setting, not the
+    visitor's input: Think harder with ``--batching dynamic``, a follow-up on a remote model without
+    history); the message says which setting."""
+
+    code = "unsupported"
+
+
 class QueueFullError(DemoError):
     """Too many requests are waiting; retrying later can succeed."""
 

@@ -12,8 +12,9 @@ from __future__ import annotations
 import math
 import random
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from vlm_demo.errors import InvalidRequestError, TooManyRequestsError
 
@@ -228,15 +229,86 @@ class Limits:
         return cls(config.max_new_tokens, config.max_question_chars, config.max_image_pixels)
 
 
+class Turn(NamedTuple):
+    """An earlier question about the same image and the model's answer to it (as written, tags included)."""
+
+    question: str
+    answer: str
+
+
+MAX_HISTORY_TURNS = 8  # earlier turns a follow-up question carries (the page keeps the newest)
+MAX_HISTORY_CHARS = 24_000  # about 6k tokens of earlier turns: each costs KV cache, like the answer's own tokens
+
+
 @dataclass(frozen=True)
 class ValidRequest:
-    """A request that passed the door: a decoded RGB picture, a clean question, checked and seeded parameters."""
+    """A request that passed the door: a decoded RGB picture, a clean question, checked and seeded parameters,
+    and for a follow-up question the earlier turns about the same picture (oldest first)."""
 
     image: Image.Image
     question: str
     params: SamplingParams
     image_key: str = ""  # a digest of the picture's pixels: the image-state and response caches key on it
     client: str = ""  # who asks (an address, an API key): fair share and the per-client cap count by it
+    history: tuple[Turn, ...] = ()
+
+
+def chat_messages(question: str, history: Sequence[Turn] = ()) -> list[dict[str, Any]]:
+    """The conversation as chat-template messages: the image in the first user turn (Mllama's template
+    puts its ``<|image|>`` there), each earlier answer as the assistant's turn, the question last."""
+    messages: list[dict[str, Any]] = []
+    for turn in history:
+        messages.append({"role": "user", "content": [{"type": "text", "text": turn.question}]})
+        messages.append({"role": "assistant", "content": [{"type": "text", "text": turn.answer}]})
+    messages.append({"role": "user", "content": [{"type": "text", "text": question}]})
+    messages[0]["content"].insert(0, {"type": "image"})
+    return messages
+
+
+def recent_turns(turns: Sequence[Turn]) -> tuple[Turn, ...]:
+    """The newest earlier turns that fit the history caps (what the page sends with a follow-up)."""
+    kept: list[Turn] = []
+    size = 0
+    for turn in reversed(turns):
+        size += len(turn.question) + len(turn.answer)
+        if len(kept) == MAX_HISTORY_TURNS or size > MAX_HISTORY_CHARS:
+            break
+        kept.append(turn)
+    return tuple(reversed(kept))
+
+
+def validate_history(history: Any, max_question_chars: int) -> tuple[Turn, ...]:
+    """Earlier turns as ``[question, answer]`` pairs, oldest first, within the caps; ``None`` is none."""
+    if history is None:
+        return ()
+    shape = "The conversation history must be a list of [question, answer] pairs of text."
+    if not isinstance(history, (list, tuple)):
+        raise InvalidRequestError(shape, "history")
+    turns = []
+    for index, item in enumerate(history, 1):
+        if not (isinstance(item, (list, tuple)) and len(item) == 2 and all(isinstance(x, str) for x in item)):
+            raise InvalidRequestError(f"{shape} Turn {index} is not.", "history")
+        question, answer = item
+        if not question.strip() or not answer.strip() or "\x00" in question + answer:
+            raise InvalidRequestError(
+                f"Turn {index} of the conversation history has an empty question or answer, or a NUL character.",
+                "history",
+            )
+        if len(question) > max_question_chars:
+            raise InvalidRequestError(
+                f"Turn {index}'s question is too long ({len(question)} characters; the limit is "
+                f"{max_question_chars}).",
+                "history",
+            )
+        turns.append(Turn(question.strip(), answer.strip()))
+    size = sum(len(t.question) + len(t.answer) for t in turns)
+    if len(turns) > MAX_HISTORY_TURNS or size > MAX_HISTORY_CHARS:
+        raise InvalidRequestError(
+            f"The conversation history is too long ({len(turns)} turns, {size} characters; the limits are "
+            f"{MAX_HISTORY_TURNS} turns and {MAX_HISTORY_CHARS} characters): keep the newest turns.",
+            "history",
+        )
+    return tuple(turns)
 
 
 def validate_question(question: Any, max_chars: int) -> str:
@@ -315,12 +387,17 @@ def has_image(image: Any) -> bool:
 
 
 def validate_request(
-    image: Any, question: Any, params: SamplingParams | None = None, limits: Limits | None = None
+    image: Any,
+    question: Any,
+    params: SamplingParams | None = None,
+    limits: Limits | None = None,
+    history: Any = None,
 ) -> ValidRequest:
     """Check and normalise one request, cheap checks first and image decoding last.
 
-    ``image`` may be a PIL image, a file path, bytes or a Gradio file payload. Raises
-    :class:`InvalidRequestError` with a message the visitor can act on.
+    ``image`` may be a PIL image, a file path, bytes or a Gradio file payload; ``history`` the earlier
+    turns of a follow-up question (see :func:`validate_history`). Raises :class:`InvalidRequestError` with
+    a message the visitor can act on.
     """
     from vlm_demo.images import image_digest, load_image  # PIL only; kept local so the vocabulary imports fast
 
@@ -328,6 +405,7 @@ def validate_request(
     if not has_image(image):
         raise InvalidRequestError("Please upload an image first.")
     question = validate_question(question, limits.max_question_chars)
+    turns = validate_history(history, limits.max_question_chars)
     params = (params or SamplingParams()).validated(limits.max_new_tokens)
     picture = load_image(image, max_pixels=limits.max_image_pixels, max_bytes=limits.max_image_bytes)
-    return ValidRequest(picture, question, params, image_digest(picture))
+    return ValidRequest(picture, question, params, image_digest(picture), history=turns)

@@ -62,10 +62,20 @@ class Health:
         return out
 
 
+@dataclass(frozen=True)
+class Features:
+    """What a backend can do beyond a plain answer; the page offers only these (a control it cannot honour
+    would end in an error the visitor did not cause)."""
+
+    stage_beam: bool = True  # "Think harder": needs the engine's continuous batching
+    history: bool = True  # follow-up questions (earlier turns in the prompt)
+
+
 class Backend(Protocol):
     name: str  # "local" or "triton"
     model: str  # what the page and /health show
     notice: str | None  # the page's banner when the model is not the real one (the tiny test model)
+    features: Features
 
     def submit(self, request: ValidRequest) -> Stream:
         """Enqueue a request that passed the door; raise a :class:`DemoError` at once when it cannot be taken."""

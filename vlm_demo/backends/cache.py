@@ -19,7 +19,7 @@ import dataclasses
 import threading
 from collections import OrderedDict
 
-from vlm_demo.backends.base import Backend, Health
+from vlm_demo.backends.base import Backend, Features, Health
 from vlm_demo.errors import DemoError
 from vlm_demo.schema import NORMAL, GenerationResult, ValidRequest
 from vlm_demo.stream import Listener, OutputStream, Stream
@@ -34,14 +34,14 @@ def cache_key(model: str, request: ValidRequest) -> Key | None:
     if not repeatable or not request.image_key:
         return None
     seed = None if p.greedy and p.reasoning == NORMAL else p.seed
-    return (model, request.image_key, request.question, p.max_new_tokens, p.temperature, p.top_p, seed,
-            p.reasoning, p.beams, p.ignore_eos)  # fmt: skip
+    return (model, request.image_key, request.question, request.history, p.max_new_tokens, p.temperature,
+            p.top_p, seed, p.reasoning, p.beams, p.ignore_eos)  # fmt: skip
 
 
 def _size(key: Key, result: GenerationResult) -> int:
     """Bytes an entry costs, roughly: its texts (the candidates' too)."""
     beam = 0 if result.beam is None else sum(len(t) for s in result.beam.stages for t in (*s.candidates, *s.judgements))
-    return len(result.text.encode()) + beam + len(str(key)) + 256
+    return len(result.text.encode()) + beam + len(str(key)) + 256  # the key holds the earlier turns' text
 
 
 class ResponseCache:
@@ -103,6 +103,10 @@ class CachingBackend:
     @property
     def notice(self) -> str | None:
         return self.inner.notice
+
+    @property
+    def features(self) -> Features:
+        return self.inner.features
 
     def submit(self, request: ValidRequest) -> Stream:
         key = cache_key(self.model, request)

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 
-from vlm_demo.backends.base import Health
+from vlm_demo.backends.base import Features, Health
 from vlm_demo.config import Config
 from vlm_demo.engine.ipc import ENGINE_FAILED, Cancel, Fatal, Loading, Ready, Shutdown, Step, Submit
 from vlm_demo.errors import (
@@ -95,6 +95,7 @@ class EngineProcessBackend:
         self.progress = progress  # told where the engine process's model load stands
         self.model = config.model
         self.notice: str | None = None
+        self.features = Features(stage_beam=config.batching == "continuous")
         self.restarts = 0
         self.messages_received = 0  # engine steps reported (one message each)
         self._ctx = multiprocessing.get_context("spawn")  # never fork a process that may hold CUDA or threads

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from vlm_demo.backends.base import Health
+from vlm_demo.backends.base import Features, Health
 from vlm_demo.config import Config
 from vlm_demo.engine import make_engine
 from vlm_demo.engine.base import Engine
@@ -23,6 +23,7 @@ class LocalBackend:
         self.engine = engine
         self.model = model
         self.notice = notice  # the page's banner when this is not the real model
+        self.features = Features(stage_beam=engine.supports_stage_beam)
 
     @classmethod
     def from_config(

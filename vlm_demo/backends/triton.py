@@ -32,7 +32,7 @@ from urllib.parse import urlparse
 
 import numpy as np
 
-from vlm_demo.backends.base import Health, RemoteStatus
+from vlm_demo.backends.base import Features, Health, RemoteStatus
 from vlm_demo.config import Config
 from vlm_demo.errors import (
     BackendTimeoutError,
@@ -40,11 +40,11 @@ from vlm_demo.errors import (
     DemoError,
     EngineStoppedError,
     GenerationError,
-    InvalidRequestError,
     QueueFullError,
     RequestCancelledError,
+    UnsupportedError,
 )
-from vlm_demo.schema import STAGE_BEAM, ClientSlots, GenerationResult, SamplingParams, ValidRequest
+from vlm_demo.schema import STAGE_BEAM, ClientSlots, GenerationResult, SamplingParams, Turn, ValidRequest
 from vlm_demo.stream import Listener, OutputStream, run_all
 from vlm_demo.triton import contract
 from vlm_demo.triton.contract import chat_prompt, error_from_text
@@ -220,6 +220,10 @@ class TritonBackend:
         self.info = info
         self.model = f"{config.triton_model} @ {endpoint.url}"
         self.notice: str | None = None  # the page's banner when the remote model is not the real one
+        generate = info.protocol == "generate"  # the prompt is ours to write, and our server reads the rest
+        self.features = Features(
+            stage_beam=generate or "reasoning" in info.inputs, history=generate or contract.HISTORY in info.inputs
+        )
         self._listeners: list[Listener] = []
         self._in_flight = 0
         self.clients = ClientSlots(config.max_per_client)
@@ -257,6 +261,11 @@ class TritonBackend:
             raise TypeError(f"the Triton backend takes a ValidRequest, not {type(request)}")
         image, question, params = request.image, request.question, request.params
         client = request.client
+        if request.history and not self.features.history:
+            raise UnsupportedError(
+                f"The Triton model '{self.config.triton_model}' takes no {contract.HISTORY} input, so it cannot "
+                "answer follow-up questions; start a new conversation."
+            )
         with self._lock:
             if self._in_flight >= self.config.max_queue:
                 raise QueueFullError(f"Server busy: {self._in_flight} requests already waiting. Try again shortly.")
@@ -264,7 +273,8 @@ class TritonBackend:
             self._in_flight += 1
         stream = TritonStream(self.config.triton_timeout, lambda done: self._request_done(done, client))
         target = self._run_generate if self.info.protocol == "generate" else self._run_infer
-        threading.Thread(target=self._guarded, args=(target, stream, image, question, params), daemon=True).start()
+        args = (target, stream, image, question, params, request.history)
+        threading.Thread(target=self._guarded, args=args, daemon=True).start()
         return stream
 
     def run_batch(self, items: list[ValidRequest]) -> list[GenerationResult | DemoError]:
@@ -311,13 +321,18 @@ class TritonBackend:
             stream.fail(error)
 
     # -- infer contract --
-    def _infer_inputs(self, mod: Any, image: Any, question: str, params: SamplingParams) -> list[Any]:
+    def _infer_inputs(
+        self, mod: Any, image: Any, question: str, params: SamplingParams, history: tuple[Turn, ...]
+    ) -> list[Any]:
         lead = [1] if self.info.batched else []
         pixels = np.ascontiguousarray(np.asarray(image.convert("RGB"), dtype=np.uint8))
         arrays = {
             contract.IMAGE: pixels.reshape(lead + list(pixels.shape)),
             contract.QUESTION: np.array([question.encode("utf-8")], dtype=np.object_).reshape(lead + [1]),
         }
+        if history:  # only a follow-up sends it: a model without the input still takes every first question
+            text = json.dumps([list(turn) for turn in history], ensure_ascii=False)
+            arrays[contract.HISTORY] = np.array([text.encode("utf-8")], dtype=np.object_).reshape(lead + [1])
         values = {
             "max_new_tokens": params.max_new_tokens,
             "temperature": params.temperature,
@@ -328,7 +343,7 @@ class TritonBackend:
         }
         extras = {name: np.array([values[name]], dtype=kind) for name, (kind, _) in contract.SAMPLING_INPUTS.items()}
         if params.reasoning == STAGE_BEAM and "reasoning" not in self.info.inputs:
-            raise InvalidRequestError(
+            raise UnsupportedError(
                 f"The Triton model '{self.config.triton_model}' has no 'reasoning' input, so it cannot think harder "
                 "(stage beam search); ask in the normal mode."
             )
@@ -337,7 +352,9 @@ class TritonBackend:
                 arrays[name] = value.reshape(lead + [1])
         return [_infer_input(mod, name, array) for name, array in arrays.items()]
 
-    def _run_infer(self, stream: TritonStream, image: Any, question: str, params: SamplingParams) -> None:
+    def _run_infer(
+        self, stream: TritonStream, image: Any, question: str, params: SamplingParams, history: tuple[Turn, ...]
+    ) -> None:
         wanted = [n for n in contract.INFER_OUTPUTS if n in self.info.outputs]
         timeout = self.config.triton_timeout
         if self.endpoint.scheme == "http":
@@ -347,7 +364,7 @@ class TritonBackend:
                 self.endpoint.address, connection_timeout=timeout, network_timeout=timeout
             )
             try:
-                inputs = self._infer_inputs(mod, image, question, params)
+                inputs = self._infer_inputs(mod, image, question, params, history)
                 outputs = [mod.InferRequestedOutput(n, binary_data=True) for n in wanted]
                 response = client.infer(self.config.triton_model, inputs, outputs=outputs)
             finally:
@@ -357,7 +374,7 @@ class TritonBackend:
         import tritonclient.grpc as mod
 
         client = mod.InferenceServerClient(self.endpoint.address)
-        inputs = self._infer_inputs(mod, image, question, params)
+        inputs = self._infer_inputs(mod, image, question, params, history)
         outputs = [mod.InferRequestedOutput(n) for n in wanted]
         if self.info.decoupled:
             self._grpc_stream(stream, client, inputs, outputs, self._on_infer_chunk)
@@ -421,9 +438,11 @@ class TritonBackend:
             sampling["beams"] = params.beams
         return json.dumps(sampling)
 
-    def _run_generate(self, stream: TritonStream, image: Any, question: str, params: SamplingParams) -> None:
+    def _run_generate(
+        self, stream: TritonStream, image: Any, question: str, params: SamplingParams, history: tuple[Turn, ...]
+    ) -> None:
         values: dict[str, Any] = {
-            contract.TEXT_INPUT: chat_prompt(question),
+            contract.TEXT_INPUT: chat_prompt(question, history),
             contract.IMAGE_INPUT: encode_image(image),
             "stream": True,
             contract.SAMPLING_PARAMETERS: self._sampling_json(params),

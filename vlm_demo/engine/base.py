@@ -34,8 +34,8 @@ from vlm_demo.errors import (
     DemoError,
     EngineStoppedError,
     GenerationError,
-    InvalidRequestError,
     OutOfMemoryError,
+    UnsupportedError,
 )
 from vlm_demo.schema import STAGE_BEAM, ClientSlots, EngineStats, GenerationResult, ValidRequest
 from vlm_demo.stream import Listener, Stream, run_all
@@ -159,8 +159,9 @@ class Engine:
     def make_request(self, valid: ValidRequest) -> Request:
         """Preprocess on the caller's thread; only requests that passed the door get here."""
         if isinstance(valid, ValidRequest) and valid.params.reasoning == STAGE_BEAM and not self.supports_stage_beam:
-            raise InvalidRequestError(
-                "Stage-level beam search needs continuous batching (--batching continuous, the default)."
+            raise UnsupportedError(
+                "Think harder (stage-level beam search) needs continuous batching; this server runs "
+                "--batching dynamic."
             )
         return make_request(valid, self.worker)
 

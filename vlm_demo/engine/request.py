@@ -11,6 +11,7 @@ import itertools
 import re
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol, TypeVar
 
@@ -21,6 +22,7 @@ from vlm_demo.schema import (
     BeamView,
     GenerationResult,
     SamplingParams,
+    Turn,
     ValidRequest,
 )
 from vlm_demo.stream import OutputStream
@@ -48,9 +50,9 @@ class Resume:
 
 
 class Preparer(Protocol):
-    """What turns a picture and a question into the model's inputs (:meth:`Worker.prepare`)."""
+    """What turns a picture, a question and its earlier turns into the model's inputs (:meth:`Worker.prepare`)."""
 
-    def prepare(self, image: Any, question: str) -> dict[str, Any]: ...
+    def prepare(self, image: Any, question: str, history: Sequence[Turn] = ()) -> dict[str, Any]: ...
 
 
 @dataclass(eq=False)
@@ -176,5 +178,5 @@ def make_request(valid: ValidRequest, worker: Preparer, kind: type[R] = Request)
         raise TypeError(f"the engine takes a ValidRequest (vlm_demo.schema.validate_request), not {type(valid)}")
     request = kind(image=valid.image, question=valid.question, params=valid.params)
     request.client, request.image_key = valid.client, valid.image_key
-    request.inputs = worker.prepare(valid.image, valid.question)
+    request.inputs = worker.prepare(valid.image, valid.question, valid.history)
     return request

@@ -10,6 +10,7 @@ before it can join a batch). Dynamic mode: ``run`` left-pads a batch of prepared
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -24,7 +25,7 @@ from vlm_demo.engine.sampler import RowSampler, RowSampling
 from vlm_demo.engine.streamer import BatchStreamer, RowStreamer, ScoresTap
 from vlm_demo.engine.structure import StageGrammar, StageTracker
 from vlm_demo.errors import InvalidRequestError
-from vlm_demo.schema import SamplingParams
+from vlm_demo.schema import SamplingParams, Turn, chat_messages
 
 # Tensors whose second dimension is the token sequence: these get left padding in a batch.
 SEQUENCE_KEYS = ("input_ids", "attention_mask", "cross_attention_mask")
@@ -119,18 +120,17 @@ class Worker:
         """A second draw for ``rows`` with the "<"-tokens and end of turn masked (the stage structure's)."""
         return sampling.redraw(logits, rows, self.grammar.ban_mask(logits.shape[-1], logits.device))
 
-    def prompt(self, question: str) -> str:
-        """The chat-templated prompt text (image placeholder + question), as the model was trained."""
-        messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
-        return self.processor.apply_chat_template(messages, add_generation_prompt=True)
+    def prompt(self, question: str, history: Sequence[Turn] = ()) -> str:
+        """The chat-templated prompt text, as the model was trained: the image placeholder in the first user
+        turn, then each earlier question and answer (a follow-up), then the question."""
+        return self.processor.apply_chat_template(chat_messages(question, history), add_generation_prompt=True)
 
-    def prepare(self, image: Any, question: str) -> dict[str, torch.Tensor]:
+    def prepare(self, image: Any, question: str, history: Sequence[Turn] = ()) -> dict[str, torch.Tensor]:
         """Tokenise and preprocess one request; raise ``InvalidRequestError`` if the image is unusable."""
+        text = self.prompt(question, history)
         try:
             # The template already starts with <|begin_of_text|>: no second BOS.
-            return dict(
-                self.processor(images=image, text=self.prompt(question), add_special_tokens=False, return_tensors="pt")
-            )
+            return dict(self.processor(images=image, text=text, add_special_tokens=False, return_tensors="pt"))
         except Exception as exc:  # the processor raises many types for odd images
             raise InvalidRequestError(f"Could not process the image: {exc}") from exc
 

@@ -62,12 +62,12 @@ def choose_model(config: Config, cuda: bool | None = None) -> tuple[Config, str 
         log.warning("no CUDA GPU and no --model given: serving the tiny test model instead of %s", config.model)
         notice = (
             "**⚠ No GPU found, so this page runs the tiny offline test model**, not Llama-3.2V-11B-cot. "
-            "It only knows solid-colour images (try the colour examples). " + REAL_MODEL_HINT
+            "It only knows solid-colour images (try the colour examples).\n\n" + REAL_MODEL_HINT
         )
         return dataclasses.replace(config, model=TINY), notice
     if config.model == TINY:
         return config, (
             "**⚠ This page runs the tiny offline test model** (`--model tiny`): it only knows solid-colour "
-            "images. " + REAL_MODEL_HINT
+            "images.\n\n" + REAL_MODEL_HINT
         )
     return config, None

@@ -17,6 +17,7 @@ Torch-free: the web process imports it.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -31,6 +32,7 @@ from vlm_demo.errors import (
     QueueFullError,
     RequestCancelledError,
     TooManyRequestsError,
+    UnsupportedError,
 )
 
 ENSEMBLE_MODEL = "llama_3_2v_11b_cot_ensemble"
@@ -47,7 +49,9 @@ SAMPLING_INPUTS: dict[str, tuple[type, str]] = {
     "reasoning": (np.object_, "reasoning"),  # "normal" or "stage-beam" (bytes)
     "beams": (np.int32, "beams"),
 }
-INFER_INPUTS = (IMAGE, QUESTION, *SAMPLING_INPUTS)
+# Optional: a follow-up question's earlier turns, JSON ``[[question, answer], ...]`` oldest first (one per request).
+HISTORY = "HISTORY"
+INFER_INPUTS = (IMAGE, QUESTION, HISTORY, *SAMPLING_INPUTS)
 # Outputs: name -> numpy dtype; all but ANSWER are optional for a client (used when the model lists them).
 INFER_OUTPUT_TYPES: dict[str, type] = {
     ANSWER: np.object_,
@@ -76,24 +80,39 @@ GENERATE_OUTPUT_TYPES: dict[str, type] = {
 }
 GENERATE_OUTPUTS = tuple(GENERATE_OUTPUT_TYPES)
 
-# Llama 3.2 Vision's chat format for one user turn with an image (what its chat template renders, and
-# what vLLM expects as ``text_input``: it finds the image by the ``<|image|>`` token).
+# Llama 3.2 Vision's chat format (what its chat template renders, and what vLLM expects as ``text_input``:
+# it finds the image by the ``<|image|>`` token, in the first user turn).
 PROMPT_HEAD = "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\n<|image|>"
 PROMPT_TAIL = "<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"
-_USER_TURN = re.compile(r"<\|start_header_id\|>user<\|end_header_id\|>\n\n(.*?)<\|eot_id\|>", re.S)
+NEXT_USER = "<|eot_id|><|start_header_id|>user<|end_header_id|>\n\n"
+_TURN = re.compile(r"<\|start_header_id\|>(user|assistant)<\|end_header_id\|>\n\n(.*?)<\|eot_id\|>", re.S)
 
 
-def chat_prompt(question: str) -> str:
-    """The chat-templated prompt for ``text_input`` (one user turn: the image, then the question)."""
-    return f"{PROMPT_HEAD}{question}{PROMPT_TAIL}"
+def chat_prompt(question: str, history: Sequence[tuple[str, str]] = ()) -> str:
+    """The chat-templated prompt for ``text_input``: the image and the first question, each earlier answer
+    and the next question, then the assistant's turn (one user turn when there is no history)."""
+    parts = [PROMPT_HEAD]
+    for earlier, answer in history:
+        parts += [earlier, PROMPT_TAIL, answer, NEXT_USER]
+    parts += [question, PROMPT_TAIL]
+    return "".join(parts)
 
 
-def question_from_prompt(prompt: str) -> str:
-    """The question inside a chat-templated prompt; a prompt without chat markup is the question itself."""
-    turns = _USER_TURN.findall(prompt)
-    if not turns:
-        return prompt.replace("<|image|>", "").strip()
-    return turns[-1].replace("<|image|>", "").strip()
+def conversation_from_prompt(prompt: str) -> tuple[str, list[list[str]]]:
+    """The question and the earlier ``[question, answer]`` turns inside a chat-templated prompt; a prompt
+    without chat markup is the question itself."""
+    turns = [(role, text.replace("<|image|>", "").strip()) for role, text in _TURN.findall(prompt)]
+    users = [text for role, text in turns if role == "user"]
+    if not users:
+        return prompt.replace("<|image|>", "").strip(), []
+    history, asked = [], None
+    for role, text in turns:
+        if role == "user":
+            asked = text
+        elif asked is not None:
+            history.append([asked, text])
+            asked = None
+    return users[-1], history
 
 
 # ---- typed errors across the wire ---------------------------------------------------------------------
@@ -110,6 +129,7 @@ ERRORS_BY_CODE: dict[str, type[DemoError]] = {
         BackendUnavailableError,
         BackendTimeoutError,
         TooManyRequestsError,
+        UnsupportedError,
     )
 }
 

@@ -36,7 +36,7 @@ from vlm_demo.schema import (
     validate_request,
 )
 from vlm_demo.triton import contract
-from vlm_demo.triton.contract import SAMPLING_INPUTS, error_text, question_from_prompt
+from vlm_demo.triton.contract import HISTORY, SAMPLING_INPUTS, conversation_from_prompt, error_text
 
 if TYPE_CHECKING:  # the engine (and torch) load where the model does
     from vlm_demo.engine.base import Engine
@@ -91,7 +91,21 @@ def _decode_infer_row(
         if name in inputs:
             value = np.ravel(inputs[name])[row] if inputs[name].ndim > 1 else np.ravel(inputs[name])[0]
             values[field_name] = reasoning_mode(_bytes_item(value)) if name == "reasoning" else value.item()
-    return validate_request(image, text, SamplingParams(**values), limits)
+    return validate_request(image, text, SamplingParams(**values), limits, _history(inputs, row))
+
+
+def _history(inputs: dict[str, np.ndarray], row: int) -> Any:
+    """The row's ``HISTORY`` (JSON) as the door takes it; none when the input is absent or empty."""
+    if HISTORY not in inputs:
+        return None
+    values = np.ravel(inputs[HISTORY])
+    text = _bytes_item(values[row] if inputs[HISTORY].ndim > 1 else values[0]).strip()
+    if not text:
+        return None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InvalidRequestError(f"HISTORY is not valid JSON: {exc}") from None
 
 
 def infer_outputs(results: Sequence[GenerationResult | DemoError]) -> dict[str, np.ndarray]:
@@ -177,7 +191,7 @@ def decode_generate_request(
     if contract.TEXT_INPUT not in inputs or not np.ravel(inputs[contract.TEXT_INPUT]).size:
         raise InvalidRequestError("text_input is required.")
     prompt = _bytes_item(np.ravel(inputs[contract.TEXT_INPUT])[0])
-    question = question_from_prompt(prompt)
+    question, history = conversation_from_prompt(prompt)
     images = list(np.ravel(inputs[contract.IMAGE_INPUT])) if contract.IMAGE_INPUT in inputs else []
     if len(images) != 1:
         raise InvalidRequestError(f"Send exactly one image (base64 of an image file); got {len(images)}.")
@@ -210,7 +224,7 @@ def decode_generate_request(
     stream = _flag(inputs, parameters, "stream")
     exclude = _flag(inputs, parameters, "exclude_input_in_output")
     return GenerateCall(
-        request=validate_request(data, question, params, limits),
+        request=validate_request(data, question, params, limits, history),
         prompt=prompt,
         stream=bool(stream),
         # vLLM's rule: the prompt is prepended unless excluded, and never when streaming by default.

@@ -44,6 +44,7 @@ from vlm_demo.images import load_image
 from vlm_demo.schema import (
     DEFAULT_BEAMS,
     NORMAL,
+    GenerationResult,
     Limits,
     ValidRequest,
     has_image,
@@ -51,6 +52,7 @@ from vlm_demo.schema import (
     validate_request,
 )
 from vlm_demo.web.contract import Outputs
+from vlm_demo.web.conversation import Conversation
 from vlm_demo.web.metrics import Metrics
 from vlm_demo.web.render import ERROR_TITLES, error_status, progress, render
 
@@ -92,6 +94,14 @@ class Sessions:
     def live(self) -> int:
         with self._lock:
             return sum(len(s) for s in self._streams.values())
+
+
+@dataclasses.dataclass
+class Seen:
+    """What one answer has produced so far, for the page's handler around the stream: the text, the result."""
+
+    raw: str = ""
+    result: GenerationResult | None = None
 
 
 class Changes:
@@ -160,10 +170,11 @@ class Handlers:
         top_p: Any,
         reasoning: Any = None,
         beams: Any = None,
+        history: Any = None,
     ) -> ValidRequest:
         """The shared door (:mod:`vlm_demo.schema`) with the page's loose inputs."""
         params = params_from_inputs(max_new_tokens, temperature, top_p, self.limits, reasoning, beams)
-        return validate_request(image, question, params, self.limits)
+        return validate_request(image, question, params, self.limits, history)
 
     def update_interval(self) -> float:
         """Seconds between one visitor's page updates: 50 ms, longer when many answers stream at once."""
@@ -206,21 +217,29 @@ class Handlers:
         top_p: Any,
         reasoning: Any = NORMAL,
         beams: Any = DEFAULT_BEAMS,
+        conversation: Any = None,
         request: gr.Request = None,  # type: ignore[assignment]
-    ) -> AsyncIterator[Outputs]:
+    ) -> AsyncIterator[tuple[Any, ...]]:
         """The page's Ask: like ``ask``, but a failure is shown once, in the status line, over cleared panels
-        (what was already streamed stays), instead of an error toast and a red mark on every output."""
-        raw = [""]
-        inputs = (image, question, max_new_tokens, temperature, top_p, reasoning, beams)
+        (what was already streamed stays), instead of an error toast and a red mark on every output.
+
+        A follow-up: the ``conversation``'s earlier turns go with the question, and every update also
+        carries the conversation as it stands (a finished answer becomes its newest turn)."""
+        talk = Conversation.of(conversation)
+        seen = Seen()
+        asked = talk.unfinished(question if isinstance(question, str) else "")
+        inputs = (image, question, max_new_tokens, temperature, top_p, reasoning, beams, talk.history())
         try:  # aclosing: when Gradio closes this generator (Clear, a closed tab) the inner one ends too
-            async with contextlib.aclosing(self._ask(inputs, request, raw)) as updates:
+            async with contextlib.aclosing(self._ask(inputs, request, seen)) as updates:
                 async for update in updates:
-                    yield update
+                    if seen.result is not None and seen.result.finish_reason in ("stop", "length"):
+                        asked = talk.finished(asked.asked.strip(), seen.result.text)
+                    yield (*update, asked)
         except gr.Error as err:
-            yield render(raw[0], f"⚠ {err.title}: {err.message}", final=True, ended="error")
+            yield (*render(seen.raw, f"⚠ {err.title}: {err.message}", final=True, ended="error"), asked)
 
     async def _ask(
-        self, inputs: tuple[Any, ...], request: gr.Request | None, shown: list[str] | None = None
+        self, inputs: tuple[Any, ...], request: gr.Request | None, seen: Seen | None = None
     ) -> AsyncIterator[Outputs]:
         loop = asyncio.get_running_loop()
         try:  # decoding an upload takes up to ~0.1 s: not on the event loop that serves everyone
@@ -243,8 +262,8 @@ class Handlers:
                 if text:
                     raw += text
                     last = now
-                    if shown is not None:
-                        shown[0] = raw
+                    if seen is not None:
+                        seen.raw = raw
                 searching, view = view, stream.beam_view()
                 if view is not None and view != searching:
                     last = now  # candidates are being written or judged: the model is not silent
@@ -275,6 +294,8 @@ class Handlers:
         finally:
             self.sessions.discard(session, stream)
             stream.cancel()  # no-op when finished; frees the model row if the visitor went away
+        if seen is not None:
+            seen.result = result
         yield render(result.text, final=True, result=result, view=result.beam or stream.beam_view())
 
     def _submit(self, client: str, *inputs: Any) -> Stream:

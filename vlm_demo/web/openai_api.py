@@ -5,15 +5,15 @@ the page builds), not through Gradio's queue, so API clients and page visitors s
 This module is the router and the translation of OpenAI's request body into our terms; what goes back on
 the wire is :mod:`~vlm_demo.web.openai_wire`'s.
 
-- **One image, one question.** The model answers one question about one image, and the engine's prompt
-  takes one question. So a conversation must hold exactly one ``image_url`` part (a ``data:`` URL; an
-  ``http(s)`` URL only with ``--api-remote-images``). Earlier turns and system messages are *folded into
-  the question text*: the system messages first, then, when there are earlier turns, the conversation as
-  a transcript (``User: …`` / ``Assistant: …`` lines, the last being the new question). An earlier
-  assistant turn contributes its answer (``content``; its CONCLUSION if it holds stage tags), never its
-  reasoning, as reasoning models' APIs ask. A single question with no system message goes in verbatim,
-  so an API answer equals the page's for the same image and question. The folded text must fit
-  ``--max-question-chars``.
+- **One image per conversation.** The model reads one image, so a conversation must hold exactly one
+  ``image_url`` part (a ``data:`` URL; an ``http(s)`` URL only with ``--api-remote-images``). Earlier
+  turns go into the model's chat template as turns (as the page's follow-up questions do; the image in
+  the first user turn; consecutive messages of one role are joined): an earlier assistant turn
+  contributes its answer (``content``; its CONCLUSION if it holds stage tags), never its reasoning, as
+  reasoning models' APIs ask. System messages are *folded into the question text*, before it (the model
+  was not trained with a system turn). A question with no system message goes in verbatim, so an API
+  answer equals the page's for the same image, question and earlier turns. The question must fit
+  ``--max-question-chars``, the earlier turns the history caps.
 - **Nothing silently ignored**: every OpenAI option we do not implement is refused with a 400 naming it,
   unless it holds the value that means "off" (``n`` = 1, penalties 0, ``logprobs`` false, or ``null``).
 - **Keys**: with ``--api-key`` every ``/v1`` call needs ``Authorization: Bearer KEY``; with ``--auth`` and
@@ -151,12 +151,14 @@ def _text_parts(content: Any, where: str, images: list[tuple[str, Any]], images_
 
 @dataclass(frozen=True)
 class Conversation:
-    """The messages as the engine takes them: one question (folded, see the module's docstring), one image."""
+    """The messages as the engine takes them: one question (with the system messages folded in, see the
+    module's docstring), the earlier ``[question, answer]`` turns, one image."""
 
     question: str  # what is submitted
     last: str  # the last user message's own text
     image_url: str
     image_at: str  # where the image was ("messages[0].content[1]"), for error messages
+    history: tuple[tuple[str, str], ...] = ()
 
 
 def fold(messages: Any) -> Conversation:
@@ -194,9 +196,17 @@ def fold(messages: Any) -> Conversation:
             'message as {"type": "image_url", "image_url": {"url": "data:image/png;base64,…"}}.',
             "messages",
         )
-    (at, url), last = images[0], turns[-1][1]
-    question = "\n".join(f"{role}: {text}" for role, text in turns) if len(turns) > 1 else last
-    return Conversation("\n\n".join([*(s for s in system if s), question]), last, url, at)
+    merged: list[tuple[str, str]] = []  # one entry per change of role
+    for role, text in turns:
+        if merged and merged[-1][0] == role:
+            merged[-1] = (role, f"{merged[-1][1]}\n{text}")
+        else:
+            merged.append((role, text))
+    if merged[0][0] == "Assistant":  # a greeting before the first question: context, like a system message
+        system.append(merged.pop(0)[1])
+    history = tuple((merged[i][1], merged[i + 1][1]) for i in range(0, len(merged) - 1, 2))
+    (at, url), last = images[0], merged[-1][1]
+    return Conversation("\n\n".join([*(s for s in system if s), last]), last, url, at, history)
 
 
 class OpenAIAPI:
@@ -379,14 +389,16 @@ class OpenAIAPI:
                 beams,
                 data.get("seed"),
             )
-            return validate_request(image, conversation.question, params, self.limits)
+            return validate_request(image, conversation.question, params, self.limits, conversation.history)
         except InvalidRequestError as err:
             if err.param == "max_new_tokens":
                 raise APIError.invalid(str(err).replace("max_new_tokens", field), field) from None
             if err.param == "question" and conversation.question != conversation.last:
-                message = f"{err} The system messages and earlier turns are folded into the question and count."
+                message = f"{err} The system messages are folded into the question and count."
                 raise APIError.invalid(message, "messages") from None
-            param = {None: conversation.image_at, "question": "messages"}.get(err.param, err.param)
+            param = {None: conversation.image_at, "question": "messages", "history": "messages"}.get(
+                err.param, err.param
+            )
             raise APIError.of(err, param) from None
 
     def _image(self, url: str) -> Any:

@@ -28,6 +28,7 @@ from vlm_demo.errors import (
     OutOfMemoryError,
     QueueFullError,
     TooManyRequestsError,
+    UnsupportedError,
 )
 from vlm_demo.schema import GenerationResult
 
@@ -37,6 +38,7 @@ SERVER = "server_error"
 # Each typed error's HTTP status and OpenAI error type; ``code`` is always the error's own stable code.
 STATUS: dict[str, tuple[int, str]] = {
     InvalidRequestError.code: (400, INVALID),
+    UnsupportedError.code: (400, INVALID),  # a server setting (e.g. --batching dynamic), not the caller's input
     QueueFullError.code: (429, "rate_limit_error"),
     TooManyRequestsError.code: (429, "rate_limit_error"),  # this client's --max-per-client
     EngineStoppedError.code: (503, SERVER),  # the engine process is restarting

@@ -40,9 +40,10 @@ from vlm_demo.schema import (
 )
 from vlm_demo.web import contract
 from vlm_demo.web.contract import INPUTS, OPTIONAL_INPUTS, OUTPUTS, PANELS
+from vlm_demo.web.conversation import Conversation
 from vlm_demo.web.handlers import Handlers
 from vlm_demo.web.metrics import Metrics
-from vlm_demo.web.render import cleared, tracker_html
+from vlm_demo.web.render import cleared, history_html, tracker_html
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +64,8 @@ TINY_EXAMPLES = [
     ("tiny/yellow.png", "What do you see?"),
 ]
 PHOTOS_WITH_TINY = "Real photos: for the real model (the tiny test model only names a colour)"
+QUESTION_INFO = "Enter asks · Shift+Enter starts a new line"
+FOLLOW_UP_INFO = "Ask a follow-up about this image: the model reads the answers so far · Enter asks"
 
 STATIC_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "static")
 
@@ -104,15 +107,49 @@ class DemoUI:
         self.handlers = Handlers(backend, config, metrics)
 
     def upload_checked(self, image: Any) -> tuple[Any, ...]:
-        """A new image (or none): its problem next to it at once, and the previous answer cleared."""
+        """A new image (or none): its problem next to it at once, the previous answer cleared, and a new
+        conversation (the earlier turns were about the old picture)."""
         message = self.handlers.check_upload(image)
-        return (gr.update(value=f"⚠ {message}" if message else "", visible=bool(message)), *cleared())
+        upload_error = gr.update(value=f"⚠ {message}" if message else "", visible=bool(message))
+        return (upload_error, *self._new_conversation(), *cleared())
 
     def cleared_page(self, request: gr.Request = None) -> tuple[Any, ...]:  # type: ignore[assignment]
         """The Clear button: this visitor's answer stopped (its model row freed at once), then no image,
-        no question, no message, empty panels."""
+        no question, no message, no conversation, empty panels."""
         self.handlers.stop(request)
-        return (None, "", gr.update(value="", visible=False), *cleared())
+        return (None, gr.update(value="", visible=False), *self._new_conversation(question=""), *cleared())
+
+    def new_conversation(self, request: gr.Request = None) -> tuple[Any, ...]:  # type: ignore[assignment]
+        """The New conversation button: like Clear, but the image and the question stay."""
+        self.handlers.stop(request)
+        return (*self._new_conversation(), *cleared())
+
+    @staticmethod
+    def _new_conversation(question: str | None = None) -> tuple[Any, ...]:
+        """Updates for (conversation, history, retry, new conversation, question): no earlier turns (and the
+        question box emptied when ``question`` is "")."""
+        hidden = gr.update(visible=False)
+        box = gr.update(info=QUESTION_INFO) if question is None else gr.update(info=QUESTION_INFO, value=question)
+        return (None, "", hidden, hidden, box)
+
+    @staticmethod
+    def shown_history(conversation: Any) -> str:
+        """The earlier turns above the live panels as a new question starts (those the model reads)."""
+        talk = Conversation.of(conversation)
+        return history_html(talk.history(), talk.dropped)
+
+    @staticmethod
+    def after_answer(conversation: Any) -> tuple[Any, ...]:
+        """Once an answer ended: Retry for the question just asked, New conversation, and a hint that the
+        next question follows on."""
+        talk = Conversation.of(conversation)
+        hint = FOLLOW_UP_INFO if talk.turns else QUESTION_INFO
+        return gr.update(visible=bool(talk.asked)), gr.update(visible=bool(talk.turns)), gr.update(info=hint)
+
+    def retry(self, conversation: Any) -> tuple[Any, ...]:
+        """Retry: the last question back in the box, its answer forgotten, ready to be asked again."""
+        talk = Conversation.of(conversation).retry()
+        return talk.asked, talk, history_html(talk.history(), talk.dropped)
 
     # ---- the page -----------------------------------------------------------------------------------
     def build(self) -> gr.Blocks:
@@ -125,12 +162,14 @@ class DemoUI:
                 elem_id="header",
             )
             gr.Markdown(self.notice or "", elem_id="banner", visible=bool(self.notice))
+            conversation = gr.State(None)  # this tab's Conversation: the earlier turns about the image
             # Inputs, then the answer: on a phone the columns stack in this order, so the panels come right
             # after the Ask button and the examples come last (below the row).
             with gr.Row(equal_height=False):
                 with gr.Column(scale=2, min_width=320):
-                    given, upload_error, ask, stop, clear = self._inputs()
+                    given, controls = self._inputs()
                 with gr.Column(scale=3, min_width=360):
+                    controls["history"] = gr.HTML("", elem_id="history")  # earlier turns, collapsed
                     shown: dict[str, Any] = {}
                     shown["stages_html"] = gr.HTML(
                         tracker_html(parse_stages(""), None), label="stages_html", elem_id="stages"
@@ -154,31 +193,31 @@ class DemoUI:
                             label="raw", show_label=False, elem_id="raw", lines=8, interactive=False, buttons=["copy"]
                         )
             self._examples(given["image"], given["question"])
-
-            inputs = [given[name] for name in INPUTS]
-            outputs = [shown[name] for name in OUTPUTS]
-            self._wire(demo, inputs, outputs, given["image"], upload_error, given["question"], ask, stop, clear)
+            self._wire(demo, given, [shown[name] for name in OUTPUTS], controls, conversation)
         limit = self._concurrency_limit()
         demo.queue(max_size=self.config.max_queue, default_concurrency_limit=limit)
         return demo
 
-    def _inputs(self) -> tuple[dict[str, Any], gr.Markdown, gr.Button, gr.Button, gr.Button]:
-        """The input components by their contract name, the upload's error line and the three buttons."""
+    def _inputs(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The input components by their contract name, and the other controls by role (the upload's error
+        line, the buttons)."""
         given: dict[str, Any] = {}
+        controls: dict[str, Any] = {}
         given["image"] = gr.Image(
             type="filepath", label="Image", elem_id="img", sources=["upload", "clipboard"], height=300
         )
-        upload_error = gr.Markdown("", elem_id="upload_error", visible=False)
+        controls["upload_error"] = gr.Markdown("", elem_id="upload_error", visible=False)
         given["question"] = gr.Textbox(
             label="Question",
-            info="Enter asks · Shift+Enter starts a new line",
+            info=QUESTION_INFO,
             elem_id="q",
             lines=1,  # one line: Enter submits (Gradio's multi-line boxes submit only on Shift+Enter)
             max_lines=6,
             max_length=self.config.max_question_chars,
             placeholder="Ask something about the image…",
         )
-        with gr.Row(equal_height=True, elem_id="think"):
+        think = self.backend.features.stage_beam  # not offered where the server cannot run it
+        with gr.Row(equal_height=True, elem_id="think", visible=think):
             given["reasoning"] = gr.Radio(
                 [("Normal", NORMAL), ("Think harder", STAGE_BEAM)],
                 value=NORMAL,
@@ -195,13 +234,18 @@ class DemoUI:
                 step=1,
                 precision=0,
                 label="Candidates per stage",
+                info="With Think harder",
                 elem_id="beams",
+                interactive=False,  # Normal is the default: the count only matters with Think harder
                 scale=2,
             )
         with gr.Row():
-            ask = gr.Button("Ask", variant="primary", elem_id="ask", scale=2)
-            stop = gr.Button("Stop", variant="stop", elem_id="stop", min_width=80)
-            clear = gr.Button("Clear", variant="secondary", elem_id="clear", min_width=80)
+            controls["ask"] = gr.Button("Ask", variant="primary", elem_id="ask", scale=2)
+            controls["stop"] = gr.Button("Stop", variant="stop", elem_id="stop", min_width=80)
+            controls["clear"] = gr.Button("Clear", variant="secondary", elem_id="clear", min_width=80)
+        with gr.Row(elem_id="turn_buttons"):
+            controls["retry"] = gr.Button("↻ Retry", size="sm", elem_id="retry", visible=False)
+            controls["new_chat"] = gr.Button("New conversation", size="sm", elem_id="new_chat", visible=False)
         cap = self.config.max_new_tokens
         with gr.Accordion("Advanced", open=False, elem_id="advanced"):
             given["max_new_tokens"] = gr.Slider(  # precision=0: the API page types max_new_tokens as an integer
@@ -222,7 +266,7 @@ class DemoUI:
                 elem_id="temperature",
             )
             given["top_p"] = gr.Slider(MIN_TOP_P, 1.0, DEFAULT_TOP_P, step=0.05, label="Top-p", elem_id="top_p")
-        return given, upload_error, ask, stop, clear
+        return given, controls
 
     def _examples(self, image: gr.Image, question: gr.Textbox) -> None:
         with gr.Row(equal_height=False):
@@ -244,59 +288,70 @@ class DemoUI:
         return max(2 * self.config.max_batch_size, 4)  # enough running handlers to fill a batch and queue the next
 
     def _wire(
-        self,
-        demo: gr.Blocks,
-        inputs: list[Any],
-        outputs: list[Any],
-        image: gr.Image,
-        upload_error: gr.Markdown,
-        question: gr.Textbox,
-        ask: gr.Button,
-        stop: gr.Button,
-        clear: gr.Button,
+        self, demo: gr.Blocks, given: dict[str, Any], outputs: list[Any], controls: dict[str, Any], conversation: Any
     ) -> None:
         for handler in (self.handlers.ask, self.handlers.ask_page, self.handlers.ask_batch):
             contract.check_signature(handler)  # Gradio names the API's parameters after the handler's
+        inputs = [given[name] for name in INPUTS]
+        image, question = given["image"], given["question"]
+        history, retry, new_chat = controls["history"], controls["retry"], controls["new_chat"]
         streaming: dict[str, Any] = dict(
-            inputs=inputs,
-            outputs=outputs,
             preprocess=False,  # our own caps and messages for the image, not PIL's (see images.py)
             postprocess=False,  # plain strings; Gradio's per-output postprocessing doubled the web CPU per answer
             concurrency_id=CONCURRENCY_ID,
             concurrency_limit=self._concurrency_limit(),
             show_progress="minimal",
         )
-        # The public /ask (raises gr.Error for API clients) sits on a hidden button; the page's Ask and
-        # Enter run ask_page, which shows an error once, in the status line.
-        gr.Button(visible=False, elem_id="ask_api").click(self.handlers.ask, api_name=contract.ASK, **streaming)
-        running = [
-            trigger(self.handlers.ask_page, api_visibility="private", **streaming)
-            for trigger in (ask.click, question.submit)
-        ]
-        for trigger in (ask.click, question.submit):
+        # The public /ask (raises gr.Error for API clients) sits on a hidden button; the page's Ask, Enter and
+        # Retry run ask_page, which shows an error once, in the status line, and carries the conversation.
+        gr.Button(visible=False, elem_id="ask_api").click(
+            self.handlers.ask, inputs=inputs, outputs=outputs, api_name=contract.ASK, **streaming
+        )
+        page_answer: dict[str, Any] = dict(
+            inputs=[*inputs, conversation], outputs=[*outputs, conversation], api_visibility="private", **streaming
+        )
+        turn_buttons: dict[str, Any] = dict(
+            inputs=[conversation], outputs=[retry, new_chat, question], queue=False, show_progress="hidden"
+        )
+        quiet: dict[str, Any] = dict(queue=False, show_progress="hidden", api_visibility="private")
+        running = []
+        for trigger in (controls["ask"].click, question.submit):
+            trigger(self.shown_history, inputs=[conversation], outputs=[history], **quiet)
+            answer = trigger(self.handlers.ask_page, **page_answer)
+            answer.then(self.after_answer, api_visibility="private", **turn_buttons)
+            running.append(answer)
             trigger(None, js=SHOW_ANSWER_JS)
+        retried = retry.click(self.retry, inputs=[conversation], outputs=[question, conversation, history], **quiet)
+        retry.click(None, js=SHOW_ANSWER_JS)
+        answer = retried.then(self.handlers.ask_page, **page_answer)
+        answer.then(self.after_answer, api_visibility="private", **turn_buttons)
+        running.append(answer)
         # Not Gradio's ``cancels=``: it kills the handler before its last update, and an update
         # already in flight could then overwrite the "Stopped" status. Cancelling our stream
         # instead ends the handler normally, and it writes the final state itself.
-        stop.click(self.handlers.stop, queue=False, api_visibility="undocumented")
-        # Clear stops this visitor's answer like Stop does, and also drops the handler (``cancels=``):
-        # its last update must not bring the old answer back.
-        clear.click(
+        controls["stop"].click(self.handlers.stop, queue=False, api_visibility="undocumented")
+        # Clear and New conversation stop this visitor's answer like Stop does, and also drop the handler
+        # (``cancels=``): its last update must not bring the old answer back.
+        fresh = [conversation, history, retry, new_chat, question]
+        controls["clear"].click(
             self.cleared_page,
-            outputs=[image, question, upload_error, *outputs],
+            outputs=[image, controls["upload_error"], *fresh, *outputs],
             cancels=running,
-            queue=False,
-            show_progress="hidden",
-            api_visibility="private",
+            **quiet,
         )
+        new_chat.click(self.new_conversation, outputs=[*fresh, *outputs], cancels=running, **quiet)
         image.change(
             self.upload_checked,
             inputs=[image],
-            outputs=[upload_error, *outputs],
+            outputs=[controls["upload_error"], *fresh, *outputs],
             preprocess=False,
-            queue=False,
-            show_progress="hidden",  # a quick check: no spinner over every output
-            api_visibility="private",
+            **quiet,  # a quick check: no spinner over every output
+        )
+        given["reasoning"].change(
+            lambda mode: gr.update(interactive=mode == STAGE_BEAM),
+            inputs=[given["reasoning"]],
+            outputs=[given["beams"]],
+            **quiet,
         )
         gr.Button(visible=False).click(
             self.handlers.ask_batch,

@@ -11,12 +11,13 @@ import html
 
 from vlm_demo.cot import STAGES, Stages, parse_stages
 from vlm_demo.errors import DemoError
-from vlm_demo.schema import BeamView, GenerationResult, StageChoice
+from vlm_demo.schema import BeamView, GenerationResult, StageChoice, Turn
 from vlm_demo.web.contract import Outputs
 
 # The title of an error by its code, as the page and API clients see it.
 ERROR_TITLES = {
     "invalid_request": "Invalid input",
+    "unsupported": "Not available on this server",
     "server_busy": "Server busy",
     "too_many_requests": "Too many answers in progress",
     "out_of_memory": "Out of GPU memory",
@@ -213,6 +214,32 @@ def progress(raw: str, view: BeamView | None = None, ahead: int | None = None) -
     else:
         status = waiting_status(ahead)
     return Outputs(*stages.as_tuple(), raw, status, stages.extra, tracker_html(stages, stages.active), "")
+
+
+def history_html(turns: tuple[Turn, ...], dropped: int = 0) -> str:
+    """The earlier turns of a conversation, collapsed above the live panels: each question with its
+    CONCLUSION, the four stages inside."""
+    if not turns:
+        return ""
+    items = []
+    for number, turn in enumerate(turns, 1):
+        stages = parse_stages(turn.answer, final=True)
+        answer = stages.conclusion or stages.extra or turn.answer
+        parts = "".join(
+            f'<div class="turn-stage"><b>{stage.upper()}</b><p>{html.escape(text)}</p></div>'
+            for stage, text in zip(STAGES, stages.as_tuple(), strict=True)
+            if text
+        )
+        items.append(
+            f'<details class="turn" data-turn="{number}"><summary><span class="turn-q">{html.escape(turn.question)}'
+            f'</span> <span class="turn-a">→ {html.escape(answer)}</span></summary>{parts}</details>'
+        )
+    count = f"{len(turns)} earlier question{'s' if len(turns) != 1 else ''}"
+    note = f" · the oldest {dropped} no longer reach the model (too long)" if dropped else ""
+    return (
+        f'<div class="conversation"><div class="conversation-head">Follow-up about the same image · {count}: '
+        f"the model reads them before your question{note}</div>{''.join(items)}</div>"
+    )
 
 
 def cleared() -> Outputs:
