@@ -296,8 +296,7 @@ def validate_history(history: Any, max_question_chars: int) -> tuple[Turn, ...]:
             )
         if len(question) > max_question_chars:
             raise InvalidRequestError(
-                f"Turn {index}'s question is too long ({len(question)} characters; the limit is "
-                f"{max_question_chars}).",
+                f"Turn {index}'s question is too long ({len(question)} characters; the limit is {max_question_chars}).",
                 "history",
             )
         turns.append(Turn(question.strip(), answer.strip()))

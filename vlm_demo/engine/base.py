@@ -160,8 +160,7 @@ class Engine:
         """Preprocess on the caller's thread; only requests that passed the door get here."""
         if isinstance(valid, ValidRequest) and valid.params.reasoning == STAGE_BEAM and not self.supports_stage_beam:
             raise UnsupportedError(
-                "Think harder (stage-level beam search) needs continuous batching; this server runs "
-                "--batching dynamic."
+                "Think harder (stage-level beam search) needs continuous batching; this server runs --batching dynamic."
             )
         return make_request(valid, self.worker)
 
