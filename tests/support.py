@@ -8,7 +8,6 @@ import signal
 import socket
 import subprocess
 import sys
-import sysconfig
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -124,7 +123,8 @@ def start_triton(
 ) -> tuple[subprocess.Popen, int, int]:
     """``python -m vlm_demo.triton.serve ARGS`` on free loopback ports; returns once every model is ready."""
     http, grpc, metrics = free_ports(3)
-    env = dict(os.environ, LD_LIBRARY_PATH=sysconfig.get_config_var("LIBDIR"), PYTHONPATH=str(ROOT))
+    # No LD_LIBRARY_PATH: the command puts this Python's LIBDIR there itself (a user need not export it).
+    env = {k: v for k, v in os.environ.items() if k != "LD_LIBRARY_PATH"} | {"PYTHONPATH": str(ROOT)}
     log = open(log_path, "w")  # noqa: SIM115 - closed with the process
     cmd = [sys.executable, "-m", "vlm_demo.triton.serve", *args,
            "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics)]  # fmt: skip

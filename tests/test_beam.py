@@ -22,7 +22,7 @@ from vlm_demo.engine.base import Engine as BaseEngine
 from vlm_demo.engine.beam import StageBeam
 from vlm_demo.engine.continuous import ContinuousEngine
 from vlm_demo.engine.dynamic import DynamicEngine
-from vlm_demo.errors import InvalidRequestError, RequestCancelledError
+from vlm_demo.errors import InvalidRequestError, RequestCancelledError, UnsupportedError
 from vlm_demo.judge import judge_question, parse_choice
 from vlm_demo.models.tiny import COLOURS, answer_for, solid_image
 from vlm_demo.schema import STAGE_BEAM, Limits, SamplingParams, params_from_inputs
@@ -257,7 +257,7 @@ def test_cancelling_a_search_frees_its_rows_and_spares_others(worker, make_engin
 def test_dynamic_batching_refuses_stage_beam_clearly(worker) -> None:
     engine = DynamicEngine(worker, Config(batching="dynamic", max_batch_size=2)).start()
     try:
-        with pytest.raises(InvalidRequestError, match="continuous batching"):
+        with pytest.raises(UnsupportedError, match="continuous batching; this server runs --batching dynamic"):
             engine.submit(door(solid_image("red", 20, 20), "colour?", beam(2, 0)))
     finally:
         engine.shutdown()

@@ -35,6 +35,36 @@ def test_through_app_runs_every_mode_side_by_side_and_checks_answers(tiny_dir, t
     assert [r["mode"] for r in json.loads(out.read_text())] == ["engine", "app-ask", "app-sse", "app-openai", "static"]
 
 
+def test_the_output_reads_as_sentences_and_the_plot_is_where_it_says_with_whole_client_counts(
+    tiny_dir, tmp_path, capsys, caplog
+) -> None:
+    picture = tmp_path / "bench.png"
+    args = [
+        "--modes",
+        "dynamic",
+        "--concurrency",
+        "1,3",
+        "--requests",
+        "3",
+        "--max-new-tokens",
+        "8",
+        "--plot",
+        str(picture),
+    ]
+    with caplog.at_level("INFO", logger="vlm_demo.tools.bench"):
+        results = bench.main(args)
+    out = capsys.readouterr().out
+    assert f"plot saved to {picture}" in out and picture.stat().st_size > 0
+    assert "RunResult(" not in out + caplog.text
+    assert "dynamic · 3 clients · " in caplog.text
+    figure = bench.plot(results, str(tmp_path / "again.png"), bench.describe_run(bench.build_parser().parse_args(args)))
+    for axes in figure.axes:
+        ticks = [t for t in axes.get_xticks() if axes.get_xlim()[0] <= t <= axes.get_xlim()[1]]
+        assert ticks and all(float(t).is_integer() for t in ticks), ticks
+    title = figure.texts[0].get_text()
+    assert "tiny on auto" in title and "max 8 new tokens" in title and "median of 1" in title, title
+
+
 def test_mixed_workload_checks_the_colour_in_the_conclusion() -> None:
     items, colours = bench.mixed_workload(12)
     assert [i.question for i in items[:2]] == list(bench.MIX_QUESTIONS)

@@ -312,6 +312,20 @@ def test_enter_asks_shift_enter_adds_a_line_and_the_four_panels_fill(page) -> No
     assert "batch of" in status_text(page)
 
 
+def test_the_status_counts_tokens_and_seconds_from_ask_on(page) -> None:
+    watch(
+        page,
+        r"""() => {
+            const s = document.querySelector('#status [data-testid=markdown]')?.innerText.trim() || '';
+            return /^Generating · writing [A-Z]+… · \d+ tokens · \d+ s$/.test(s) ? s : false;
+        }""",
+    )
+    ask(page, BLUE, LONG_QUESTION)
+    counted = seen(page, "the live token and seconds counter")
+    wait_status(page, "Done", 60_000)
+    assert int(re.search(r"(\d+) tokens", counted).group(1)) > 0, counted
+
+
 def test_stop_cancels_only_this_visitor_mid_batch(server: str, page) -> None:
     other_visitor = Client(server, verbose=False)
     upload(page, BLUE)
@@ -345,9 +359,10 @@ def test_stop_cancels_only_this_visitor_mid_batch(server: str, page) -> None:
 def test_think_harder_shows_the_candidates_of_each_stage_then_the_winner(browser, server: str, shots) -> None:
     page = open_page(browser, server)
     try:
-        page.locator("#reasoning").get_by_text("Think harder", exact=True).click()
         beams = page.locator("#beams input[type=number]")
-        beams.fill("3")
+        assert beams.is_disabled(), "the candidates count only applies with Think harder"
+        page.locator("#reasoning").get_by_text("Think harder", exact=True).click()
+        beams.fill("3")  # waits until Think harder has enabled it
         beams.press("Enter")
         # The long REASONING keeps its candidates on screen long enough to be seen under any load.
         watch(

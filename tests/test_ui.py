@@ -151,7 +151,7 @@ def test_status_shows_the_queue_position_then_says_when_the_conclusion_is_missin
     partial = "<SUMMARY>plan</SUMMARY><CAPTION>a red square</CAPTION>"
     updates = asyncio.run(_ask_page(page, lambda s: s.write(partial), lambda s: s.finish(partial)))
     statuses = _statuses(updates)
-    assert statuses[0] == "Waiting for the model… 2 ahead of you", statuses
+    assert statuses[0] == "Waiting for the model… 2 ahead of you · 0 s", statuses
     assert statuses[-1].startswith("Ended without a CONCLUSION"), statuses
 
 
@@ -204,3 +204,31 @@ def test_think_harders_view_says_stopped_after_stop() -> None:
     assert "writing…" in render("<SUMMARY>a", view=view).beams_html
     stopped = render("<SUMMARY>a", "Stopped after 1.0 s.", final=True, view=view, ended="cancelled").beams_html
     assert "writing…" not in stopped and "stopped" in stopped
+
+
+def test_the_status_counts_tokens_and_seconds_while_it_streams_and_uses_plurals() -> None:
+    from vlm_demo.schema import BeamView, GenerationResult, StageChoice
+    from vlm_demo.web.render import progress, render
+
+    assert progress("", ahead=3, elapsed=2.7).status == "Waiting for the model… 3 ahead of you · 2 s"
+    assert progress("<SUMMARY>a", elapsed=4.2, tokens=1).status == "Generating · writing SUMMARY… · 1 token · 4 s"
+    assert progress("<SUMMARY>a b", elapsed=4.2, tokens=12).status.endswith("· 12 tokens · 4 s")
+    view = BeamView((StageChoice("summary", ("a", "b", "c", "d"), winner=0),), "done", 4, judge_calls=1)
+    result = GenerationResult("<SUMMARY>a</SUMMARY>", "stop", 5, 10, 20, 0.0, 0.1, 0.5, beam=view)
+    status = render(result.text, final=True, result=result, view=view).status
+    assert "your 4 candidates in a batch of 5 rows" in status and "batch of 5 ·" not in status, status
+    assert status.endswith("4 candidates per stage, 1 judge call"), status
+    assert "1 judge call" in render(result.text, final=True, result=result, view=view).beams_html
+
+
+def test_think_harder_is_offered_only_where_the_backend_can_run_it() -> None:
+    from vlm_demo.errors import UnsupportedError
+    from vlm_demo.web.handlers import gr_error
+
+    backend = ScriptedBackend()
+    backend.features = Features(stage_beam=False)
+    blocks = DemoUI(backend, Config(max_batch_size=4), Metrics()).build().blocks.values()  # type: ignore[arg-type]
+    by_id = {b.elem_id: b for b in blocks if getattr(b, "elem_id", None)}
+    assert by_id["think"].visible is False and by_id["beams"].interactive is False
+    error = gr_error(UnsupportedError("Think harder needs continuous batching; this server runs --batching dynamic."))
+    assert error.title == "Not available on this server"

@@ -58,6 +58,10 @@ class Stream(Protocol):
         """Requests ahead of it in the queue; ``None`` once it runs or where nobody knows (a remote)."""
         ...
 
+    def tokens(self) -> int | None:
+        """Tokens of the answer written so far (the page's live counter); ``None`` where nobody knows."""
+        ...
+
 
 class Listener(Protocol):
     """Observes a backend or an engine (metrics, the engine process); called from their threads, must not block."""
@@ -97,6 +101,10 @@ class OutputStream:
 
     def ahead(self) -> int | None:
         """Requests ahead of this one in the queue (``None``: running, or not known here)."""
+        return None
+
+    def tokens(self) -> int | None:
+        """Tokens of the answer written so far (``None``: not known here)."""
         return None
 
     def cancel(self) -> None:

@@ -56,9 +56,13 @@ class RemoteStream(OutputStream):
         self.rid = rid
         self._backend = backend
         self._beam: BeamView | None = None  # the latest stage-beam view from the engine
+        self._tokens = 0  # the answer's tokens so far, as the engine last said
 
     def beam_view(self) -> BeamView | None:
         return self._beam
+
+    def tokens(self) -> int | None:
+        return self._tokens
 
     def cancel(self) -> None:
         """End the stream now; the engine frees the row at its next step."""
@@ -294,6 +298,10 @@ class EngineProcessBackend:
                 stream = streams.get(rid)
                 if stream is not None:
                     stream._beam = view
+            for rid, count in message.tokens:  # before the text: a counter never lags the text it counts
+                stream = streams.get(rid)
+                if stream is not None:
+                    stream._tokens = count
             for rid, text in message.text:
                 stream = streams.get(rid)
                 if stream is not None:

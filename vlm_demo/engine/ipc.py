@@ -64,6 +64,7 @@ class Ended:
 @dataclass
 class Step:
     text: list[tuple[int, str]] = field(default_factory=list)  # (rid, new text) in arrival order
+    tokens: list[tuple[int, int]] = field(default_factory=list)  # (rid, tokens so far) for each row in ``text``
     beams: list[tuple[int, BeamView]] = field(default_factory=list)  # stage-beam searches that changed
     ended: list[Ended] = field(default_factory=list)  # after their last text
     batch_sizes: list[int] = field(default_factory=list)  # rows in each model batch/step since the last message

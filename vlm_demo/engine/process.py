@@ -137,6 +137,7 @@ class EngineCore:
                     step.beams.append((rid, view))
             if text:
                 step.text.append((rid, text))
+                step.tokens.append((rid, len(request.token_ids)))
             if ended or error is not None:
                 step.ended.append(Ended(rid, None if error else request.result(0), error))
                 finished.append((rid, request.request_id))

@@ -162,6 +162,9 @@ class Request(OutputStream):
             None,
         )
 
+    def tokens(self) -> int | None:
+        return len(self.token_ids)
+
     def reset_progress(self) -> None:
         """Forget generated tokens before a retry; ``sent_chars`` stays so the client sees no repeat."""
         self.token_ids = []

@@ -81,6 +81,17 @@ class RunResult:
     wrong: int = 0  # finished answers that were not right (only workloads that know the answer)
     cpu_ms_per_request: dict[str, float] = dataclasses.field(default_factory=dict)  # by process, Linux only
 
+    def __str__(self) -> str:
+        """One readable line for the log (the table and the JSON hold every field)."""
+        line = (
+            f"{self.mode} · {self.concurrency} clients · {self.throughput_rps:.2f} req/s · "
+            f"{self.tokens_per_s:.1f} tok/s · p50 {self.latency_p50_s:.3f} s · p95 {self.latency_p95_s:.3f} s · "
+            f"mean batch {self.mean_batch_size:.2f}"
+        )
+        if self.errors or self.wrong:
+            line += f" · {self.errors} errors · {self.wrong} wrong"
+        return line
+
 
 def cpu_seconds(pid: int) -> float:
     """CPU time (user + system, all threads) a process has used so far; 0 where /proc is missing."""
@@ -285,11 +296,13 @@ def print_table(results: list[RunResult]) -> None:
                     print(f"concurrency {level}: throughput vs {base_name}: {ratios}")
 
 
-def plot(results: list[RunResult], path: str) -> None:
+def plot(results: list[RunResult], path: str, title: str = "") -> Any:
+    """Throughput and p95 latency by client count, one line per mode; returns the figure (saved to ``path``)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
     for mode in dict.fromkeys(r.mode for r in results):
@@ -302,8 +315,21 @@ def plot(results: list[RunResult], path: str) -> None:
     for ax in (ax1, ax2):
         ax.grid(alpha=0.3)
         ax.legend()
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # client counts are whole numbers
+    if title:
+        fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+    return fig
+
+
+def describe_run(args: argparse.Namespace) -> str:
+    """What was measured, for the plot's title: model, device, batch, workload, repeats."""
+    lengths = f"max {args.max_new_tokens} new tokens" + (" (mixed lengths)" if args.mixed_lengths else "")
+    return (
+        f"{args.model} on {args.device} · max batch {args.max_batch_size or 'auto'} · {args.workload} workload, "
+        f"{args.requests} requests, {lengths} · median of {args.repeats}"
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -503,8 +529,11 @@ def main(argv: list[str] | None = None) -> list[RunResult]:
     if args.json_path:
         with open(args.json_path, "w") as fh:
             json.dump([dataclasses.asdict(r) for r in results], fh, indent=2)
+    if args.json_path:
+        print(f"runs written to {os.path.abspath(args.json_path)}")
     if args.plot_path:
-        plot(results, args.plot_path)
+        plot(results, args.plot_path, describe_run(args))
+        print(f"plot saved to {os.path.abspath(args.plot_path)}")
     return results
 
 

@@ -186,6 +186,16 @@ def libdir_on_path() -> bool:
     return libdir in os.environ.get("LD_LIBRARY_PATH", "").split(os.pathsep)
 
 
+def put_libdir_on_path() -> None:
+    """Put this Python's LIBDIR on ``LD_LIBRARY_PATH`` before tritonserver starts: it and the Python backend
+    stubs it starts inherit it, so the stub finds this interpreter's libpython rather than the system's."""
+    libdir = sysconfig.get_config_var("LIBDIR") or ""
+    if libdir and not libdir_on_path():
+        current = os.environ.get("LD_LIBRARY_PATH", "")
+        os.environ["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, [libdir, current]))
+        log.info("added %s to LD_LIBRARY_PATH for Triton's Python backend", libdir)
+
+
 def _security() -> Any:
     """PyTriton token-protects statistics by default; they show Triton's batch sizes, so leave them readable
     and keep protecting the endpoints that change the server."""
@@ -303,12 +313,7 @@ def build_arg_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> None:
     args = build_arg_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if not libdir_on_path():
-        log.warning(
-            "LD_LIBRARY_PATH lacks %s; Triton's Python backend may fail to start. Run: "
-            "export LD_LIBRARY_PATH=$(python -c 'import sysconfig;print(sysconfig.get_config_var(\"LIBDIR\"))')",
-            sysconfig.get_config_var("LIBDIR"),
-        )
+    put_libdir_on_path()
     config = config_from_namespace(args)
     ports = (args.http_port, args.grpc_port, args.metrics_port, args.host)
     if args.model_repository:

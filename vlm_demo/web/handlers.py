@@ -255,6 +255,7 @@ class Handlers:
         changes = Changes()
         raw = ""
         view = None
+        second = -1  # the counter's whole seconds last shown
         try:
             while True:
                 text, ended = stream.drain()
@@ -267,8 +268,12 @@ class Handlers:
                 searching, view = view, stream.beam_view()
                 if view is not None and view != searching:
                     last = now  # candidates are being written or judged: the model is not silent
-                if text or not raw or view is not None:  # new text, a queue position that may have moved, a search
-                    update = changes(progress(raw, view, None if raw else stream.ahead()))
+                # New text, a queue position that may have moved, a search, or the counter's next second.
+                if text or not raw or view is not None or int(now - started) != second:
+                    second = int(now - started)
+                    update = changes(
+                        progress(raw, view, None if raw else stream.ahead(), now - started, stream.tokens())
+                    )
                     if update is not None:
                         yield update
                 if ended:

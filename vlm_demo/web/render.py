@@ -81,8 +81,9 @@ def tracker_html(
     )
 
 
-def result_status(result: GenerationResult, stages: Stages | None = None) -> str:
-    """The status line for a finished answer: how it ended, how it ran (batch size) and how fast."""
+def result_status(result: GenerationResult, stages: Stages | None = None, beams: int = 0) -> str:
+    """The status line for a finished answer: how it ended, how it ran (batch size; with a stage-beam
+    search's ``beams``, how many of the batch's rows were this answer's candidates) and how fast."""
     if result.finish_reason == "length" and result.cut_stage == "conclusion":
         head = "Stopped at the max new tokens limit · the CONCLUSION was closed with the last tokens"
     elif result.finish_reason == "length" and result.cut_stage:
@@ -98,9 +99,12 @@ def result_status(result: GenerationResult, stages: Stages | None = None) -> str
         head = "Done"
     if result.cached:  # replayed: there was no batch and no decoding to report
         return " · ".join([head, "from the response cache", f"{result.completion_tokens} tokens"])
+    batch = f"batch of {result.batch_size}"
+    if beams:
+        batch = f"your {beams} candidates in a batch of {plural(result.batch_size, 'row')}"
     parts = [
         head,
-        f"batch of {result.batch_size}",
+        batch,
         f"{result.completion_tokens} tokens",
         f"{result.tokens_per_s:.1f} tokens/s",
         f"{result.total_s:.2f} s",
@@ -151,7 +155,7 @@ def beams_html(view: BeamView | None, stopped: bool = False) -> str:
             f"<b>{choice.stage.upper()}</b> · {len(choice.candidates)} candidates · {state}"
             f"<ol>{''.join(items)}</ol>{judge}</div>"
         )
-    head = f"Stage beam search · {view.beams} candidates per stage · {view.judge_calls} judge calls"
+    head = f"Stage beam search · {view.beams} candidates per stage · {plural(view.judge_calls, 'judge call')}"
     return (
         f'<div class="beam-search" data-phase="{view.phase}"><div class="beam-head">{head}</div>{"".join(blocks)}</div>'
     )
@@ -184,9 +188,11 @@ def render(
         panels[STAGES.index(running.stage)] = candidates_text(running)
         active = running.stage
     if result is not None:
-        status = result_status(result, stages)
+        status = result_status(result, stages, view.beams if view is not None else 0)
         if view is not None:
-            status += f" · stage beam search: {view.beams} candidates per stage, {view.judge_calls} judge calls"
+            status += (
+                f" · stage beam search: {view.beams} candidates per stage, {plural(view.judge_calls, 'judge call')}"
+            )
     status = status or ""
     if final and raw.strip() and not stages.seen:
         status += " · the answer did not use the four stages (shown above the panels)"
@@ -201,18 +207,37 @@ def waiting_status(ahead: int | None) -> str:
     return "Waiting for the model…"
 
 
-def progress(raw: str, view: BeamView | None = None, ahead: int | None = None) -> Outputs:
-    """The outputs while an answer streams (parsed once): the panels, and where the model is."""
+def plural(count: int, word: str) -> str:
+    return f"{count} {word}{'' if count == 1 else 's'}"
+
+
+def counter(elapsed: float | None, tokens: int | None = None) -> str:
+    """The live counter after the status: tokens written (where known) and whole seconds since Ask."""
+    parts = [plural(tokens, "token")] if tokens else []
+    if elapsed is not None:
+        parts.append(f"{int(elapsed)} s")
+    return "".join(f" · {part}" for part in parts)
+
+
+def progress(
+    raw: str,
+    view: BeamView | None = None,
+    ahead: int | None = None,
+    elapsed: float | None = None,
+    tokens: int | None = None,
+) -> Outputs:
+    """The outputs while an answer streams (parsed once): the panels, where the model is, and the counter."""
     if view is not None and view.stages:
         running = view.stages[-1]
         count = max(len(running.candidates), 1 if view.phase == "judging" else view.beams)
         doing = f"judging {count} candidates" if view.phase == "judging" else f"{count} candidates writing"
-        return render(raw, f"Thinking harder · {running.stage.upper()}: {doing}…", view=view)
+        return render(raw, f"Thinking harder · {running.stage.upper()}: {doing}…{counter(elapsed)}", view=view)
     stages = parse_stages(raw)
     if raw:
         status = f"Generating · writing {stages.active.upper()}…" if stages.active else "Generating…"
+        status += counter(elapsed, tokens)
     else:
-        status = waiting_status(ahead)
+        status = waiting_status(ahead) + counter(elapsed)
     return Outputs(*stages.as_tuple(), raw, status, stages.extra, tracker_html(stages, stages.active), "")
 
 
