@@ -62,6 +62,7 @@ class JudgeRequest(InternalRequest):
     """A judge call: its row stops once the choice is written ("I choose response 2"), not at end of turn."""
 
     stop_text = CHOICE
+    staged = False  # the judge's words are free text: the stage structure must not force tags into them
 
 
 def candidate_seed(seed: int, stage: int, candidate: int) -> int:

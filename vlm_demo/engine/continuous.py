@@ -316,7 +316,7 @@ class ContinuousEngine(Engine):
         return []
 
     def _streamer(self, request: Request, structured: bool) -> RowStreamer:
-        tracker = self.worker.tracker(request.params, structured)
+        tracker = self.worker.tracker(request.params, structured and request.staged)
         return RowStreamer(self.worker.tokenizer, request, self.worker.eos_ids, request.stop_text, tracker)
 
     def _first_tokens(

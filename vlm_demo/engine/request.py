@@ -60,6 +60,7 @@ class Request(OutputStream):
     """A request moving through the engine; also the handle its submitter holds."""
 
     stop_text: ClassVar[str | re.Pattern[str]] = STOP_TEXT  # where its row stops, besides end of turn and limits
+    staged: ClassVar[bool] = True  # an answer in the four stages (the stage structure applies); False: free text
 
     image: Any  # PIL.Image.Image, RGB
     question: str
