@@ -19,8 +19,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import requests
 from gradio_client import Client, handle_file
-from support import ROOT, metric, running_app
+from support import ROOT, free_ports, metric, running_app, start_app, start_triton, stop_app, stop_triton
 
 pytestmark = pytest.mark.slow
 
@@ -88,13 +89,20 @@ def open_page(browser, server: str, theme: str = "light", viewport: dict[str, in
     page = browser.new_page(viewport=viewport, device_scale_factor=2 if viewport == PHONE else 1)
     page.goto(f"{server}/?__theme={theme}", wait_until="domcontentloaded")  # never "networkidle": SSE stays open
     page.locator("#p_conclusion").wait_for(timeout=60_000)
+    set_greedy(page)
+    return page
+
+
+def set_greedy(page) -> None:
+    """Temperature 0 in the Advanced box, folded again afterwards (the slider keeps its value)."""
     page.locator("#advanced").get_by_text("Advanced").click()
     temperature = page.locator("#temperature input[type=number]")
     temperature.fill("0")
     temperature.press("Enter")
     temperature.blur()
-    page.locator("#advanced").get_by_text("Advanced").click()  # fold it again; the slider keeps its value
-    return page
+    # the slider took it (the page sends the slider's value): else an answer would be sampled, not greedy
+    page.wait_for_function("() => document.querySelector('#temperature input[type=range]')?.value === '0'")
+    page.locator("#advanced").get_by_text("Advanced").click()
 
 
 @pytest.fixture(scope="module")
@@ -556,6 +564,54 @@ def test_on_a_phone_the_answer_comes_into_view_after_ask(browser, server: str, s
         page.screenshot(path=str(shots / "screenshot-phone.png"))
     finally:
         page.close()
+
+
+def test_the_loading_page_turns_into_the_demo_when_its_triton_is_ready(browser, tiny_dir: str, tmp_path) -> None:
+    """Started before its Triton (as a deployment may), the app answers at once with the loading notice, waits
+    for Triton, and the open page turns into the demo by itself; the demo then answers through Triton."""
+    from vlm_demo.triton.contract import ENSEMBLE_MODEL
+
+    port, *triton_ports = free_ports(4)
+    url = f"http://127.0.0.1:{port}"
+    app = start_app(port, "--triton-url", f"http://127.0.0.1:{triton_ports[0]}", "--triton-timeout", "240")
+    triton = None
+    page = browser.new_page(viewport=DESKTOP)
+    try:
+        deadline = time.monotonic() + 60
+        phase = ""
+        while "waiting for Triton" not in phase:  # first "connecting to Triton", then why it waits
+            try:
+                health = requests.get(url + "/health", timeout=2)
+                assert health.status_code == 503, health.text
+                phase = health.json()["loading"]["phase"]
+            except requests.RequestException:
+                pass
+            assert app.poll() is None and time.monotonic() < deadline, f"the app never said it waits: {phase!r}"
+            time.sleep(0.2)
+        response = page.goto(url + "/", wait_until="domcontentloaded")
+        assert response.status == 503
+        notice = page.locator("#loading")
+        assert notice.is_visible() and "getting ready" in notice.inner_text()
+        page.wait_for_function(  # the page's own poll brings the progress line up to date
+            "() => /waiting for Triton/.test(document.getElementById('message')?.innerText || '')", timeout=20_000
+        )
+        triton, _, _ = start_triton(
+            ["--model", "tiny", "--tiny-dir", tiny_dir, "--device", "cpu"],
+            [ENSEMBLE_MODEL],
+            tmp_path / "triton.log",
+            ports=triton_ports,
+        )
+        page.locator("#p_conclusion").wait_for(timeout=120_000)  # reloaded itself into the demo
+        set_greedy(page)
+        ask(page, RED, "What colour is this image?")
+        wait_status(page, "Done", 60_000)
+        assert "red" in panel_text(page, "conclusion")
+    finally:
+        page.close()
+        log = stop_app(app)
+        if triton is not None:
+            stop_triton(triton, triton_ports[0])
+    assert "Traceback" not in log.split("Shutting down")[0], log[-3000:]
 
 
 def test_the_readme_python_snippet_runs_as_written(server: str, monkeypatch) -> None:

@@ -329,8 +329,8 @@ def test_server_side_errors_arrive_typed(server, scheme, model):
 
 @pytest.mark.slow
 def test_unknown_model_is_named_at_start_and_at_run_time(server):
-    with pytest.raises(SystemExit, match="model 'no_such_model' is not"):
-        TritonBackend.from_config(Config(triton_url=server["http"], triton_model="no_such_model"))
+    with pytest.raises(SystemExit, match=r"model 'no_such_model' is not .* \(waited 2 s\)"):
+        TritonBackend.from_config(Config(triton_url=server["http"], triton_model="no_such_model", triton_timeout=2))
     backend = backend_for(server, "grpc", ENSEMBLE_MODEL)
     backend.config.triton_model = "no_such_model"  # as if the model were unloaded after start-up
     with pytest.raises(BackendUnavailableError, match="no_such_model"):

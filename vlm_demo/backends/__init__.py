@@ -36,7 +36,7 @@ def _make_backend(config: Config, progress: Callable[[LoadProgress], None] | Non
 
         if progress is not None:
             progress(LoadProgress(f"connecting to Triton at {config.triton_url}"))
-        return TritonBackend.from_config(config)
+        return TritonBackend.from_config(config, progress)
     if config.engine_process:
         from vlm_demo.backends.engine_client import EngineProcessBackend, EngineStartError
 

@@ -44,7 +44,7 @@ from vlm_demo.errors import (
     RequestCancelledError,
     UnsupportedError,
 )
-from vlm_demo.schema import STAGE_BEAM, ClientSlots, GenerationResult, SamplingParams, Turn, ValidRequest
+from vlm_demo.schema import STAGE_BEAM, ClientSlots, GenerationResult, LoadProgress, SamplingParams, Turn, ValidRequest
 from vlm_demo.stream import Listener, OutputStream, run_all
 from vlm_demo.triton import contract
 from vlm_demo.triton.contract import chat_prompt, error_from_text
@@ -80,6 +80,11 @@ def _status_name(exc: Exception) -> str:
     return str(status or "")
 
 
+class TritonStarting(BackendUnavailableError):
+    """Triton is not there yet: nothing listens at the address, the server is still starting, or the model is
+    still loading. At start-up the demo waits for it (up to ``--triton-timeout``); later it is an error."""
+
+
 def to_demo_error(exc: BaseException, endpoint: Endpoint, model: str, timeout: float) -> DemoError:
     """A specific, user-facing error for anything a Triton call can raise."""
     if isinstance(exc, DemoError):
@@ -92,9 +97,7 @@ def to_demo_error(exc: BaseException, endpoint: Endpoint, model: str, timeout: f
     if isinstance(exc, (TimeoutError, socket.timeout)) or "DEADLINE_EXCEEDED" in status or "timed out" in text.lower():
         return BackendTimeoutError(f"Triton at {endpoint.url} did not answer within {timeout:g} s.")
     if isinstance(exc, ConnectionError) or "UNAVAILABLE" in status or _is_requests_connection_error(exc):
-        return BackendUnavailableError(
-            f"Triton at {endpoint.url} is unreachable ({_short(text)}). Is the server running?"
-        )
+        return TritonStarting(f"Triton at {endpoint.url} is unreachable ({_short(text)}). Is the server running?")
     lowered = text.lower()
     if any(word in lowered for word in ("unknown model", "not found", "not ready", "unavailable", "is stopping")):
         return BackendUnavailableError(f"Triton model '{model}' is not available at {endpoint.url}: {_short(text)}")
@@ -213,6 +216,7 @@ class TritonBackend:
     """The demo's backend when ``--triton-url`` is set: every request goes to a remote Triton model."""
 
     name = "triton"
+    remote = True
 
     def __init__(self, config: Config, endpoint: Endpoint, info: ModelInfo) -> None:
         self.config = config
@@ -232,16 +236,28 @@ class TritonBackend:
 
     # ---- start-up ----
     @classmethod
-    def from_config(cls, config: Config) -> TritonBackend:
+    def from_config(cls, config: Config, progress: Callable[[LoadProgress], None] | None = None) -> TritonBackend:
         """Connect, check server and model readiness, and read how the model wants to be called.
 
-        Raises ``SystemExit`` with a message naming the URL and model when the remote is not usable.
+        A Triton that is not there yet (started alongside, or loading its model for minutes) is waited for,
+        up to ``--triton-timeout``, with ``progress`` told why. Raises ``SystemExit`` with a message naming
+        the URL and model when the remote is not usable.
         """
         endpoint = Endpoint.parse(config.triton_url)
-        try:
-            info = inspect_model(endpoint, config.triton_model, config.triton_protocol, config.triton_timeout)
-        except DemoError as exc:
-            raise SystemExit(f"Cannot use Triton: {exc}") from None
+        deadline = time.monotonic() + config.triton_timeout
+        while True:
+            try:
+                info = inspect_model(endpoint, config.triton_model, config.triton_protocol, config.triton_timeout)
+                break
+            except TritonStarting as exc:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise SystemExit(f"Cannot use Triton: {exc} (waited {config.triton_timeout:g} s)") from None
+                if progress is not None:
+                    progress(LoadProgress(f"waiting for Triton: {exc}"))
+                time.sleep(min(1.0, left))
+            except DemoError as exc:
+                raise SystemExit(f"Cannot use Triton: {exc}") from None
         log.info(
             "Triton %s model %s: protocol=%s batched=%s decoupled=%s",
             endpoint.url,
@@ -660,12 +676,35 @@ def check_ready(endpoint: Endpoint, model: str, timeout: float) -> dict[str, Any
         except Exception as exc:
             raise to_demo_error(exc, endpoint, model, timeout) from None
         if not model_ready:
-            raise BackendUnavailableError(
-                f"Triton at {endpoint.url} is ready but model '{model}' is not (unknown, still loading or failed to load)."
-            )
+            raise _model_not_ready(client, kwargs, endpoint, model)
         return {"server_ready": True, "model_ready": True}
     finally:
         client.close()
+
+
+def _model_not_ready(client: Any, kwargs: dict[str, Any], endpoint: Endpoint, model: str) -> DemoError:
+    """Why a ready server's model is not. Only a model the repository index says failed to load is final;
+    one it does not list yet (a server still binding its models) or that is loading is worth waiting for,
+    and so is any model where the index is closed (PyTriton restricts it)."""
+    try:
+        index = client.get_model_repository_index(**({"as_json": True} if kwargs else {}))
+    except Exception:  # noqa: BLE001 - an index some servers restrict: the plain answer then
+        index = None
+    entries = index.get("models", []) if isinstance(index, dict) else index
+    if not isinstance(entries, list):
+        return TritonStarting(
+            f"Triton at {endpoint.url} is ready but model '{model}' is not (unknown, still loading or failed to load)."
+        )
+    states = {entry.get("name"): entry for entry in entries if isinstance(entry, dict)}
+    entry = states.get(model)
+    if entry is None:
+        served = ", ".join(sorted(str(name) for name in states)) or "none yet"
+        return TritonStarting(f"Triton at {endpoint.url} has no model '{model}' (it serves: {served}).")
+    state = str(entry.get("state", "")).upper()
+    if state in ("LOADING", "READY", ""):
+        return TritonStarting(f"Triton at {endpoint.url} is still loading model '{model}'.")
+    reason = entry.get("reason") or state.lower()
+    return BackendUnavailableError(f"Triton at {endpoint.url} could not load model '{model}': {_short(str(reason))}")
 
 
 def not_ready_error(endpoint: Endpoint, check: str, timeout: float) -> DemoError:
@@ -696,7 +735,7 @@ def not_ready_error(endpoint: Endpoint, check: str, timeout: float) -> DemoError
                 f"Triton at {endpoint.url} is unreachable: /v2/health/{check} answered HTTP {status}, which is "
                 "not a Triton server's answer. Is the address right and the server running?"
             )
-    return BackendUnavailableError(
+    return TritonStarting(
         f"Triton at {endpoint.url} is up but not ready (health/{check} says no: still starting or stopping?)."
     )
 
