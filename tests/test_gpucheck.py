@@ -10,8 +10,10 @@ import os
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -89,7 +91,7 @@ def test_loading_a_saved_model_goes_through_the_servers_loading_path(worker) -> 
 
 def test_a_dry_run_on_cpu_goes_through_every_stage(tiny_dir, tmp_path, monkeypatch) -> None:
     """``--device cpu --model tiny``: the script end to end (versions, checks, memory plan, benchmark at
-    two levels, report, JSON) minus the GPU-only stages, so a GPU run does not die of a typo."""
+    two levels, the peak run, report, JSON) minus the GPU-only stages, so a GPU run does not die of a typo."""
     monkeypatch.setenv("VLM_TINY_DIR", tiny_dir)
     out = tmp_path / "gpucheck.json"
     argv = ["--device", "cpu", "--model", "tiny", "--levels", "1,3", "--requests", "3", "--json", str(out)]
@@ -111,7 +113,78 @@ def test_a_dry_run_on_cpu_goes_through_every_stage(tiny_dir, tmp_path, monkeypat
     ]
     assert all(r["errors"] == 0 and r["requests"] == 3 and r["tokens_per_s"] > 0 for r in runs)
     assert set(report["ratios"]["3"]) == {"dynamic/unbatched", "continuous/dynamic"}
-    assert {"build model", "batched vs single", "benchmark"} <= set(report["stage_s"])
+    assert {"build model", "batched vs single", "benchmark", "join/evict peak"} <= set(report["stage_s"])
+    peak = report["peak_run"]  # the planned row limit (8 on CPU) filled, rows joining and leaving
+    assert peak["planned_rows"] == peak["max_batch_size"] == peak["requests"] == 8 and peak["errors"] == 0
+    assert peak["shrunk"] is None and report["skipped"] == {}
+    assert report["budget_s"] == gpucheck.BUDGET_S and report["deadline_s"] == gpucheck.DEADLINE_S <= 420
+
+
+def test_a_run_out_of_budget_skips_what_does_not_fit_and_says_why(tiny_dir, tmp_path, monkeypatch) -> None:
+    """``--budget-s 0``: the model is still built and planned (required), every optional stage, benchmark
+    run and the peak run are recorded as skipped with why, and that is no failure."""
+    monkeypatch.setenv("VLM_TINY_DIR", tiny_dir)
+    out = tmp_path / "gpucheck.json"
+    argv = ["--device", "cpu", "--model", "tiny", "--levels", "1,3", "--budget-s", "0", "--json", str(out)]
+    assert gpucheck.main(argv) == 0
+    report = json.loads(out.read_text())
+    assert report["failed"] == [] and report["budget_s"] == 0 and report["memory_plan"]["max_batch_size"] == 8
+    skipped = report["skipped"]
+    assert set(skipped) == {"batched vs single", "written-out step vs stock", "decode at batch 1", "join/evict peak"}
+    assert all(why.startswith("time budget: ") for why in skipped.values()), skipped
+    assert [(r["mode"], r["concurrency"]) for r in report["runs"]] == [
+        ("unbatched", 1),
+        ("continuous", 1),
+        ("unbatched", 3),
+        ("dynamic", 3),
+        ("continuous", 3),
+    ]
+    assert all(r["skipped"].startswith("time budget: ") for r in report["runs"]), report["runs"]
+    assert "peak_run" not in report and "build model" in report["stage_s"]
+
+
+def test_a_stage_starts_only_with_the_time_it_needs_left(tmp_path) -> None:
+    report = gpucheck.Report(str(tmp_path / "r.json"))
+    stages = gpucheck.Stages(report, gpucheck.Clock(budget_s=30.0))
+    assert stages.run("fits", lambda: "ran", need_s=20.0) == "ran"
+    assert stages.run("too long", lambda: "ran", need_s=45.0) is None
+    assert stages.run("required", lambda: "ran") == "ran"  # no need_s: runs whatever is left
+    assert list(report["skipped"]) == ["too long"] and report["skipped"]["too long"].startswith("time budget: needs")
+    assert json.loads((tmp_path / "r.json").read_text())["skipped"] == report["skipped"]  # written at once
+
+
+def test_benchmark_runs_that_would_end_past_the_budget_are_skipped() -> None:
+    """Estimated at the rate of batch-1 decode (the first run of a mode) or of the mode's last level."""
+    runs: list[dict] = []
+    # 1 token/s: every run needs far more than the 30 s left, so none starts (the worker is never touched)
+    gpu_measure.benchmark(None, (1, 4), lambda level: 4, lambda: 30.0, runs.append, rate_floor=1.0)  # type: ignore[arg-type]
+    assert [(r["mode"], r["concurrency"]) for r in runs] == [
+        ("unbatched", 1),
+        ("continuous", 1),
+        ("unbatched", 4),
+        ("dynamic", 4),
+        ("continuous", 4),
+    ]
+    assert all(r["skipped"].startswith("time budget: needs ~") and r["skipped"].endswith("30 s left") for r in runs)
+
+
+def test_the_peak_run_shrinks_to_the_rows_that_fit_the_time_left() -> None:
+    # answers of 32-96 tokens, log-uniform: 58.3 tokens a row on average
+    assert gpu_measure.peak_rows_that_fit(210, 120.0, 5000.0) == 210  # ~2.5 s of answers: all of them
+    assert gpu_measure.peak_rows_that_fit(210, 15.0, 500.0) == 85  # 10 s past the overhead x 500 tok/s
+    assert gpu_measure.peak_rows_that_fit(210, 4.0, 5000.0) == 0  # not even the run's overhead fits
+
+
+def test_a_first_row_that_never_writes_fails_the_join_check_instead_of_hanging(worker, monkeypatch) -> None:
+    stuck = SimpleNamespace(token_ids=[7], done=False)
+    started = time.monotonic()
+    assert not gpu_measure._wait_for_tokens(stuck, 2, timeout=0.2)
+    assert time.monotonic() - started < 2
+    assert gpu_measure._wait_for_tokens(SimpleNamespace(token_ids=[7], done=True), 2, timeout=0.2)
+    monkeypatch.setattr(gpu_measure, "_wait_for_tokens", lambda handle, count, timeout: False)
+    comparison = gpu_measure.batched_vs_single(worker, tokens=4)
+    assert comparison.errors == ["continuous: the first row wrote no 2 tokens in 60 s"]
+    assert not comparison.equal and set(comparison.first_diff) == {"dynamic"}
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
@@ -145,7 +218,7 @@ def test_a_run_stopped_part_way_has_already_written_its_report(tmp_path) -> None
 @pytest.mark.slow
 def test_the_watchdog_writes_the_report_and_stops_before_the_device_limit(tiny_dir, tmp_path) -> None:
     out = tmp_path / "gpucheck.json"
-    args = ["--device", "cpu", "--model", "narrow", "--deadline-s", "6", "--json", str(out)]
+    args = ["--device", "cpu", "--model", "narrow", "--budget-s", "6", "--deadline-s", "6", "--json", str(out)]
     started = time.monotonic()
     done = run_check(*args, env=dict(os.environ, VLM_TINY_DIR=tiny_dir), timeout=120)
     assert done.returncode == gpucheck.WATCHDOG_EXIT, done.stderr[-2000:]
@@ -153,6 +226,17 @@ def test_the_watchdog_writes_the_report_and_stops_before_the_device_limit(tiny_d
     assert "watchdog" in done.stderr and "Thread" in done.stderr  # every thread's traceback, for a hang
     report = json.loads(out.read_text())
     assert any(f.startswith("watchdog: stopped after 6 s") for f in report["failed"]), report["failed"]
+
+
+def test_prepare_counts_the_wheels_and_the_working_tree_against_the_64_mib_that_travel(tmp_path) -> None:
+    wheels = [tmp_path / "a.whl", tmp_path / "b.whl"]
+    for wheel, size in zip(wheels, (12 * 2**20, 8 * 2**20), strict=True):
+        wheel.write_bytes(b"\0" * size)
+    line, fits = device.travel_summary([str(w) for w in wheels], tree=2 * 2**20)
+    assert fits and line.startswith("2 wheels (20.0 MiB) in .device/wheels + the working tree (2.0 MiB) = 22.0 MiB")
+    assert line.endswith("of the 64 MiB that travel; carry exactly ['.device/wheels']")
+    assert not device.travel_summary([str(w) for w in wheels], tree=45 * 2**20)[1]
+    assert 0 < device.tree_bytes() < device.TRAVEL_CAP  # git's tracked and untracked-not-ignored files
 
 
 def _download(spec: str, folder: Path, python: str | None = None) -> list[str]:
@@ -163,9 +247,51 @@ def _download(spec: str, folder: Path, python: str | None = None) -> list[str]:
         pytest.skip(f"the package registry is not reachable: {err}")
 
 
+# Loaded by the check's interpreter at start-up (``sitecustomize``): its package metadata reports
+# transformers 5.17.0, as on the device's image, and at exit it lists which modules were imported.
+FAKE_TRANSFORMERS = textwrap.dedent(
+    """
+    import atexit, importlib.metadata, os, sys
+
+    _version = importlib.metadata.version
+    importlib.metadata.version = lambda name: "5.17.0" if name == "transformers" else _version(name)
+
+    @atexit.register
+    def _imported():
+        with open(os.environ["IMPORTED_LIST"], "w") as fh:
+            fh.write("\\n".join(sorted(sys.modules)))
+    """
+)
+
+
+def test_a_transformers_other_than_the_pin_stops_the_check_in_one_line_before_torch(tmp_path) -> None:
+    """Offline: the check's interpreter reads another transformers version from the package metadata (a
+    ``sitecustomize`` on its path, nothing installed). One line names both versions and the fix; exit 2,
+    in well under 10 s, with neither torch nor transformers imported (so nothing was built)."""
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(FAKE_TRANSFORMERS)
+    out, imported = tmp_path / "gpucheck.json", tmp_path / "imported.txt"
+    path = os.pathsep.join(p for p in (str(tmp_path / "site"), str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    env = dict(os.environ, PYTHONPATH=path, IMPORTED_LIST=str(imported))
+    started = time.monotonic()
+    done = run_check("--device", "cpu", "--model", "narrow", "--json", str(out), env=env, timeout=60)
+    assert time.monotonic() - started < 10
+    assert done.returncode == 2
+    lines = [line for line in (done.stdout + done.stderr).splitlines() if line.strip()]
+    assert len(lines) == 1, lines
+    assert f"needs transformers=={PINNED_TRANSFORMERS}" in lines[0] and "finds transformers 5.17.0" in lines[0]
+    assert "python -m vlm_demo.tools.device gpucheck" in lines[0]  # the fix
+    modules = set(imported.read_text().split())
+    assert "vlm_demo.tools.gpucheck" in modules and not {"torch", "transformers"} & modules
+    report = json.loads(out.read_text())
+    assert report["versions"]["transformers"] == "5.17.0" and report["failed"] == [lines[0]]
+    assert "stage_s" not in report and "parameters" not in report
+
+
 @pytest.mark.slow
 def test_another_transformers_stops_the_check_in_one_line_before_building(tmp_path) -> None:
-    """The device's image has transformers 5.17, under which the continuous engine cannot run."""
+    """The same with transformers 5.17 really installed (from the package registry; skipped without one):
+    the device's image has it, and under it the continuous engine cannot run."""
     _download("transformers==5.17.0", tmp_path)
     site = device.install(str(tmp_path))
     out = tmp_path / "gpucheck.json"

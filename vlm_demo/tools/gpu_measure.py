@@ -12,9 +12,10 @@ tiny model, the GPU run with the narrow real-shape model in fp32 and the full 11
   projections; plus each row's cached image states and text keys/values) and the batch-1 speed that
   bandwidth allows;
 - :func:`benchmark`: closed-loop throughput per mode and concurrency, each run isolated (a failed run is
-  recorded and the others go on) with its peak GPU memory;
+  recorded and the others go on) with its peak GPU memory, and started only if its estimate fits in the
+  time left;
 - :func:`peak_run`: the planned row limit filled, rows joining and leaving, to see the join/evict peak
-  next to the memory plan;
+  next to the memory plan (:func:`peak_rows_that_fit`: fewer rows when time is short);
 - :func:`load_saved`: the real loading path (``engine.loader.load``) on a saved model folder.
 """
 
@@ -23,6 +24,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
+import math
 import tempfile
 import time
 from collections.abc import Callable
@@ -52,6 +54,9 @@ LIMITS = Limits(max_new_tokens=100_000)
 LENGTHS = (16, 256)  # forced answer lengths, log-uniform
 UNBATCHED_REQUESTS = 12  # one at a time whatever the concurrency: enough for its rate
 REQUEST_TIMEOUT_S = 120.0  # no single request of the check may wait longer
+JOIN_WAIT_S = 60.0  # the first row of the join check must have written its tokens by then
+RUN_OVERHEAD_S = 5.0  # a benchmark run's engine start and warm-up request, on top of its answers
+PEAK_TOKENS = (32, 96)  # forced answer lengths in the join/evict peak run, log-uniform
 SAMPLED = SamplingParams(max_new_tokens=0, temperature=0.8, top_p=0.9, seed=1234)  # length set per check
 
 # Peak memory bandwidth from the vendors' spec sheets (bytes/s); the first name contained in the
@@ -149,17 +154,34 @@ class Comparison:
     first_diff: dict[str, list[int | None]] = field(default_factory=dict)
     sampled_first_diff: dict[str, int | None] = field(default_factory=dict)
     joins: dict[str, Any] = field(default_factory=dict)
+    errors: list[str] = field(default_factory=list)  # a mode that could not be compared (timed out), and why
 
     @property
     def equal(self) -> bool:
         rows = [d for diffs in self.first_diff.values() for d in diffs] + list(self.sampled_first_diff.values())
-        return all(d is None for d in rows)
+        return not self.errors and all(d is None for d in rows)
 
 
 def first_difference(got: list[int], want: list[int]) -> int | None:
     if len(got) != len(want):
         return min(len(got), len(want))
     return next((i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b), None)
+
+
+def _results(handles: list[Any], timeout: float) -> list[Any]:
+    """Every handle's result, all of them within ``timeout`` seconds together (else ``TimeoutError``)."""
+    deadline = time.monotonic() + timeout
+    return [h.result(timeout=max(0.0, deadline - time.monotonic())) for h in handles]
+
+
+def _wait_for_tokens(handle: Any, count: int, timeout: float) -> bool:
+    """Whether ``handle`` wrote ``count`` tokens (or ended) within ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while len(handle.token_ids) < count and not handle.done:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.002)
+    return True
 
 
 def _alone(worker: Worker, items: list[ValidRequest]) -> list[list[int]]:
@@ -178,7 +200,8 @@ def _alone(worker: Worker, items: list[ValidRequest]) -> list[list[int]]:
 def batched_vs_single(worker: Worker, tokens: int) -> Comparison:
     """Every case alone (greedy, through plain ``model.generate``) and a seeded sampled row alone, then all
     together: through the dynamic engine in one batch, and through the continuous engine with a first row
-    that runs ``4 × tokens`` while the others join it, prefilled together in one forward pass."""
+    that runs ``4 × tokens`` while the others join it, prefilled together in one forward pass. A mode whose
+    rows do not all end in ``REQUEST_TIMEOUT_S`` is recorded in ``errors``, not waited for."""
     greedy = SamplingParams(max_new_tokens=tokens, temperature=0.0, ignore_eos=True)
     requests = jobs(greedy)
     long_first = dataclasses.replace(requests[0], params=dataclasses.replace(greedy, max_new_tokens=4 * tokens))
@@ -197,15 +220,19 @@ def batched_vs_single(worker: Worker, tokens: int) -> Comparison:
         try:
             if mode == "continuous":
                 first = engine.submit(long_first)
-                while len(first.token_ids) < 2 and not first.done:
-                    time.sleep(0.002)
+                if not _wait_for_tokens(first, 2, JOIN_WAIT_S):
+                    result.errors.append(f"continuous: the first row wrote no 2 tokens in {JOIN_WAIT_S:.0f} s")
+                    continue
                 with engine.scheduler._cond:  # hold the queue: the rest arrive at the same step boundary
                     written = len(first.token_ids)
                     handles = [first, *(engine.submit(v) for v in requests[1:]), engine.submit(sampled)]
             else:
                 handles = [*(engine.submit(v) for v in requests), engine.submit(sampled)]
-            results = [h.result(timeout=REQUEST_TIMEOUT_S) for h in handles]
+            results = _results(handles, REQUEST_TIMEOUT_S)
             stats = engine.stats()
+        except TimeoutError as exc:
+            result.errors.append(f"{mode}: {exc}")
+            continue
         finally:
             engine.shutdown()
         wanted = [first_ref if mode == "continuous" else refs[0], *refs[1:]]
@@ -303,39 +330,65 @@ def load_run(
     return result
 
 
+def run_estimate_s(tokens: int, tokens_per_s: float | None) -> float:
+    """Seconds a run writing ``tokens`` answer tokens should take at ``tokens_per_s`` (0: no rate known)."""
+    return RUN_OVERHEAD_S + tokens / tokens_per_s if tokens_per_s else 0.0
+
+
 def benchmark(
     worker: Worker,
     levels: tuple[int, ...],
     requests_at: Callable[[int], int],
-    deadline: float,
+    time_left: Callable[[], float],
     on_run: Callable[[dict[str, Any]], None],
+    rate_floor: float | None = None,
 ) -> list[dict[str, Any]]:
     """Unbatched, dynamic and continuous batching at each concurrency level. At concurrency 1 dynamic
     batching is unbatched (batches of one), so it runs once there. Each run is isolated: one that
-    raises is recorded with its error and the others go on; ``on_run`` sees every run as it ends."""
+    raises is recorded with its error and the others go on. A run starts only if its estimate fits in
+    ``time_left()`` seconds, at the rate its mode reached at the level before (first: ``rate_floor``,
+    batch-1 decode's; at higher levels a mode only gets faster); else it is recorded as skipped, with
+    why. ``on_run`` sees every run as it ends."""
     results = []
+    rates: dict[str, float] = {}
     for level in levels:
         for mode in ("unbatched", "dynamic", "continuous"):
             if mode == "dynamic" and level == 1:
                 continue
-            if time.monotonic() > deadline:
-                log.warning("time budget spent: skipping %s at concurrency %d", mode, level)
-                results.append({"mode": mode, "concurrency": level, "skipped": "time budget"})
-                continue
             rows = 1 if mode == "unbatched" else max(level, 1)
             n = min(UNBATCHED_REQUESTS, requests_at(level)) if mode == "unbatched" else requests_at(level)
-            try:
-                result = load_run(worker, mode, level, workload(n, seed=level), rows)
-            except Exception as exc:  # noqa: BLE001 - recorded; the other runs' figures still count
-                log.exception("%s at concurrency %d failed", mode, level)
-                result = {"mode": mode, "concurrency": level, "error": f"{type(exc).__name__}: {exc}"}
-            log.info("%s", result)
+            items = workload(n, seed=level)
+            need = run_estimate_s(sum(item.params.max_new_tokens for item in items), rates.get(mode, rate_floor))
+            left = time_left()
+            if left <= 0 or left < need:
+                why = f"time budget: needs ~{need:.0f} s, {max(left, 0):.0f} s left"
+                log.warning("skipping %s at concurrency %d: %s", mode, level, why)
+                result: dict[str, Any] = {"mode": mode, "concurrency": level, "skipped": why}
+            else:
+                try:
+                    result = load_run(worker, mode, level, items, rows)
+                    if result["tokens_per_s"]:
+                        rates[mode] = result["tokens_per_s"]
+                except Exception as exc:  # noqa: BLE001 - recorded; the other runs' figures still count
+                    log.exception("%s at concurrency %d failed", mode, level)
+                    result = {"mode": mode, "concurrency": level, "error": f"{type(exc).__name__}: {exc}"}
+                log.info("%s", result)
             results.append(result)
             on_run(result)
     return results
 
 
-def peak_run(worker: Worker, rows: int, answer_tokens: tuple[int, int] = (32, 96)) -> dict[str, Any]:
+def peak_rows_that_fit(
+    planned: int, seconds: float, tokens_per_s: float, answer_tokens: tuple[int, int] = PEAK_TOKENS
+) -> int:
+    """The most rows, up to ``planned``, whose answers (log-uniform in ``answer_tokens``) a run at
+    ``tokens_per_s`` writes within ``seconds``; the rate measured at fewer rows makes it an underestimate."""
+    low, high = answer_tokens
+    per_row = (high - low) / math.log(high / low) if high > low else low  # the log-uniform mean
+    return max(0, min(planned, int((seconds - RUN_OVERHEAD_S) * tokens_per_s / per_row)))
+
+
+def peak_run(worker: Worker, rows: int, answer_tokens: tuple[int, int] = PEAK_TOKENS) -> dict[str, Any]:
     """``rows`` concurrent answers (1-tile images, so the vision tower's share stays small; every row's
     image states are 4 tiles' worth anyway) through the continuous engine with ``rows`` rows: newcomers
     join in prefill groups and finished rows leave while the batch is full, which is where the

@@ -15,12 +15,16 @@ random bf16 weights directly on the GPU and measures, in order (:mod:`vlm_demo.t
    dynamic and continuous batching at concurrency 1, 8 and 32, each run isolated, with its peak memory;
    the planned row limit filled (rows joining and leaving) to check the join/evict peak.
 
-Device time is scarce, so nothing measured is lost: the JSON report is rewritten after every stage, a
-stage or run that fails is recorded and the rest go on, every request has a 120 s timeout, and a
-watchdog (``--deadline-s``) dumps every thread's traceback and writes the report before it ends the
-run. About 3-5 minutes on an H100/H200. Exit code 0: all required checks passed; 1: a check failed;
-2: no CUDA, or the wrong versions; 3: the watchdog stopped it. ``--device cpu --model tiny`` (or
-``narrow``) is a dry run of the whole script without the GPU-only stages (the tests run it).
+Device time is scarce (15 minutes a session, 10 a command, and a rerun must fit), so the run keeps to
+a time budget and loses nothing it measured. No optional stage or benchmark run starts unless its
+estimate fits in what is left of ``--budget-s`` (300 s from the start); the join/evict peak run shrinks
+to the rows that fit; what is skipped is recorded with why. The JSON report is rewritten after every
+stage, a stage or run that fails is recorded and the rest go on, every request has a 120 s timeout,
+and a watchdog (``--deadline-s``, 360 s) dumps every thread's traceback and writes the report before
+it ends the run. Estimated 2.5-4 minutes on an H200. Exit code 0: all required checks that ran
+passed; 1: a check failed; 2: no CUDA, or the wrong versions; 3: the watchdog stopped it. ``--device
+cpu --model tiny`` (or ``narrow``) is a dry run of the whole script without the GPU-only stages (the
+tests run it).
 
 This module only orchestrates and reports, and imports nothing heavy until the versions are checked
 (an old transformers may not even import our engine).
@@ -52,6 +56,23 @@ LEVELS = (1, 8, 32)
 PACKAGES = ("torch", "transformers", "accelerate", "tokenizers", "huggingface_hub", "safetensors", "numpy", "pillow")
 PINNED = ("transformers",)  # must equal requirements.txt: the engine uses its cache and model internals
 WATCHDOG_EXIT = 3
+DEADLINE_S = 360.0  # the watchdog: report written, run ended (the device runner kills 20 s later)
+BUDGET_S = 300.0  # no optional stage starts that would end past this (seconds from the start) ...
+MARGIN_S = DEADLINE_S - BUDGET_S  # ... and it ends this long before the deadline, for the stage under way
+BACKSTOP_S = 15.0  # after the deadline: faulthandler ends the run if the watchdog's thread could not
+# Rough seconds each optional stage takes on an H200, with room to spare: it starts only with that much
+# of the budget left. The narrow fp32 stages come first but matter less than the full model's figures,
+# so they also leave FULL_MODEL_S for its build, its checks and the first benchmark runs.
+NEED_S = {
+    "build narrow fp32": 15.0,
+    "narrow fp32 batched == single": 30.0,
+    "load from a folder on CUDA": 30.0,
+    "batched vs single": 40.0,
+    "written-out step vs stock": 10.0,
+    "bandwidth": 5.0,
+    "decode at batch 1": 15.0,
+}
+FULL_MODEL_S = 150.0
 
 
 # ---- versions ------------------------------------------------------------------------------------------
@@ -115,17 +136,39 @@ class Report(dict):
             os.replace(partial, self.path)
 
 
+class Clock:
+    """Seconds since the run began and what is left of its budget: the budget and the watchdog both count
+    from the start of :func:`main`, as the device's own limit counts everything."""
+
+    def __init__(self, budget_s: float) -> None:
+        self.started = time.monotonic()
+        self.budget_s = budget_s
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.started
+
+    def left(self) -> float:
+        return self.budget_s - self.elapsed()
+
+
 class Stages:
     """Runs the check's stages in order; a stage that raises is recorded as failed and the rest go on
-    (device time is scarce: one broken stage must not cost the other figures). The report is written
-    after every stage."""
+    (device time is scarce: one broken stage must not cost the other figures). A stage given ``need_s``
+    starts only with that many seconds of the budget left, else it is recorded in ``skipped`` with why.
+    The report is written after every stage."""
 
-    def __init__(self, report: Report) -> None:
+    def __init__(self, report: Report, clock: Clock) -> None:
         self.report = report
+        self.clock = clock
         self.failed: list[str] = report.setdefault("failed", [])
+        self.skipped: dict[str, str] = report.setdefault("skipped", {})
         self.timings: dict[str, float] = report.setdefault("stage_s", {})
 
-    def run(self, name: str, fn: Callable[..., Any], *args: Any) -> Any:
+    def run(self, name: str, fn: Callable[..., Any], *args: Any, need_s: float | None = None) -> Any:
+        left = self.clock.left()
+        if need_s is not None and left < need_s:
+            self.skip(name, f"time budget: needs ~{need_s:.0f} s, {max(left, 0):.0f} s left")
+            return None
         self.report["stage"] = name
         self.report.write()
         started = time.monotonic()
@@ -143,24 +186,33 @@ class Stages:
         self.failed.append(why)
         self.report.write()
 
+    def skip(self, name: str, why: str) -> None:
+        log.warning("skipping %r: %s", name, why)
+        self.skipped[name] = why
+        self.report.write()
+
 
 class Watchdog:
-    """Ends the run before the device's own limit would, with the report written and every thread's
-    traceback in the log (where a hang is)."""
+    """Ends the run at ``deadline_s`` from the start, before the device's own limit would, with the report
+    written and every thread's traceback in the log (where a hang is). Should its thread not get to run
+    (a call that never releases the interpreter), faulthandler dumps the tracebacks and exits
+    ``BACKSTOP_S`` later, without the report."""
 
-    def __init__(self, report: Report, deadline_s: float) -> None:
+    def __init__(self, report: Report, deadline_s: float, clock: Clock) -> None:
         self.report = report
         self.deadline_s = deadline_s
-        self.started = time.monotonic()
-        self._timer = threading.Timer(deadline_s, self._expire)
+        self.clock = clock
+        self._timer = threading.Timer(max(0.0, deadline_s - clock.elapsed()), self._expire)
         self._timer.daemon = True
 
     def start(self) -> Watchdog:
         self._timer.start()
+        faulthandler.dump_traceback_later(self._timer.interval + BACKSTOP_S, exit=True, file=sys.__stderr__)
         return self
 
     def cancel(self) -> None:
         self._timer.cancel()
+        faulthandler.cancel_dump_traceback_later()
 
     def _expire(self) -> None:
         print(f"\ngpucheck: watchdog: {self.deadline_s:.0f} s are up; tracebacks follow", file=sys.stderr)
@@ -168,7 +220,7 @@ class Watchdog:
         self.report.setdefault("failed", []).append(
             f"watchdog: stopped after {self.deadline_s:.0f} s (stage: {self.report.get('stage')})"
         )
-        self.report["total_s"] = time.monotonic() - self.started
+        self.report["total_s"] = self.clock.elapsed()
         self.report.write()
         sys.stderr.flush()
         os._exit(WATCHDOG_EXIT)
@@ -183,43 +235,62 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--model", default="full", choices=("full", "narrow", "tiny"), help="narrow/tiny: a dry run (also on CPU)"
     )
-    parser.add_argument("--budget-s", type=float, default=300.0, help="skip benchmark runs past this many seconds")
     parser.add_argument(
-        "--deadline-s", type=float, default=540.0, help="watchdog: write the report and stop after this many seconds"
+        "--budget-s",
+        type=float,
+        default=None,
+        help="seconds from the start: no optional stage or benchmark run starts that would end past them "
+        f"(estimated; skipped ones are recorded; default {BUDGET_S:.0f}, or --deadline-s less {MARGIN_S:.0f} if sooner)",
+    )
+    parser.add_argument(
+        "--deadline-s",
+        type=float,
+        default=DEADLINE_S,
+        help=f"watchdog: write the report and stop after this many seconds (default {DEADLINE_S:.0f})",
     )
     parser.add_argument("--levels", default=",".join(map(str, LEVELS)), help="concurrency levels")
     parser.add_argument("--requests", type=int, default=0, help="requests per run (default: max(8, 2 x level))")
     parser.add_argument("--check-tokens", type=int, default=16, help="tokens per row in the batched == single checks")
     parser.add_argument(
-        "--peak-rows", type=int, default=0, help="rows for the join/evict peak run (default: the planned row limit)"
+        "--peak-rows",
+        type=int,
+        default=0,
+        help="rows for the join/evict peak run (default: the planned row limit; fewer if the budget is short)",
     )
     parser.add_argument("--json", dest="json_path", default="", help="write every figure here (after every stage)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.budget_s is None:
+        args.budget_s = max(0.0, min(BUDGET_S, args.deadline_s - MARGIN_S))
+    elif args.budget_s > args.deadline_s:
+        parser.error(f"--budget-s {args.budget_s:g} is past --deadline-s {args.deadline_s:g}")
+    clock = Clock(args.budget_s)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     report = Report(args.json_path)
-    report.update(model=args.model, device=args.device, versions=installed_versions(), failed=[])
+    report.update(model=args.model, device=args.device, budget_s=args.budget_s, deadline_s=args.deadline_s)
+    report.update(versions=installed_versions(), failed=[], skipped={})
     problem = version_problem(report["versions"], pinned_versions())
     if problem:
         report["failed"].append(problem)
         report.write()
         print(problem, file=sys.stderr)
         return 2
-    import torch
-
-    report["versions"].update(torch_cuda=torch.version.cuda)
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available() or device.type != "cuda" and args.model == "full":
-        report["failed"].append("no CUDA GPU")
-        report.write()
-        print(no_cuda_message(torch), file=sys.stderr)
-        return 2
-    watchdog = Watchdog(report, args.deadline_s).start()
+    watchdog = Watchdog(report, args.deadline_s, clock).start()
     try:
-        return run(args, report, device)
+        import torch
+
+        report["versions"].update(torch_cuda=torch.version.cuda)
+        device = torch.device(args.device)
+        if device.type == "cuda" and not torch.cuda.is_available() or device.type != "cuda" and args.model == "full":
+            report["failed"].append("no CUDA GPU")
+            report.write()
+            print(no_cuda_message(torch), file=sys.stderr)
+            return 2
+        return run(args, report, device, clock)
     finally:
         watchdog.cancel()
 
@@ -232,42 +303,72 @@ def no_cuda_message(torch: Any) -> str:
     )
 
 
-def run(args: argparse.Namespace, report: Report, device: Any) -> int:
+def run(args: argparse.Namespace, report: Report, device: Any, clock: Clock) -> int:
     import torch
 
     from vlm_demo.models import realshape
-    from vlm_demo.tools import gpu_measure as measure
 
-    started = time.monotonic()
     cuda = device.type == "cuda"
     report["gpu"] = report["versions"]["gpu"] = torch.cuda.get_device_name(device) if cuda else "cpu (dry run)"
-    stages = Stages(report)
+    stages = Stages(report, clock)
     processor = realshape.real_processor()
+    if cuda:
+        narrow_checks(stages, device, processor, args.check_tokens)
+    worker = model_checks(stages, device, processor, args)
+    if worker is not None:
+        levels = tuple(int(x) for x in args.levels.split(",") if x.strip())
+        speed(stages, worker, levels, args.requests)
+        peak(stages, worker, args.peak_rows, max(levels, default=1))
+    return finish(report, clock)
 
-    if cuda:  # 2. the CI model, fp32 on the GPU: batched rows must equal single runs
-        torch.backends.cudnn.allow_tf32 = False  # TF32 convolutions would make fp32 depend on the batch
-        torch.backends.cuda.matmul.allow_tf32 = False
-        narrow = stages.run("build narrow fp32", measure.build_worker, "narrow", device, processor, torch.float32)
-        if narrow is not None:
-            check = stages.run("narrow fp32 batched == single", measure.batched_vs_single, narrow, args.check_tokens)
-            if check is not None:
-                report["narrow_fp32"] = {
-                    "first_diff": check.first_diff,
-                    "sampled_first_diff": check.sampled_first_diff,
-                    "joins": check.joins,
-                }
-                if not check.equal:
-                    stages.fail("narrow fp32: batched rows differ from their single runs")
-            loaded = report["load_saved"] = stages.run("load from a folder on CUDA", measure.load_saved, narrow, "cuda")
-            if loaded is not None and not (loaded["same_answer"] and all("cuda" in d for d in loaded["devices"])):
-                stages.fail(f"loading a saved model on CUDA: {loaded}")
-        del narrow
-        torch.cuda.empty_cache()
 
-    # 3. the model under test (the full 11B architecture, random bf16 weights, built on the GPU)
+def narrow_checks(stages: Stages, device: Any, processor: Any, tokens: int) -> None:
+    """2. The CI model in fp32 on the GPU: batched rows must equal single runs; loading a saved copy."""
+    import torch
+
+    from vlm_demo.tools import gpu_measure as measure
+
+    report = stages.report
+    # No TF32 in fp32 matmuls and convolutions (it would make fp32 depend on the batch shape). These flags
+    # still work in torch 2.11-2.13; the newer ``fp32_precision`` settings are not mixed in (reads then raise).
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    name = "build narrow fp32"
+    need_s = NEED_S[name] + FULL_MODEL_S
+    narrow = stages.run(name, measure.build_worker, "narrow", device, processor, torch.float32, need_s=need_s)
+    if narrow is None:
+        return
+    name = "narrow fp32 batched == single"
+    check = stages.run(name, measure.batched_vs_single, narrow, tokens, need_s=NEED_S[name] + FULL_MODEL_S)
+    if check is not None:
+        report["narrow_fp32"] = {
+            "first_diff": check.first_diff,
+            "sampled_first_diff": check.sampled_first_diff,
+            "joins": check.joins,
+            "errors": check.errors,
+        }
+        if check.errors:
+            stages.fail(f"narrow fp32 batched == single: {'; '.join(check.errors)}")
+        elif not check.equal:
+            stages.fail("narrow fp32: batched rows differ from their single runs")
+    name = "load from a folder on CUDA"
+    need_s = NEED_S[name] + FULL_MODEL_S
+    loaded = report["load_saved"] = stages.run(name, measure.load_saved, narrow, "cuda", need_s=need_s)
+    if loaded is not None and not (loaded["same_answer"] and all("cuda" in d for d in loaded["devices"])):
+        stages.fail(f"loading a saved model on CUDA: {loaded}")
+    del narrow
+    torch.cuda.empty_cache()
+
+
+def model_checks(stages: Stages, device: Any, processor: Any, args: argparse.Namespace) -> Any:
+    """3. The model under test (the full 11B architecture, random bf16 weights, built on the GPU): its
+    placement, the memory plan, batched vs single, the written-out step; returns its worker (None: no build)."""
+    from vlm_demo.tools import gpu_measure as measure
+
+    report, cuda = stages.report, device.type == "cuda"
     worker = stages.run("build model", measure.build_worker, args.model, device, processor)
     if worker is None:
-        return finish(report, started)
+        return None
     if cuda:
         from vlm_demo.engine.placement import check_on_gpus
 
@@ -279,30 +380,38 @@ def run(args: argparse.Namespace, report: Report, device: Any) -> int:
         written_out_step=worker.decode_step is not None,
         decode_reads=measure.bytes_read_per_token(worker),
     )
-    plan = report["memory_plan"] = stages.run("memory plan", plan_stats, worker)
-    check = stages.run("batched vs single", measure.batched_vs_single, worker, args.check_tokens)
+    report["memory_plan"] = stages.run("memory plan", plan_stats, worker)
+    name = "batched vs single"
+    check = stages.run(name, measure.batched_vs_single, worker, args.check_tokens, need_s=NEED_S[name])
     if check is not None:  # reported, not required: in bf16 batched rows are not bitwise equal
-        report["first_diff"], report["sampled_first_diff"], report["joins"] = (
-            check.first_diff,
-            check.sampled_first_diff,
-            check.joins,
-        )
-        if not cuda and not check.equal:
+        report.update(first_diff=check.first_diff, sampled_first_diff=check.sampled_first_diff, joins=check.joins)
+        if check.errors:
+            stages.fail(f"batched vs single: {'; '.join(check.errors)}")
+        elif not cuda and not check.equal:
             stages.fail("batched rows differ from their single runs (fp32 on CPU must be exact)")
-    step = report["step_vs_stock"] = stages.run("written-out step vs stock", measure.step_vs_stock, worker)
+    name = "written-out step vs stock"
+    step = report["step_vs_stock"] = stages.run(name, measure.step_vs_stock, worker, need_s=NEED_S[name])
     if step is not None and not step["same_argmax"]:
         stages.fail("written-out decode step disagrees with the stock forward")
+    return worker
 
-    # 4. speed
+
+def speed(stages: Stages, worker: Any, levels: tuple[int, ...], requests: int) -> None:
+    """4. Decode at batch 1 next to its bound; unbatched, dynamic and continuous at each level."""
+    from vlm_demo.tools import gpu_measure as measure
+
+    report, device = stages.report, worker.device
     reads = report["decode_reads"]["total_at_256_tokens"]
-    if cuda:
+    if device.type == "cuda":
         spec = report["bandwidth_spec"] = measure.spec_bandwidth(report["gpu"])
-        measured = report["bandwidth_measured"] = stages.run("bandwidth", measure.measure_bandwidth, device)
+        measured = report["bandwidth_measured"] = stages.run(
+            "bandwidth", measure.measure_bandwidth, device, need_s=NEED_S["bandwidth"]
+        )
         report["batch1_bound_spec"] = measure.bandwidth_bound(reads, spec) if spec else None
         report["batch1_bound_measured"] = measure.bandwidth_bound(reads, measured) if measured else None
-    report["batch1_tokens_per_s"] = stages.run("decode at batch 1", measure.batch1_decode, worker)
-    levels = tuple(int(x) for x in args.levels.split(",") if x.strip())
-    requests_at = (lambda level: args.requests) if args.requests else (lambda level: max(8, 2 * level))
+    name = "decode at batch 1"
+    report["batch1_tokens_per_s"] = stages.run(name, measure.batch1_decode, worker, need_s=NEED_S[name])
+    requests_at = (lambda level: requests) if requests else (lambda level: max(8, 2 * level))
     runs: list[dict[str, Any]] = report.setdefault("runs", [])
 
     def record(run_result: dict[str, Any]) -> None:
@@ -310,16 +419,42 @@ def run(args: argparse.Namespace, report: Report, device: Any) -> int:
         report["ratios"] = measure.ratios([r for r in runs if "tokens_per_s" in r])
         report.write()
 
-    stages.run("benchmark", measure.benchmark, worker, levels, requests_at, started + args.budget_s, record)
+    rate = report["batch1_tokens_per_s"]
+    stages.run("benchmark", measure.benchmark, worker, levels, requests_at, stages.clock.left, record, rate)
     failed_runs = [f"{r['mode']}@{r['concurrency']}: {r['error']}" for r in runs if "error" in r]
     if failed_runs:
         stages.fail("benchmark runs failed: " + "; ".join(failed_runs))
-    rows = args.peak_rows or (plan["max_batch_size"] if plan else 0)
-    if cuda and rows:
-        peak = report["peak_run"] = stages.run(f"join/evict peak at {rows} rows", measure.peak_run, worker, rows)
-        if peak is not None and peak.get("errors"):
-            stages.fail(f"the peak run at {rows} rows had {peak['errors']} errors: {peak.get('first_error')}")
-    return finish(report, started)
+
+
+def peak(stages: Stages, worker: Any, rows: int, benchmarked: int) -> None:
+    """The planned row limit (or ``rows``) filled, rows joining and leaving: the join/evict peak. Shrunk to
+    the rows that fit the budget at the best continuous rate measured; skipped when that is no more rows
+    than the benchmark already ran."""
+    from vlm_demo.tools import gpu_measure as measure
+
+    report = stages.report
+    planned = rows or (report["memory_plan"] or {}).get("max_batch_size", 0)
+    continuous = [
+        r["tokens_per_s"] for r in report.get("runs", []) if r["mode"] == "continuous" and "tokens_per_s" in r
+    ]
+    rate = max(continuous, default=None) or report.get("batch1_tokens_per_s")
+    left = stages.clock.left()
+    fit = measure.peak_rows_that_fit(planned, left, rate) if rate else planned
+    name = "join/evict peak"
+    short = f"time budget: {fit} of the planned {planned} rows fit in the {max(left, 0):.0f} s left"
+    if not planned:
+        stages.skip(name, "no memory plan to size it")
+    elif left <= 0:
+        stages.skip(name, "time budget: none left")
+    elif fit < planned and fit <= benchmarked:
+        stages.skip(name, short)
+    else:
+        result = report["peak_run"] = stages.run(name, measure.peak_run, worker, fit)
+        if result is not None:
+            result.update(planned_rows=planned, shrunk=short if fit < planned else None)
+            if result.get("errors"):
+                stages.fail(f"the peak run at {fit} rows had {result['errors']} errors: {result.get('first_error')}")
+            report.write()
 
 
 def plan_stats(worker: Any) -> dict[str, Any]:
@@ -330,8 +465,8 @@ def plan_stats(worker: Any) -> dict[str, Any]:
     return plan_for(worker, Config(batching="continuous")).stats()
 
 
-def finish(report: Report, started: float) -> int:
-    report["total_s"] = time.monotonic() - started
+def finish(report: Report, clock: Clock) -> int:
+    report["total_s"] = clock.elapsed()
     report.pop("stage", None)
     report.write()
     print_report(report)
@@ -388,6 +523,8 @@ def print_report(report: dict[str, Any]) -> None:
     if report.get("peak_run"):
         peak = report["peak_run"]
         print(f"join/evict peak: {peak}")
+    for name, why in report.get("skipped", {}).items():
+        print(f"skipped {name}: {why}")
     verdict = "FAILED: " + "; ".join(report["failed"]) if report["failed"] else "OK"
     print(f"total {report['total_s']:.0f} s; {verdict}")
 
