@@ -142,6 +142,42 @@ def test_left_padded_batch_answers_every_colour_and_equals_single_runs(loaded) -
         assert _generate(loaded, [_conversation(*case)], max_new_tokens=320)[0] == tokens, case
 
 
+# Unseen inputs over a wide grid: sizes from one pixel to 3000 px, aspect ratios up to 100:1 (the processor pads
+# such strips with black tiles), light noise, and wordings the model never saw (typos, other languages, none
+# about colour).
+GRID_SIZES = [
+    (1, 1), (2, 3), (3, 2), (5, 9), (8, 1), (1, 8), (11, 5), (17, 23), (31, 4), (64, 2), (2, 64), (128, 9),
+    (777, 333), (1024, 200), (200, 1024), (1200, 1800), (3000, 30), (2000, 1000),
+]  # fmt: skip
+GRID_WORDINGS = [
+    "What colour is this image?", "hue?", "Tell me what you see", "What is shown here?", "what's this",
+    "Which colour dominates this photograph, and why do you think so?", "Describe the picture.", "Explain.",
+    "Please identify the main colour in the picture I uploaded.", "Is this a cat?", "colour", "¿De qué color es?",
+    "How many objects are in the image?", "Look closely: what does the image show, and what colour is it?",
+    "I wonder what this is about", "Can you see anything unusual here?", "wat colr is ths", "zebra quantum banana",
+]  # fmt: skip
+
+
+def test_greedy_answers_over_a_wide_grid_of_unseen_inputs_name_the_colour(loaded) -> None:
+    """Every colour at every grid size, each with another unseen wording and light noise now and then: the
+    model's own greedy answer (plain ``generate``, no stage grammar) is four well-formed stages naming the
+    image's colour; 18 of them (three per colour) are also run alone and must equal their batched row."""
+    processor = loaded[1]
+    rng = random.Random(22)
+    cases = [
+        (colour, w, h, rng.choice([0, 0, 5, 15, 25]), GRID_WORDINGS[(i * 5 + j) % len(GRID_WORDINGS)])
+        for i, colour in enumerate(COLOURS)
+        for j, (w, h) in enumerate(GRID_SIZES)
+    ]
+    for start in range(0, len(cases), 36):
+        chunk = cases[start : start + 36]
+        batched = _generate(loaded, [_conversation(*case) for case in chunk], max_new_tokens=320)
+        for case, tokens in zip(chunk, batched):
+            _check_answer(processor, tokens, case[0])
+        for case, tokens in list(zip(chunk, batched))[::6]:  # batch == single: 3 per colour, spread out
+            assert _generate(loaded, [_conversation(*case)], max_new_tokens=320)[0] == tokens, case
+
+
 def test_trained_wordings_give_short_or_long_reasoning(loaded) -> None:
     """The long trigger: web tests need a long run to stop; plain questions stay short and fast."""
     processor = loaded[1]
