@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -52,11 +53,20 @@ def server_env(**extra: str) -> dict[str, str]:
 
 
 def start_app(port: int, *extra: str, env: dict[str, str] | None = None) -> subprocess.Popen:
-    """``python app.py --model tiny`` on a loopback port (``extra`` flags after the defaults win)."""
+    """``python app.py --model tiny`` on a loopback port (``extra`` flags after the defaults win). Its output
+    goes to a file (read by :func:`server_output`): a pipe nobody reads would stall a chatty server."""
     cmd = [sys.executable, "app.py", "--model", "tiny", "--host", "127.0.0.1", "--port", str(port), *extra]
-    return subprocess.Popen(
-        cmd, cwd=ROOT, env=env or server_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
+    log = tempfile.TemporaryFile("w+")  # noqa: SIM115 - closed by stop_app
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env or server_env(), stdout=log, stderr=subprocess.STDOUT, text=True)
+    proc.log = log  # type: ignore[attr-defined]
+    return proc
+
+
+def server_output(proc: subprocess.Popen) -> str:
+    """Everything a server started by :func:`start_app` has printed so far."""
+    proc.log.flush()  # type: ignore[attr-defined]
+    proc.log.seek(0)  # type: ignore[attr-defined]
+    return proc.log.read()  # type: ignore[attr-defined]
 
 
 def wait_ready(proc: subprocess.Popen, url: str, timeout: float = 240) -> None:
@@ -64,7 +74,7 @@ def wait_ready(proc: subprocess.Popen, url: str, timeout: float = 240) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError("server exited:\n" + (proc.stdout.read() if proc.stdout else ""))
+            raise RuntimeError("server exited:\n" + server_output(proc))
         try:
             if requests.get(url + "/health", timeout=2).json().get("ready"):
                 return
@@ -78,11 +88,13 @@ def stop_app(proc: subprocess.Popen) -> str:
     """SIGTERM, then its whole output."""
     proc.terminate()
     try:
-        out, _ = proc.communicate(timeout=20)
+        proc.wait(timeout=20)
     except subprocess.TimeoutExpired:
         proc.kill()
-        out, _ = proc.communicate()
-    return out or ""
+        proc.wait()
+    out = server_output(proc)
+    proc.log.close()  # type: ignore[attr-defined]
+    return out
 
 
 @contextmanager
@@ -119,10 +131,11 @@ def ended(url: str, outcome: str) -> float:
 
 
 def start_triton(
-    args: list[str], models: list[str], log_path: Path, wait_s: float = 300
+    args: list[str], models: list[str], log_path: Path, wait_s: float = 300, ports: list[int] | None = None
 ) -> tuple[subprocess.Popen, int, int]:
-    """``python -m vlm_demo.triton.serve ARGS`` on free loopback ports; returns once every model is ready."""
-    http, grpc, metrics = free_ports(3)
+    """``python -m vlm_demo.triton.serve ARGS`` on loopback ``ports`` (HTTP, gRPC, metrics; default free ones);
+    returns once every model is ready."""
+    http, grpc, metrics = ports or free_ports(3)
     # No LD_LIBRARY_PATH: the command puts this Python's LIBDIR there itself (a user need not export it).
     env = {k: v for k, v in os.environ.items() if k != "LD_LIBRARY_PATH"} | {"PYTHONPATH": str(ROOT)}
     log = open(log_path, "w")  # noqa: SIM115 - closed with the process

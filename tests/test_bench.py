@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import json
 
 import pytest
@@ -88,3 +90,28 @@ def test_stage_beam_bench_runs_batched_and_serial_on_the_same_seeds(tiny_dir, tm
     assert by[("batched", 2)].tokens == by[("serial", 2)].tokens
     assert by[("batched", 1)].vs_k1 == 1.0 and all(r.vs_k1 > 0 for r in runs)  # costs over K=1, pair by pair
     assert len(json.loads(out.read_text())) == 5
+
+
+@pytest.mark.slow
+def test_page_load_streams_to_more_visitors_at_once_than_gradios_default_40(tiny_dir) -> None:
+    """48 light visitors upload and ask at once through the page's own event, as browsers do: all of them
+    stream at the same time (Gradio runs 40 events at once unless told otherwise, so before the page set its
+    limit, 8 waited for a free slot), every answer arrives, and the report holds what the bench prints."""
+    from support import free_port, start_app, stop_app, wait_ready
+
+    from vlm_demo.tools import page_load
+
+    port = free_port()
+    proc = start_app(port, "--max-batch-size", "48", "--response-cache-mb", "0", "--max-per-client", "0")
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(proc, url)
+        result = asyncio.run(page_load.run_visitors(url, proc.pid, 48, max_new_tokens=300))
+    finally:
+        log = stop_app(proc)
+    assert "Traceback" not in log.split("Shutting down")[0], log[-3000:]
+    assert result.errors == 0 and result.health_errors == 0, result.error_examples
+    assert result.peak_running > 40, f"at most {result.peak_running} answers ran at once"
+    assert result.updates >= 2 * 48 and result.cpu_ms_per_update > 0 and result.ttft_p50_s > 0
+    assert result.health_p95_s > 0 and 0 <= result.idle_cpu_pct < 100
+    assert set(dataclasses.asdict(result)) >= {"cpu_ms_per_update", "gap_p95_s", "worst_visitor_gap_p95_s"}

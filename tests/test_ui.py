@@ -50,6 +50,7 @@ class ScriptedStream(OutputStream):
 
 class ScriptedBackend:
     name = "scripted"
+    remote = False
     model = "scripted-model"
     notice = None
     features = Features()

@@ -73,6 +73,7 @@ class Features:
 
 class Backend(Protocol):
     name: str  # "local" or "triton"
+    remote: bool  # health() asks another server over the network (it may take seconds): never on an event loop
     model: str  # what the page and /health show
     notice: str | None  # the page's banner when the model is not the real one (the tiny test model)
     features: Features

@@ -98,7 +98,7 @@ class CachingBackend:
         self.inner = inner
         self.cache = ResponseCache(max_bytes)
         self._listeners: list[Listener] = []
-        self.name, self.model = inner.name, inner.model
+        self.name, self.model, self.remote = inner.name, inner.model, inner.remote
 
     @property
     def notice(self) -> str | None:

@@ -93,6 +93,7 @@ class EngineProcessBackend:
     """Starts, feeds and supervises the engine process."""
 
     name = "local"
+    remote = False
 
     def __init__(self, config: Config, progress: Callable[[LoadProgress], None] | None = None) -> None:
         self.config = config

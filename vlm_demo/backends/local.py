@@ -18,6 +18,7 @@ class LocalBackend:
     """Adapts an :class:`~vlm_demo.engine.base.Engine` to the :class:`~vlm_demo.backends.base.Backend` interface."""
 
     name = "local"
+    remote = False
 
     def __init__(self, engine: Engine, model: str, notice: str | None = None) -> None:
         self.engine = engine

@@ -377,6 +377,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="ablation: continuous steps go through the stock text-model forward, not the written-out step",
     )
     p.add_argument("--repeats", type=int, default=1, help="interleaved repeats; medians are reported")
+    p.add_argument(
+        "--page-load",
+        default="",
+        help="instead of the closed loop: start the app and run N light page visitors at once (comma-separated "
+        "counts, e.g. 16,128,256); reports the web process's CPU per page update, update gaps, time to first "
+        "text, /health latency, errors and idle CPU (vlm_demo.tools.page_load)",
+    )
+    p.add_argument("--page-question", default="Describe this picture in detail.", help="what page visitors ask")
+    p.add_argument("--page-tokens", type=int, default=300, help="max new tokens page visitors ask for")
     p.add_argument("--json", dest="json_path", default="", help="write the runs as a JSON list")
     p.add_argument("--plot", dest="plot_path", default="", help="write a PNG of throughput and p95 latency")
     return p
@@ -491,6 +500,11 @@ def main(argv: list[str] | None = None) -> list[RunResult]:
             max_batch_size=Config().max_batch_size,  # the app's default (0: the engine sizes it)
         )
         args = parser.parse_args(argv)
+    if args.page_load:
+        from vlm_demo.tools import page_load
+
+        page_load.run(args)
+        return []
     levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
     low, high = (int(x) for x in args.length_range.split(","))
     lengths = forced_lengths(args.requests, args.mixed_lengths, args.max_new_tokens, low, high)

@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 
 ASK = "ask"  # the streaming endpoint: /ask
 ASK_BATCH = "ask_batch"  # final answers only, batched by Gradio: /ask_batch
+ASK_PAGE = "ask_page"  # the page's own Ask (private: not an API endpoint); the page-load bench joins it
 
 INPUTS: tuple[str, ...] = ("image", "question", "max_new_tokens", "temperature", "top_p", "reasoning", "beams")
 # Trailing inputs a client may leave out (they arrive as None and mean "normal" and 2 candidates): clients
@@ -39,6 +40,7 @@ class Outputs(NamedTuple):
 
 OUTPUTS: tuple[str, ...] = Outputs._fields
 PANELS: tuple[str, ...] = OUTPUTS[:4]  # the four stage panels, in the stages' order
+PANEL_ELEM_IDS: tuple[str, ...] = tuple(f"p_{name}" for name in PANELS)  # their elements on the page
 
 
 def check_signature(handler: Callable[..., Any]) -> None:

@@ -17,6 +17,7 @@ import os
 import threading
 import time
 from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -105,19 +106,52 @@ def loading_app(state: LoadingState, door: OperatorDoor) -> FastAPI:
     return app
 
 
+# A new visitor's first requests are the web process's heaviest: Gradio builds a session (a config for every
+# component of the page) and parses the upload in one go on the event loop, ~5 ms each. A hundred visitors
+# arriving together would make one turn of the loop last half a second, and every stream already running,
+# and every /health probe, would wait for it. A few at a time, the loop turns every ~20 ms: the same work,
+# spread out, with everyone else served in between.
+ARRIVALS = ("/gradio_api/queue/join", "/gradio_api/upload")
+ARRIVALS_AT_ONCE = 4
+
+
 class Switch:
-    """The ASGI app uvicorn runs: the loading app, then (once activated) the real one, started in place."""
+    """The ASGI app uvicorn runs: the loading app, then (once activated) the real one, started in place.
+
+    Once active, ``GET /health`` is answered here, ahead of the real app's dozen middleware layers and two
+    routers, by the same function its route uses: a load balancer's probe costs little while hundreds of
+    visitors stream. A check that asks another server (Triton) runs on a thread of its own, never on the loop."""
 
     def __init__(self, loading: FastAPI) -> None:
         self.loading = loading
         self.real: FastAPI | None = None
+        self.health: Callable[[Request], Response] | None = None
+        self.health_inline = False  # the check reads local state only: answer on the loop, no thread hop
         self.loop: asyncio.AbstractEventLoop | None = None
         self.on_start: Callable[[], None] | None = None  # called once uvicorn's loop runs (starts the load)
         self._stack = contextlib.AsyncExitStack()
+        self._probes = ThreadPoolExecutor(1, thread_name_prefix="vlm-health")
+        self._arrivals = asyncio.Semaphore(ARRIVALS_AT_ONCE)
 
     async def __call__(self, scope: Scope, receive: Callable, send: Callable) -> None:
         if scope["type"] == "lifespan":
             await self._lifespan(receive, send)
+            return
+        if scope["type"] == "http" and scope["path"] in ARRIVALS:
+            async with self._arrivals:
+                await self._serve(scope, receive, send)
+            return
+        await self._serve(scope, receive, send)
+
+    async def _serve(self, scope: Scope, receive: Callable, send: Callable) -> None:
+        health = self.health
+        if health is not None and scope["type"] == "http" and scope["path"] == "/health" and scope["method"] == "GET":
+            request = Request(scope, receive)
+            if self.health_inline:
+                response = health(request)
+            else:
+                response = await asyncio.get_running_loop().run_in_executor(self._probes, health, request)
+            await response(scope, receive, send)
             return
         await (self.real or self.loading)(scope, receive, send)
 
@@ -134,11 +168,18 @@ class Switch:
                 await send({"type": "lifespan.shutdown.complete"})
                 return
 
-    async def _start(self, app: FastAPI) -> None:
+    async def _start(self, app: FastAPI, health: Callable[[Request], Response] | None, inline: bool) -> None:
         await self._stack.enter_async_context(app.router.lifespan_context(app))
-        self.real = app
+        self.real, self.health, self.health_inline = app, health, inline
 
-    def activate(self, app: FastAPI, timeout: float = 60.0) -> None:
-        """From another thread: start ``app`` (its lifespan, in uvicorn's loop), then send it every request."""
+    def activate(
+        self,
+        app: FastAPI,
+        health: Callable[[Request], Response] | None = None,
+        inline: bool = False,
+        timeout: float = 60.0,
+    ) -> None:
+        """From another thread: start ``app`` (its lifespan, in uvicorn's loop), then send it every request
+        (``GET /health`` to ``health``, when given: on the loop if ``inline``, else on a thread of its own)."""
         assert self.loop is not None, "uvicorn has not started"
-        asyncio.run_coroutine_threadsafe(self._start(app), self.loop).result(timeout)
+        asyncio.run_coroutine_threadsafe(self._start(app, health, inline), self.loop).result(timeout)

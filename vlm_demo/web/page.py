@@ -39,7 +39,7 @@ from vlm_demo.schema import (
     STAGE_BEAM,
 )
 from vlm_demo.web import contract
-from vlm_demo.web.contract import INPUTS, OPTIONAL_INPUTS, OUTPUTS, PANELS
+from vlm_demo.web.contract import INPUTS, OPTIONAL_INPUTS, OUTPUTS, PANEL_ELEM_IDS, PANELS
 from vlm_demo.web.conversation import Conversation
 from vlm_demo.web.handlers import Handlers
 from vlm_demo.web.metrics import Metrics
@@ -49,6 +49,7 @@ log = logging.getLogger(__name__)
 
 CONCURRENCY_ID = "engine"  # /ask and /ask_batch share one limit: they share one model
 PANEL_LINES = {"summary": 2, "caption": 3, "reasoning": 6, "conclusion": 2}
+QUEUE_POLL_S = 0.05  # how often Gradio's idle queue looks for new events (its own default on Windows)
 MIN_TOP_P = 0.05  # the server rejects top_p 0 when sampling, so the slider never offers it
 
 EXAMPLES = [
@@ -175,10 +176,10 @@ class DemoUI:
                         tracker_html(parse_stages(""), None), label="stages_html", elem_id="stages"
                     )
                     shown["status"] = gr.Markdown("", label="status", elem_id="status")
-                    for stage in PANELS:
+                    for stage, elem_id in zip(PANELS, PANEL_ELEM_IDS, strict=True):
                         shown[stage] = gr.Textbox(
                             label=stage,  # the API's output name; CSS shows it in capitals as the heading
-                            elem_id=f"p_{stage}",
+                            elem_id=elem_id,
                             elem_classes=["stage"],
                             lines=PANEL_LINES[stage],
                             max_lines=40,
@@ -195,7 +196,16 @@ class DemoUI:
             self._examples(given["image"], given["question"])
             self._wire(demo, given, [shown[name] for name in OUTPUTS], controls, conversation)
         limit = self._concurrency_limit()
+        # Gradio runs at most ``max_threads`` events at once over the whole app (40 by default), whatever the
+        # events' own limits: every answer the engine can hold needs its handler running.
+        demo.max_threads = limit
         demo.queue(max_size=self.config.max_queue, default_concurrency_limit=limit)
+        # Gradio's queue looks for new events every millisecond and for progress bars every 10 ms, even when
+        # idle: ~5% of a core for nothing. New events every 50 ms (at most 50 ms more before an answer starts,
+        # whose model work takes seconds) and progress every second (the page shows no gr.Progress bars) cost a
+        # tenth of that.
+        demo._queue.sleep_when_free = QUEUE_POLL_S
+        demo._queue.progress_update_sleep_when_free = 1.0
         return demo
 
     def _inputs(self) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -285,7 +295,11 @@ class DemoUI:
             )
 
     def _concurrency_limit(self) -> int:
-        return max(2 * self.config.max_batch_size, 4)  # enough running handlers to fill a batch and queue the next
+        """A handler for every answer the engine can hold, running or waiting. Gradio's own queue serves
+        first come, first served; the engine's queue serves clients in turn (fair share) and refuses a
+        client's excess at once, so requests must reach it rather than wait in Gradio's. Handlers are
+        cheap (async; the /ask_batch ones wait in a thread)."""
+        return self.config.max_batch_size + self.config.max_queue
 
     def _wire(
         self, demo: gr.Blocks, given: dict[str, Any], outputs: list[Any], controls: dict[str, Any], conversation: Any
@@ -315,9 +329,9 @@ class DemoUI:
         )
         quiet: dict[str, Any] = dict(queue=False, show_progress="hidden", api_visibility="private")
         running = []
-        for trigger in (controls["ask"].click, question.submit):
+        for trigger, name in ((controls["ask"].click, contract.ASK_PAGE), (question.submit, None)):
             trigger(self.shown_history, inputs=[conversation], outputs=[history], **quiet)
-            answer = trigger(self.handlers.ask_page, **page_answer)
+            answer = trigger(self.handlers.ask_page, api_name=name, **page_answer)
             answer.then(self.after_answer, api_visibility="private", **turn_buttons)
             running.append(answer)
             trigger(None, js=SHOW_ANSWER_JS)

@@ -52,6 +52,7 @@ class DemoApp:
     metrics: Metrics
     config: Config
     notice: str | None
+    health: Callable[[Request], JSONResponse]  # what GET /health answers (the route, and the server's fast path)
 
 
 def create_app(
@@ -61,6 +62,7 @@ def create_app(
     and the FastAPI app around them."""
     if backend is None:
         backend = make_backend(config, progress)
+    quiet_matplotlib()
     notice = backend.notice
     batch = backend.health().max_batch_size  # sized by the engine (GPU memory); 0: Triton batches on its side
     batch = batch or config.max_batch_size or REMOTE_BATCH_SIZE
@@ -77,7 +79,6 @@ def create_app(
 
     door = OperatorDoor(config)
 
-    @app.get("/health")
     def health(request: Request) -> JSONResponse:
         """Liveness and readiness for load balancers: 200 when the model can take requests, else 503
         (the details only for the operator once the server is guarded)."""
@@ -95,6 +96,8 @@ def create_app(
             "details": report.details(),
         }
         return door.health(request, body, 200 if report.ready else 503)
+
+    app.get("/health")(health)
 
     @app.get("/metrics")
     def prometheus(request: Request) -> Response:
@@ -119,7 +122,21 @@ def create_app(
         show_error=True,
         mcp_server=config.mcp_server,
     )
-    return DemoApp(app, demo, backend, metrics, config, notice)
+    return DemoApp(app, demo, backend, metrics, config, notice, health)
+
+
+def quiet_matplotlib() -> None:
+    """Choose matplotlib's Agg backend once, if matplotlib is installed (the benchmark's plots use it).
+
+    Gradio wraps every call of an event, each streamed page update included, in a switch to Agg and back.
+    With matplotlib's default backend still undecided, the first such call resolves it by importing pyplot
+    (~0.5 s on the event loop, with hundreds of visitors waiting) and later calls check it again; chosen here,
+    each switch is a dictionary lookup."""
+    try:
+        import matplotlib
+    except ImportError:
+        return
+    matplotlib.use("agg")
 
 
 def cache_counts(backend: Backend) -> CacheCounts:
@@ -254,7 +271,7 @@ class _Build:
                 return
             self.demo_app = demo_app
         try:
-            self.switch.activate(demo_app.app)
+            self.switch.activate(demo_app.app, demo_app.health, inline=not demo_app.backend.remote)
         except Exception as err:
             log.exception("starting the page failed")
             self._fail(f"Cannot start the page: {type(err).__name__}: {err}")
