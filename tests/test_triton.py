@@ -10,16 +10,27 @@ import base64
 import dataclasses
 import io
 import json
+import re
 import socket
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
 import requests
-from support import door, start_triton, stop_triton
+from support import door, free_ports, running_app, start_app, start_triton, stop_app, stop_triton, wait_ready
 
-from vlm_demo.backends.triton import Endpoint, TritonBackend, to_demo_error
-from vlm_demo.config import Config
+from vlm_demo.backends.triton import (
+    Endpoint,
+    ModelInfo,
+    TritonBackend,
+    TritonStream,
+    read_counts,
+    read_event_counts,
+    to_demo_error,
+)
+from vlm_demo.config import TINY, Config
 from vlm_demo.engine.dynamic import DynamicEngine
 from vlm_demo.errors import (
     BackendTimeoutError,
@@ -32,7 +43,7 @@ from vlm_demo.errors import (
     UnsupportedError,
 )
 from vlm_demo.models.tiny import LONG_QUESTIONS, solid_image
-from vlm_demo.schema import Limits, SamplingParams, Turn
+from vlm_demo.schema import GenerationResult, Limits, SamplingParams, Turn
 from vlm_demo.triton import contract
 from vlm_demo.triton.contract import (
     ENSEMBLE_MODEL,
@@ -48,6 +59,7 @@ from vlm_demo.triton.handlers import (
     decode_infer_request,
     infer_outputs,
 )
+from vlm_demo.web.render import result_status
 
 GREEDY = SamplingParams(max_new_tokens=160, temperature=0.0)
 QUESTION = "What colour is this image?"
@@ -141,9 +153,58 @@ def test_infer_request_decoding_keeps_a_bad_row_apart():
     assert isinstance(error_from_text(out["ERROR"][0, 0].decode()), InvalidRequestError) and out["ERROR"][1, 0] == b""
 
 
-def _result(text: str):
-    from vlm_demo.schema import GenerationResult
+class StandInResult:
+    """A response as tritonclient hands it over: ``as_numpy`` by name, ``None`` for an output not sent."""
 
+    def __init__(self, arrays: dict[str, np.ndarray]) -> None:
+        self.arrays = arrays
+
+    def as_numpy(self, name: str) -> np.ndarray | None:
+        return self.arrays.get(name)
+
+
+def finished(outputs: dict[str, np.ndarray] | None = None, event: dict | None = None, wait_s: float = 0.0) -> str:
+    """The status line of an answer whose figures came as infer ``outputs`` or a generate ``event``."""
+    stream = TritonStream(5.0, lambda _: None)
+    time.sleep(wait_s)
+    stream.push("<CONCLUSION> The image is red. </CONCLUSION>")
+    if outputs is not None:
+        read_counts(stream, StandInResult(outputs))
+    if event is not None:
+        read_event_counts(stream, event)
+    stream.finish()
+    return result_status(stream.result(1))
+
+
+def test_the_triton_status_line_says_what_the_engine_measured_and_leaves_out_what_nobody_said():
+    """Issue 20 item 5: through Triton the line read "batch of 0 · 0 tokens · 0.0 tokens/s", or a rate over
+    the instant in which a whole (infer) answer arrived. Now: the served engine's batch size, tokens and
+    decoding time, read from either contract's outputs; a remote that does not say gets no batch and no rate."""
+    ran = GenerationResult("red", "stop", 3, 40, 61, 0.05, 0.1, 0.6)  # decoded 60 tokens in 0.5 s
+    outputs = infer_outputs([ran])
+    assert (outputs["BATCH_SIZE"][0, 0], outputs["DECODE_S"][0, 0]) == (3, np.float32(0.5))
+    event = {"text_output": "", "num_output_tokens": [61], "batch_size": [3], "queue_s": [0.05], "decode_s": [0.5]}
+    for status in (finished(outputs, wait_s=0.6), finished(event=event, wait_s=0.6)):
+        assert status.startswith("Done · batch of 3 · 61 tokens · 120.0 tokens/s · "), status
+    # An older server or a third-party model: counts at most, and the answer arrives at once.
+    for bare in ({"ANSWER": outputs["ANSWER"]}, {"COMPLETION_TOKENS": outputs["COMPLETION_TOKENS"]}):
+        status = finished(bare)
+        assert "batch" not in status and "tokens/s" not in status and " 0 tokens" not in status, status
+    assert finished(event={"text_output": "", "num_output_tokens": [61]}).startswith("Done · 61 tokens · 0.")
+    # Figures of a run longer than this request took: Triton's response cache replayed an earlier answer.
+    assert finished(outputs) == "Done · from the response cache · 61 tokens"
+
+
+def test_a_remote_model_that_names_the_tiny_one_gets_its_banner():
+    info = ModelInfo("generate", {"text_input": [1]}, ["text_output"], False, True, served_model=TINY)
+    url = "http://127.0.0.1:9"
+    assert "tiny offline test model" in (TritonBackend(Config(triton_url=url), Endpoint.parse(url), info).notice or "")
+    for other in (None, "Xkev/Llama-3.2V-11B-cot"):
+        plain = dataclasses.replace(info, served_model=other)
+        assert TritonBackend(Config(triton_url=url), Endpoint.parse(url), plain).notice is None
+
+
+def _result(text: str):
     return GenerationResult(text, "stop", 1, 3, 4, 0.0, 0.0, 0.0)
 
 
@@ -217,7 +278,28 @@ def test_triton_answers_equal_the_local_engine(server, engine, scheme, model):
         assert len(pieces) > 10  # streamed token by token, not one blob
     result = stream.result(1)
     assert result.completion_tokens > 0 and result.finish_reason == "stop"
+    assert result.batch_size >= 1 and result.decode_s > 0  # how the served engine ran it, as Triton returned it
+    assert "`--model tiny`" in (backend.notice or "")  # the served model's config says it is the tiny one
     assert backend.health().ready is True
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", [ENSEMBLE_MODEL, GENERATE_MODEL])
+def test_the_run_figures_are_optional_on_the_wire(server, model):
+    """Backward compatible both ways: a client that does not ask for BATCH_SIZE/QUEUE_S/DECODE_S (or set
+    return_run_stats), as an older one, still gets its answer; and where the model does not list them (an older
+    server, a third-party model) the status line leaves the batch and the rate out."""
+    full = backend_for(server, "http", model)
+    new = {"BATCH_SIZE", "QUEUE_S", "DECODE_S", "return_run_stats"}
+    inputs = {name: shape for name, shape in full.info.inputs.items() if name not in new}
+    info = dataclasses.replace(full.info, inputs=inputs, outputs=[n for n in full.info.outputs if n not in new])
+    result = TritonBackend(full.config, full.endpoint, info).submit(
+        door(solid_image("black", 36, 28), QUESTION, GREEDY)
+    )
+    result = result.result(60)
+    status = result_status(result)
+    assert "black" in result.text and (result.batch_size, result.decode_s) == (0, 0.0)
+    assert "batch" not in status and "tokens/s" not in status and f" {result.completion_tokens} tokens" in status
 
 
 @pytest.mark.slow
@@ -234,6 +316,7 @@ def test_think_harder_reaches_the_served_engine(server, worker, scheme, model):
         expected = local.generate(item)
         remote = backend_for(server, scheme, model).submit(item).result(120)
         assert remote.text == expected.text and expected.beam is not None and expected.beam.phase == "done"
+        assert not remote.cached and remote.batch_size >= 3, remote  # its figures are this run's
     finally:
         local.shutdown()
 
@@ -365,6 +448,69 @@ def test_cancel_stops_a_remote_stream(server):
     assert backend.health().queue_depth == 0
 
 
+def page_ask(url: str, image: str, question: str, streaming: threading.Event) -> list:
+    """One question through a replica's page API (``/gradio_api/call/ask``, the page's own backend path):
+    ``streaming`` is set once text arrives; returns the last outputs (panels, raw text, status, ...)."""
+    with open(image, "rb") as fh:
+        uploaded = requests.post(f"{url}/gradio_api/upload", files={"files": fh}, timeout=30).json()[0]
+    data = [{"path": uploaded, "meta": {"_type": "gradio.FileData"}}, question, 400, 0.0, 1.0]
+    event = requests.post(f"{url}/gradio_api/call/ask", json={"data": data}, timeout=30).json()["event_id"]
+    outputs: list = []
+    with requests.get(f"{url}/gradio_api/call/ask/{event}", stream=True, timeout=60) as response:
+        for line in response.iter_lines(decode_unicode=True):
+            if line.startswith("data:") and line[5:].strip() not in ("", "null"):
+                outputs = json.loads(line[5:])
+                if outputs[4]:  # the raw text
+                    streaming.set()
+    return outputs
+
+
+@pytest.mark.slow
+def test_two_web_replicas_share_one_served_engine_and_one_stopping_spares_the_other(server, tmp_path):
+    """Scale-out (README, "Scaling out"): two ``app.py --triton-url`` replicas in front of one served engine.
+
+    Three long answers streaming through each replica at once meet in the one engine: the status lines'
+    batch sizes (what Triton returns) exceed a replica's own three. SIGTERM to one replica while all six
+    stream leaves the other's three answers whole, each naming its own image's colour, and the other goes
+    on answering alone (batch of 1: nothing of the stopped replica's is left running in the engine).
+    """
+    flags = ["--triton-url", server["http"], "--triton-model", GENERATE_MODEL, "--response-cache-mb", "0"]
+    port = free_ports(1)[0]
+    stopped, doomed = start_app(port, *flags), f"http://127.0.0.1:{port}"
+    colours = ["red", "green", "blue", "yellow", "white", "black"]
+    images = {}
+    for i, colour in enumerate(colours):
+        images[colour] = str(tmp_path / f"{colour}.png")
+        solid_image(colour, 32 + 8 * (i % 3), 32).save(images[colour])
+    try:
+        with running_app(*flags) as kept, ThreadPoolExecutor(len(colours)) as pool:
+            wait_ready(stopped, doomed)
+            for url in (kept, doomed):
+                health = requests.get(url + "/health", timeout=5).json()
+                assert health["backend"] == "triton" and health["tiny_notice"], health  # the remote said: tiny
+            assert "examples_tiny" in requests.get(kept, timeout=10).text  # and the page offers its examples
+            jobs = []
+            for i, colour in enumerate(colours):
+                url, streaming = (kept, doomed)[i // 3], threading.Event()
+                job = pool.submit(page_ask, url, images[colour], LONG_QUESTIONS[i % 3], streaming)
+                jobs.append((colour, streaming, job))
+            assert all(streaming.wait(60) for _, streaming, _ in jobs), "an answer never started streaming"
+            ours = jobs[:3]
+            assert not any(job.done() for _, _, job in ours), "the answers ended before the replica was stopped"
+            assert "Traceback" not in stop_app(stopped).split("Shutting down")[0]  # SIGTERM while all of them stream
+            sizes = []
+            for colour, _, job in ours:
+                status, conclusion = job.result(60)[5], job.result()[3]
+                assert status.startswith("Done") and colour in conclusion, (status, conclusion)
+                sizes.append(int(re.search(r"batch of (\d+)", status).group(1)))
+            assert max(sizes) > len(ours), f"the two replicas' requests never shared a batch: {sizes}"
+            alone = page_ask(kept, images["red"], "What colour is this image?", threading.Event())
+            assert alone[5].startswith("Done · batch of 1 ·") and "red" in alone[3], alone[5]
+    finally:
+        if stopped.poll() is None:
+            stop_app(stopped)
+
+
 @pytest.mark.slow
 def test_stopped_server_gives_a_clear_error_quickly(server):
     """Runs last: a backend connected while the server was up gets 'unreachable' once it is stopped."""
@@ -386,8 +532,6 @@ def test_many_waiting_requests_are_refused_not_queued_forever():
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     listener.listen(16)  # accepts connections, never answers: requests sit in flight until the timeout
-    from vlm_demo.backends.triton import ModelInfo
-
     url = f"http://127.0.0.1:{listener.getsockname()[1]}"
     config = Config(triton_url=url, triton_model=ENSEMBLE_MODEL, triton_timeout=1.0, max_queue=2)
     info = ModelInfo("infer", {"IMAGE": [-1, -1, -1, 3], "QUESTION": [-1, 1]}, ["ANSWER"], True, False)

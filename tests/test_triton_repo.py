@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import types
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from vlm_demo.errors import InvalidRequestError
 from vlm_demo.models.tiny import solid_image
 from vlm_demo.schema import SamplingParams
 from vlm_demo.triton.contract import ENSEMBLE_MODEL, GENERATE_MODEL, chat_prompt, error_from_text
+from vlm_demo.triton.serve import local_copy_of_repository
 
 REPO = Path(__file__).resolve().parent.parent / "vlm_demo" / "triton" / "repo"
 GREEDY = SamplingParams(max_new_tokens=160, temperature=0.0)
@@ -126,6 +128,7 @@ def test_ensemble_model_py_answers_a_batch_and_isolates_a_bad_request(engine):
     for (colour, question), response in zip(good, [responses[0], responses[2]], strict=True):
         expected = engine.generate(door(solid_image(colour, 24, 24), question, GREEDY)).text
         assert response.outputs["ANSWER"][0, 0].decode() == expected and response.outputs["ERROR"][0, 0] == b""
+        assert response.outputs["BATCH_SIZE"][0, 0] == 2 and response.outputs["DECODE_S"][0, 0] > 0
 
 
 def _generate_request(question: str, **extra) -> dict[str, np.ndarray]:
@@ -163,6 +166,16 @@ def test_generate_model_py_streams_stops_on_cancel_and_reports_errors(engine):
     assert flags == FINAL and isinstance(error_from_text(response.error), InvalidRequestError)
 
 
+def test_the_local_copy_names_the_model_and_moves_gpu_instances_to_the_cpu(tmp_path):
+    copy = Path(local_copy_of_repository(str(REPO), str(tmp_path), "tiny", cpu=True))
+    for model in (ENSEMBLE_MODEL, GENERATE_MODEL):
+        text = (copy / model / "config.pbtxt").read_text()
+        assert 'key: "model" value: { string_value: "tiny" }' in text and "Xkev" not in text
+        assert not re.search(r"^\s*(kind: KIND_GPU|gpus:)", text, re.M) and "kind: KIND_CPU" in text
+    kept = Path(local_copy_of_repository(str(REPO), str(tmp_path / "as_is"), None, cpu=False))
+    assert (kept / ENSEMBLE_MODEL / "config.pbtxt").read_text() == (REPO / ENSEMBLE_MODEL / "config.pbtxt").read_text()
+
+
 @pytest.mark.slow
 def test_real_tritonserver_serves_the_repository(tiny_dir, tmp_path, engine):
     """The shipped config.pbtxt files load in a real tritonserver and both contracts answer like the engine."""
@@ -173,6 +186,8 @@ def test_real_tritonserver_serves_the_repository(tiny_dir, tmp_path, engine):
         expected = engine.generate(door(image, "What colour is it?", GREEDY)).text
         for url, model in ((f"http://127.0.0.1:{http}", ENSEMBLE_MODEL), (f"grpc://127.0.0.1:{grpc}", GENERATE_MODEL)):
             backend = TritonBackend.from_config(Config(triton_url=url, triton_model=model, triton_timeout=60))
-            assert backend.submit(door(image, "What colour is it?", GREEDY)).result(90).text == expected
+            result = backend.submit(door(image, "What colour is it?", GREEDY)).result(90)
+            assert result.text == expected and result.batch_size == 1 and result.decode_s > 0
+            assert "`--model tiny`" in (backend.notice or "")  # --model reached the config's model parameter
     finally:
         stop_triton(proc, http)

@@ -139,10 +139,14 @@ class GenerationResult:
     beam: BeamView | None = None  # a stage-beam search's candidates and winners, stage by stage
     cut_stage: str | None = None  # the stage cut short to leave room for the CONCLUSION (finish "length")
     cached: bool = False  # replayed from the response cache (the same deterministic request ran before)
+    # Seconds spent decoding after the first token, where the engine that measured them is not the one that
+    # set ttft_s and total_s (a remote one: its own figure, 0 when it did not report one); None: total - ttft.
+    decode_s: float | None = None
 
     @property
     def tokens_per_s(self) -> float:
-        decode = self.total_s - self.ttft_s
+        """Decoding speed after the first token; 0.0 when there is none to tell (one token, or not reported)."""
+        decode = self.total_s - self.ttft_s if self.decode_s is None else self.decode_s
         return (self.completion_tokens - 1) / decode if decode > 0 and self.completion_tokens > 1 else 0.0
 
 

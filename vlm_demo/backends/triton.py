@@ -5,11 +5,16 @@ Two contracts are spoken (``--triton-protocol auto`` picks one from the model's 
 * ``infer`` — the ensemble contract of the design documents: ``IMAGE`` UINT8 ``[H,W,3]`` (plus a batch
   dimension when the model batches) and ``QUESTION`` BYTES in, ``ANSWER`` BYTES out. Optional extra inputs
   (``max_new_tokens``, ``temperature``, ``top_p``, ``seed``) and outputs (``FINISH_REASON``, ``PROMPT_TOKENS``,
-  ``COMPLETION_TOKENS``, ``ERROR``) are used only when the model lists them, so any server with the bare
-  contract works.
+  ``COMPLETION_TOKENS``, ``BATCH_SIZE``, ``QUEUE_S``, ``DECODE_S``, ``ERROR``) are used only when the model
+  lists them, so any server with the bare contract works.
 * ``generate`` — Triton's vLLM backend: ``text_input`` (chat-templated prompt), ``image`` (base64 of an image
   file), ``stream``, ``sampling_parameters`` (JSON), ``exclude_input_in_output`` → ``text_output``, streamed
-  over gRPC (decoupled) or HTTP ``/generate_stream`` (server-sent events).
+  over gRPC (decoupled) or HTTP ``/generate_stream`` (server-sent events); the ``return_*`` flags the model
+  lists are set, so the final response carries the counts (and, from our server, how the engine ran it).
+
+The status line reports what the remote engine measured (batch size, tokens, decoding time); what a remote
+does not report is left out rather than guessed from this side's clock. A model whose config names the tiny
+model (``parameters { key: "model" ... }``) gets the tiny model's banner.
 
 Every call runs in its own thread and hands text to the caller through a thread-safe queue; a deadline
 timer fails the request with :class:`BackendTimeoutError` and aborts the remote call, so nothing waits
@@ -44,6 +49,7 @@ from vlm_demo.errors import (
     RequestCancelledError,
     UnsupportedError,
 )
+from vlm_demo.models.choice import remote_notice
 from vlm_demo.schema import STAGE_BEAM, ClientSlots, GenerationResult, LoadProgress, SamplingParams, Turn, ValidRequest
 from vlm_demo.stream import Listener, OutputStream, run_all
 from vlm_demo.triton import contract
@@ -131,8 +137,12 @@ class TritonStream(OutputStream):
         self.submitted = time.monotonic()
         self.first_token: float | None = None
         self.text = ""
+        # What the remote reports (0: it did not): counts, and how its engine ran the request.
         self.prompt_tokens = 0
         self.completion_tokens = 0
+        self.batch_size = 0
+        self.queue_s = 0.0
+        self.decode_s = 0.0  # its decoding seconds after the first token: the span of an honest tokens/s
         self.remote_reason: str | None = None  # the finish reason the remote reported, once it did
         self._timeout = timeout
         self._abort: Callable[[], None] | None = None
@@ -155,6 +165,15 @@ class TritonStream(OutputStream):
         if ended and self._error is not None:
             self._run_abort()
 
+    def report(self, name: str, value: Any) -> None:
+        """Record a figure the remote reported under either contract's ``name`` (see :data:`REPORTED`);
+        completion tokens add up, as vLLM streams a count with each response."""
+        field = REPORTED[name]
+        if field == "completion_tokens":
+            self.completion_tokens += int(value)
+        else:
+            setattr(self, field, float(value) if field.endswith("_s") else int(value))
+
     def push(self, delta: str) -> None:
         if not delta or self.done:
             return
@@ -165,16 +184,21 @@ class TritonStream(OutputStream):
 
     def finish(self, reason: str = "stop") -> bool:
         now = time.monotonic()
+        total = now - self.submitted
         return self._end(
             GenerationResult(
                 text=self.text,
                 finish_reason=reason,
-                batch_size=0,  # the remote does not say how it batched
+                batch_size=self.batch_size,
                 prompt_tokens=self.prompt_tokens,
                 completion_tokens=self.completion_tokens,
-                queue_s=0.0,
+                queue_s=self.queue_s,
                 ttft_s=(self.first_token or now) - self.submitted,
-                total_s=now - self.submitted,
+                total_s=total,
+                decode_s=self.decode_s,  # the remote engine's; this side's clock saw pieces arrive, not decoding
+                # An engine that ran longer than this request took end to end did not run it: Triton's
+                # response cache replayed an earlier answer with that run's figures.
+                cached=self.queue_s + self.decode_s > total,
             ),
             None,
         )
@@ -210,6 +234,7 @@ class ModelInfo:
     outputs: list[str]
     batched: bool  # IMAGE carries a leading batch dimension (max_batch_size > 0)
     decoupled: bool
+    served_model: str | None = None  # what the config's "model" parameter says the engine runs, if it says
 
 
 class TritonBackend:
@@ -223,7 +248,7 @@ class TritonBackend:
         self.endpoint = endpoint
         self.info = info
         self.model = f"{config.triton_model} @ {endpoint.url}"
-        self.notice: str | None = None  # the page's banner when the remote model is not the real one
+        self.notice = remote_notice(info.served_model, endpoint.url)  # the page's banner for the tiny model
         generate = info.protocol == "generate"  # the prompt is ours to write, and our server reads the rest
         self.features = Features(
             stage_beam=generate or "reasoning" in info.inputs, history=generate or contract.HISTORY in info.inputs
@@ -422,7 +447,7 @@ class TritonBackend:
         answer = result.as_numpy(contract.ANSWER)
         if answer is not None and answer.size:
             stream.push(_text(answer))
-        _read_counts(stream, result)
+        read_counts(stream, result)
 
     def _finish_infer(self, stream: TritonStream, result: Any) -> None:
         error = result.as_numpy(contract.ERROR) if contract.ERROR in self.info.outputs else None
@@ -433,7 +458,7 @@ class TritonBackend:
         answer = result.as_numpy(contract.ANSWER)
         if answer is None:
             raise GenerationError(f"Triton model '{self.config.triton_model}' returned no ANSWER.")
-        _read_counts(stream, result)
+        read_counts(stream, result)
         stream.push(_text(answer))
         reason = result.as_numpy("FINISH_REASON")
         stream.finish(_text(reason) if reason is not None and reason.size else "stop")
@@ -488,7 +513,7 @@ class TritonBackend:
         text = result.as_numpy(contract.TEXT_OUTPUT)
         if text is not None and text.size:
             stream.push(_text(text))
-        _read_counts(stream, result)
+        read_counts(stream, result)
 
     def _generate_sse(self, stream: TritonStream, values: dict[str, Any]) -> None:
         """POST to ``/generate_stream`` and read server-sent events; an error may arrive mid-stream (HTTP 200)."""
@@ -513,7 +538,7 @@ class TritonBackend:
                     message = str(event["error"])
                     raise error_from_text(message) or GenerationError(f"Triton model failed: {_short(message)}")
                 stream.push(_event_text(event.get(contract.TEXT_OUTPUT, "")))
-                _read_event_counts(stream, event)
+                read_event_counts(stream, event)
         stream.finish(stream.remote_reason or "stop")
 
     # -- gRPC streaming (decoupled models, both contracts) --
@@ -559,28 +584,37 @@ class TritonBackend:
             client.close()
 
 
-def _read_counts(stream: TritonStream, result: Any) -> None:
-    """Pick up the optional token counts and finish reason whichever contract's names the remote uses."""
-    for name, attr in (
-        ("PROMPT_TOKENS", "prompt_tokens"),
-        ("COMPLETION_TOKENS", "completion_tokens"),
-        ("num_input_tokens", "prompt_tokens"),
-        ("num_output_tokens", "completion_tokens"),
-    ):
+# The optional figures a remote may report, by the names of either contract -> the TritonStream field.
+REPORTED = {
+    "PROMPT_TOKENS": "prompt_tokens",
+    "COMPLETION_TOKENS": "completion_tokens",
+    "BATCH_SIZE": "batch_size",
+    "QUEUE_S": "queue_s",
+    "DECODE_S": "decode_s",
+    "num_input_tokens": "prompt_tokens",
+    "num_output_tokens": "completion_tokens",
+    "batch_size": "batch_size",
+    "queue_s": "queue_s",
+    "decode_s": "decode_s",
+}
+
+
+def read_counts(stream: TritonStream, result: Any) -> None:
+    """Pick up the optional figures and finish reason whichever contract's names the remote uses."""
+    for name in REPORTED:
         value = _maybe_output(result, name)
         if value is not None and value.size:
-            count = int(value.reshape(-1)[0])
-            setattr(stream, attr, count if attr == "prompt_tokens" else getattr(stream, attr) + count)
+            stream.report(name, value.reshape(-1)[0])
     reason = _maybe_output(result, "finish_reason")
     if reason is not None and reason.size and _text(reason):
         stream.remote_reason = _finish_reason(_text(reason))
 
 
-def _read_event_counts(stream: TritonStream, event: dict[str, Any]) -> None:
-    if "num_input_tokens" in event:
-        stream.prompt_tokens = int(_first(event["num_input_tokens"]))
-    if "num_output_tokens" in event:
-        stream.completion_tokens += int(_first(event["num_output_tokens"]))
+def read_event_counts(stream: TritonStream, event: dict[str, Any]) -> None:
+    """The same from a ``generate_stream`` event (its outputs are JSON keys)."""
+    for name in REPORTED:
+        if name in event:
+            stream.report(name, _first(event[name]))
     if event.get("finish_reason"):
         stream.remote_reason = _finish_reason(str(_first(event["finish_reason"])))
 
@@ -784,4 +818,11 @@ def inspect_model(endpoint: Endpoint, model: str, protocol: str, timeout: float)
             f"Triton model '{model}' is decoupled (streaming); Triton streams it only over gRPC: use --triton-url grpc://..."
         )
     batched = protocol == "infer" and len(inputs[contract.IMAGE]) == 4
-    return ModelInfo(protocol, inputs, outputs, batched, decoupled)
+    return ModelInfo(protocol, inputs, outputs, batched, decoupled, _parameter(config, contract.MODEL_PARAMETER))
+
+
+def _parameter(config: Any, name: str) -> str | None:
+    """A model-config parameter's string value, as both transports' JSON config gives it; ``None`` if absent."""
+    parameters = config.get("parameters") if isinstance(config, dict) else None
+    value = parameters.get(name) if isinstance(parameters, dict) else None
+    return value.get("string_value") if isinstance(value, dict) else None

@@ -10,7 +10,7 @@ import dataclasses
 import logging
 import os
 
-from vlm_demo.config import TINY, Config
+from vlm_demo.config import DEFAULT_MODEL, TINY, Config
 
 log = logging.getLogger(__name__)
 
@@ -66,8 +66,22 @@ def choose_model(config: Config, cuda: bool | None = None) -> tuple[Config, str 
         )
         return dataclasses.replace(config, model=TINY), notice
     if config.model == TINY:
-        return config, (
-            "**⚠ This page runs the tiny offline test model** (`--model tiny`): it only knows solid-colour "
-            "images.\n\n" + REAL_MODEL_HINT
-        )
+        return config, tiny_notice("`--model tiny`", REAL_MODEL_HINT)
     return config, None
+
+
+def tiny_notice(how: str, hint: str) -> str:
+    """The banner for the tiny model: ``how`` it came to run, ``hint`` how to run the real one."""
+    return f"**⚠ This page runs the tiny offline test model** ({how}): it only knows solid-colour images.\n\n{hint}"
+
+
+def remote_notice(served_model: str | None, url: str) -> str | None:
+    """The banner for a remote (Triton) model that says which model it runs: the tiny one's, else none (a
+    model that does not say, such as a third-party one, is taken to be the real thing)."""
+    if served_model != TINY:
+        return None
+    hint = (
+        "To run the real model, start the Triton server on a machine with a CUDA GPU (40 GB or more for bf16, "
+        f"see the README): `python -m vlm_demo.triton.serve --model {DEFAULT_MODEL}`."
+    )
+    return tiny_notice(f"the Triton server at {url} runs `--model tiny`", hint)

@@ -5,9 +5,14 @@ Two contracts:
 
 * **infer** (``llama_3_2v_11b_cot_ensemble``): ``IMAGE`` UINT8 ``[H,W,3]`` (plus a batch dimension when
   the model batches) and ``QUESTION`` BYTES in, ``ANSWER`` BYTES out; optional sampling inputs and
-  optional outputs (finish reason, token counts, a per-request ``ERROR``).
+  optional outputs (finish reason, token counts, how the engine ran it, a per-request ``ERROR``).
 * **generate** (Triton's vLLM backend, decoupled): ``text_input`` (the chat-templated prompt), ``image``
-  (base64 of an image file), ``sampling_parameters`` (JSON) and flags → ``text_output`` pieces.
+  (base64 of an image file), ``sampling_parameters`` (JSON) and flags → ``text_output`` pieces; the
+  ``return_*`` flags ask for the final counts (vLLM's) and how the engine ran it (ours).
+
+Every addition is optional on both sides: a client asks only for what the model's metadata lists, and a
+server sends the extras only when asked, so older clients and servers (and third-party models) still work.
+Our servers also say which model they run in the model config's ``parameters`` (:data:`MODEL_PARAMETER`).
 
 Servers in this package report a request's typed error as ``vlm_demo[code]: message`` (inside Triton's
 error text or the ``ERROR`` output), so the client raises the same error class the engine did.
@@ -37,6 +42,9 @@ from vlm_demo.errors import (
 
 ENSEMBLE_MODEL = "llama_3_2v_11b_cot_ensemble"
 GENERATE_MODEL = "vllm_model"
+# The model-config parameter naming the model the engine runs (``parameters { key: "model" ... }``, as the
+# repository's config.pbtxt files set it): "tiny" makes the page show the tiny model's banner and examples.
+MODEL_PARAMETER = "model"
 
 # ---- infer contract ----------------------------------------------------------------------------------
 IMAGE, QUESTION, ANSWER, ERROR = "IMAGE", "QUESTION", "ANSWER", "ERROR"
@@ -53,11 +61,17 @@ SAMPLING_INPUTS: dict[str, tuple[type, str]] = {
 HISTORY = "HISTORY"
 INFER_INPUTS = (IMAGE, QUESTION, HISTORY, *SAMPLING_INPUTS)
 # Outputs: name -> numpy dtype; all but ANSWER are optional for a client (used when the model lists them).
+# BATCH_SIZE, QUEUE_S and DECODE_S say how the engine ran the request (the page's status line): the most rows
+# it shared a batch with, seconds in the engine's queue, and seconds decoding after its first token, the
+# span its tokens/s is measured over (a client's own clock sees the whole answer arrive at once).
 INFER_OUTPUT_TYPES: dict[str, type] = {
     ANSWER: np.object_,
     "FINISH_REASON": np.object_,
     "PROMPT_TOKENS": np.int32,
     "COMPLETION_TOKENS": np.int32,
+    "BATCH_SIZE": np.int32,
+    "QUEUE_S": np.float32,
+    "DECODE_S": np.float32,
     ERROR: np.object_,
 }
 INFER_OUTPUTS = tuple(INFER_OUTPUT_TYPES)
@@ -70,6 +84,7 @@ GENERATE_FLAGS = (
     "return_finish_reason",
     "return_num_input_tokens",
     "return_num_output_tokens",
+    "return_run_stats",  # ours, not vLLM's: batch_size, queue_s and decode_s, as the infer outputs above
 )
 GENERATE_INPUTS = (TEXT_INPUT, IMAGE_INPUT, SAMPLING_PARAMETERS, *GENERATE_FLAGS)
 GENERATE_OUTPUT_TYPES: dict[str, type] = {
@@ -77,6 +92,9 @@ GENERATE_OUTPUT_TYPES: dict[str, type] = {
     "finish_reason": np.object_,
     "num_input_tokens": np.uint32,
     "num_output_tokens": np.uint32,
+    "batch_size": np.uint32,
+    "queue_s": np.float32,
+    "decode_s": np.float32,
 }
 GENERATE_OUTPUTS = tuple(GENERATE_OUTPUT_TYPES)
 

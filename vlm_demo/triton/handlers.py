@@ -108,29 +108,33 @@ def _history(inputs: dict[str, np.ndarray], row: int) -> Any:
         raise InvalidRequestError(f"HISTORY is not valid JSON: {exc}") from None
 
 
+def run_stats(result: GenerationResult) -> tuple[int, float, float]:
+    """How the engine ran a request: the batch size, its queue seconds and its decoding seconds."""
+    return result.batch_size, result.queue_s, max(0.0, result.total_s - result.ttft_s)
+
+
 def infer_outputs(results: Sequence[GenerationResult | DemoError]) -> dict[str, np.ndarray]:
     """The outputs for a request's rows, each ``[rows, 1]``; failed rows get an empty ANSWER and an ERROR."""
-    answers, reasons, prompt, completion, errors = [], [], [], [], []
+    columns: dict[str, list[Any]] = {name: [] for name in contract.INFER_OUTPUTS}
     for result in results:
-        if isinstance(result, DemoError):
-            answers.append(b"")
-            reasons.append(result.code.encode())
-            prompt.append(0)
-            completion.append(0)
-            errors.append(error_text(result).encode("utf-8"))
-        else:
-            answers.append(result.text.encode("utf-8"))
-            reasons.append(result.finish_reason.encode())
-            prompt.append(result.prompt_tokens)
-            completion.append(result.completion_tokens)
-            errors.append(b"")
-    column = (len(results), 1)
+        failed = isinstance(result, DemoError)
+        batch, queue_s, decode_s = (0, 0.0, 0.0) if failed else run_stats(result)
+        row = {
+            contract.ANSWER: b"" if failed else result.text.encode("utf-8"),
+            "FINISH_REASON": (result.code if failed else result.finish_reason).encode(),
+            "PROMPT_TOKENS": 0 if failed else result.prompt_tokens,
+            "COMPLETION_TOKENS": 0 if failed else result.completion_tokens,
+            "BATCH_SIZE": batch,
+            "QUEUE_S": queue_s,
+            "DECODE_S": decode_s,
+            contract.ERROR: error_text(result).encode("utf-8") if failed else b"",
+        }
+        for name, value in row.items():
+            columns[name].append(value)
+    shape = (len(results), 1)
     return {
-        contract.ANSWER: np.array(answers, dtype=np.object_).reshape(column),
-        "FINISH_REASON": np.array(reasons, dtype=np.object_).reshape(column),
-        "PROMPT_TOKENS": np.array(prompt, dtype=np.int32).reshape(column),
-        "COMPLETION_TOKENS": np.array(completion, dtype=np.int32).reshape(column),
-        contract.ERROR: np.array(errors, dtype=np.object_).reshape(column),
+        name: np.array(values, dtype=contract.INFER_OUTPUT_TYPES[name]).reshape(shape)
+        for name, values in columns.items()
     }
 
 
@@ -168,6 +172,7 @@ class GenerateCall:
     return_finish_reason: bool
     return_num_input_tokens: bool
     return_num_output_tokens: bool
+    return_run_stats: bool
 
 
 def _flag(inputs: dict[str, np.ndarray], parameters: dict[str, Any], name: str) -> bool | None:
@@ -232,6 +237,7 @@ def decode_generate_request(
         return_finish_reason=bool(_flag(inputs, parameters, "return_finish_reason")),
         return_num_input_tokens=bool(_flag(inputs, parameters, "return_num_input_tokens")),
         return_num_output_tokens=bool(_flag(inputs, parameters, "return_num_output_tokens")),
+        return_run_stats=bool(_flag(inputs, parameters, "return_run_stats")),
     )
 
 
@@ -265,6 +271,9 @@ def generate_responses(engine: Engine, call: GenerateCall) -> Iterator[dict[str,
         final["num_input_tokens"] = np.array([result.prompt_tokens], dtype=np.uint32)
     if call.return_num_output_tokens:
         final["num_output_tokens"] = np.array([result.completion_tokens], dtype=np.uint32)
+    if call.return_run_stats:
+        for name, value in zip(("batch_size", "queue_s", "decode_s"), run_stats(result), strict=True):
+            final[name] = np.array([value], dtype=contract.GENERATE_OUTPUT_TYPES[name])
     if final:
         final.update(_text_output(""))
         yield final

@@ -153,6 +153,18 @@ def bind_models(triton: Any, engine: Engine, config: Config) -> None:
         outputs=[Tensor(name=n, dtype=_wire(t), shape=(-1,)) for n, t in contract.GENERATE_OUTPUT_TYPES.items()],
         config=ModelConfig(batching=False, decoupled=True),
     )
+    name_the_model(triton, config.model)
+
+
+def name_the_model(triton: Any, model: str) -> None:
+    """Put ``parameters { key: "model" ... }`` in every bound model's config, as the repository's config.pbtxt
+    files have it, so a client can tell which model answers (the tiny one gets the page's tiny banner).
+
+    PyTriton's ``ModelConfig`` has no parameters: this adds one to the config it generates (its
+    ``backend_parameters``), which must happen before the models load, i.e. before the server starts.
+    """
+    for bound in triton._model_manager.models:
+        bound._get_triton_model_config().backend_parameters[contract.MODEL_PARAMETER] = model
 
 
 def triton_config_for(
@@ -211,26 +223,30 @@ def serve(config: Config, http_port: int, grpc_port: int, metrics_port: int, hos
     from vlm_demo.engine import make_engine
 
     engine = make_engine(config)
-    triton_config = triton_config_for(config, http_port, grpc_port, metrics_port, host)
+    triton = Triton(
+        config=triton_config_for(config, http_port, grpc_port, metrics_port, host), security_config=_security()
+    )
     try:
-        with Triton(config=triton_config, security_config=_security()) as triton:
-            bind_models(triton, engine, config)
-            log.info(
-                "Triton serving %s and %s on http://%s:%d and grpc://%s:%d",
-                ENSEMBLE_MODEL,
-                GENERATE_MODEL,
-                host,
-                http_port,
-                host,
-                grpc_port,
-            )
-            triton.serve()
+        bind_models(triton, engine, config)  # before the server starts: the models load with their parameters
+        log.info(
+            "Triton starting to serve %s and %s on http://%s:%d and grpc://%s:%d",
+            ENSEMBLE_MODEL,
+            GENERATE_MODEL,
+            host,
+            http_port,
+            host,
+            grpc_port,
+        )
+        triton.serve()  # starts tritonserver, loads the bound models, blocks until SIGTERM/SIGINT
     finally:
+        triton.stop()
         engine.shutdown()
 
 
-def cpu_copy_of_repository(repository: str, into: str) -> str:
-    """A copy of ``repository`` whose GPU instance groups run on the CPU (for machines without a GPU)."""
+def local_copy_of_repository(repository: str, into: str, model: str | None, cpu: bool) -> str:
+    """A copy of ``repository`` to serve here: each model's ``model`` parameter set to ``model`` (an explicit
+    ``--model``; clients read the parameter to learn which model answers), and with ``cpu`` its GPU instance
+    groups run on the CPU (machines without a GPU)."""
     import re
     import shutil
 
@@ -241,8 +257,12 @@ def cpu_copy_of_repository(repository: str, into: str) -> str:
         if os.path.exists(path):
             with open(path) as f:
                 text = f.read()
-            text = re.sub(r"kind:\s*KIND_GPU", "kind: KIND_CPU", text)
-            text = re.sub(r"\n\s*gpus:\s*\[[^\]]*\]", "", text)
+            if model is not None:
+                named = r'(key:\s*"' + contract.MODEL_PARAMETER + r'"\s*value:\s*\{\s*string_value:\s*")[^"]*"'
+                text = re.sub(named, lambda found: found.group(1) + model + '"', text)
+            if cpu:
+                text = re.sub(r"kind:\s*KIND_GPU", "kind: KIND_CPU", text)
+                text = re.sub(r"\n\s*gpus:\s*\[[^\]]*\]", "", text)
             with open(path, "w") as f:
                 f.write(text)
     return target
@@ -253,8 +273,9 @@ def serve_repository(
 ) -> None:
     """Serve a classic model repository (``vlm_demo/triton/repo``) with the bundled tritonserver, no Docker.
 
-    The Python-backend stubs inherit this environment: ``PYTHONPATH`` gets this package, and an explicit
-    ``--model`` reaches ``model.py`` as ``VLM_MODEL`` (overriding ``config.pbtxt``).
+    It serves a copy (:func:`local_copy_of_repository`): an explicit ``--model`` replaces the ``model``
+    parameters, and without a GPU the instances run on the CPU. The Python-backend stubs inherit this
+    environment: ``PYTHONPATH`` gets this package, and an explicit ``--model`` is also ``VLM_MODEL``.
     """
     import tempfile
 
@@ -263,14 +284,15 @@ def serve_repository(
 
     package_parent = REPO_ROOT
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (package_parent, os.environ.get("PYTHONPATH", "")) if p)
-    if config.model_explicit:
+    if config.model_explicit:  # also for a config.pbtxt without a model parameter
         os.environ["VLM_MODEL"] = config.model
     if config.tiny_dir:
         os.environ["VLM_TINY_DIR"] = config.tiny_dir
+    cpu = not torch.cuda.is_available()
+    if cpu:
+        log.warning("no GPU: running the repository's KIND_GPU instances on the CPU")
     with tempfile.TemporaryDirectory() as scratch:
-        if not torch.cuda.is_available():
-            log.warning("no GPU: running the repository's KIND_GPU instances on the CPU")
-            repository = cpu_copy_of_repository(repository, scratch)
+        repository = local_copy_of_repository(repository, scratch, config.model if config.model_explicit else None, cpu)
         triton_config = triton_config_for(config, http_port, grpc_port, metrics_port, host, repository)
         with Triton(config=triton_config, security_config=_security()) as triton:
             log.info("Triton serving %s on http://%s:%d and grpc://%s:%d", repository, host, http_port, host, grpc_port)

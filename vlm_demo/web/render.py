@@ -83,7 +83,8 @@ def tracker_html(
 
 def result_status(result: GenerationResult, stages: Stages | None = None, beams: int = 0) -> str:
     """The status line for a finished answer: how it ended, how it ran (batch size; with a stage-beam
-    search's ``beams``, how many of the batch's rows were this answer's candidates) and how fast."""
+    search's ``beams``, how many of the batch's rows were this answer's candidates) and how fast. What the
+    backend could not tell (a remote that reports no batch size, token count or decoding time) is left out."""
     if result.finish_reason == "length" and result.cut_stage == "conclusion":
         head = "Stopped at the max new tokens limit · the CONCLUSION was closed with the last tokens"
     elif result.finish_reason == "length" and result.cut_stage:
@@ -99,16 +100,17 @@ def result_status(result: GenerationResult, stages: Stages | None = None, beams:
         head = "Done"
     if result.cached:  # replayed: there was no batch and no decoding to report
         return " · ".join([head, "from the response cache", f"{result.completion_tokens} tokens"])
-    batch = f"batch of {result.batch_size}"
-    if beams:
-        batch = f"your {beams} candidates in a batch of {plural(result.batch_size, 'row')}"
-    parts = [
-        head,
-        batch,
-        f"{result.completion_tokens} tokens",
-        f"{result.tokens_per_s:.1f} tokens/s",
-        f"{result.total_s:.2f} s",
-    ]
+    parts = [head]
+    if result.batch_size > 0:
+        batch = f"batch of {result.batch_size}"
+        if beams:
+            batch = f"your {beams} candidates in a batch of {plural(result.batch_size, 'row')}"
+        parts.append(batch)
+    if result.completion_tokens > 0:
+        parts.append(f"{result.completion_tokens} tokens")
+    if result.tokens_per_s > 0:
+        parts.append(f"{result.tokens_per_s:.1f} tokens/s")
+    parts.append(f"{result.total_s:.2f} s")
     if result.queue_s >= 0.05:
         parts.append(f"waited {result.queue_s:.2f} s")
     return " · ".join(parts)
