@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from support import door, metric, running_app
@@ -176,3 +177,31 @@ def test_through_the_app_clients_are_told_apart_capped_and_repeats_come_from_the
         assert metric(url, 'vlm_cache_requests_total{cache="response",result="hit"}') == hits + 1
         assert metric(url, "vlm_vision_encodes_total") >= 1
         assert metric(url, 'vlm_requests_total{outcome="too_many_requests"}') == 1
+
+
+@pytest.mark.slow
+def test_through_the_app_a_flooding_address_does_not_hold_another_back() -> None:
+    """One address sends 16 long answers at once through Gradio's HTTP API (as a script would): the excess
+    over its cap is refused at once with the reason, and a short question from another address, asked while
+    the flooder's answers fill every row, is answered before the flooder's queue has drained: it does not
+    wait behind the flooder (as it did when Gradio's own first-come queue held the requests)."""
+    from vlm_demo.tools.bench_fair import ask_over_http, png, running
+
+    with running_app("--max-batch-size", "2", "--max-per-client", "6") as url:
+        with ThreadPoolExecutor(16) as pool:
+            flood = [
+                pool.submit(ask_over_http, url, png("green", 60 + i), "Describe this picture in detail.", 300, "203.0.113.7")
+                for i in range(16)
+            ]  # fmt: skip
+            deadline = time.monotonic() + 60
+            while running(url) < 2 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            visitor = ask_over_http(url, png("blue"), "What colour is this image?", 160, "198.51.100.9")
+            answers = [f.result(timeout=300) for f in flood]
+    refused = [a for a in answers if not a.ok]
+    assert len(refused) == 10 and all("You already have 6 answers in progress" in a.said for a in refused), refused
+    answered = [a for a in answers if a.ok]
+    assert len(answered) == 6 and all("green" in a.said for a in answered)
+    assert visitor.ok and "blue" in visitor.said, visitor
+    after = sum(a.ended > visitor.ended for a in answered)
+    assert after >= 3, f"the visitor waited behind the flooder: only {after} of its 6 answers ended later"

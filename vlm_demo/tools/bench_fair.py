@@ -8,18 +8,25 @@
    (every judge call would otherwise run the vision tower again), and the vision-tower runs counted.
 3. *Response cache*: the same greedy request twice through the response cache.
 
-Medians over ``--repeats``; the engine runs in this process (continuous batching).
+Medians over ``--repeats``; the engine runs in this process (continuous batching). ``--through-app`` runs the
+flood through the running web app instead (``app.py``, its default per-client cap), as two addresses would
+(``X-Forwarded-For`` from the loopback proxy uvicorn trusts) over Gradio's HTTP API: the flooder's excess
+is refused at once, and the visitor's latency is measured against the same question on the idle app.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import io
 import json
 import logging
 import statistics
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
+
+import requests
 
 from vlm_demo.backends.cache import CachingBackend
 from vlm_demo.backends.local import LocalBackend
@@ -66,6 +73,91 @@ def flood(worker: Worker, rows: int, flood_size: int, long_tokens: int, fair: bo
         engine.shutdown()
 
 
+@dataclasses.dataclass
+class Asked:
+    """One question over Gradio's HTTP API: how it ended, its CONCLUSION or error, and when it ended."""
+
+    ok: bool
+    said: str  # the CONCLUSION, or the error's message
+    ended: float  # time.monotonic() when the last event arrived
+
+
+def ask_over_http(url: str, image_png: bytes, question: str, tokens: int, address: str) -> Asked:
+    """Upload, ``POST /gradio_api/call/ask``, read its events: as a script on ``address`` would (the address in
+    ``X-Forwarded-For``, which the app trusts from a loopback proxy)."""
+    headers = {"X-Forwarded-For": address}
+    with requests.Session() as session:
+        files = {"files": ("image.png", image_png, "image/png")}
+        path = session.post(f"{url}/gradio_api/upload", files=files, headers=headers, timeout=60).json()[0]
+        data = [{"path": path, "meta": {"_type": "gradio.FileData"}}, question, tokens, 0.0, 1.0]
+        call = session.post(f"{url}/gradio_api/call/ask", json={"data": data}, headers=headers, timeout=60)
+        event = call.json()["event_id"]
+        kind, payload = "", ""
+        with session.get(f"{url}/gradio_api/call/ask/{event}", headers=headers, stream=True, timeout=600) as stream:
+            for line in stream.iter_lines(decode_unicode=True):
+                if line.startswith("event:"):
+                    kind = line.split(":", 1)[1].strip()
+                elif line.startswith("data:") and kind in ("complete", "error"):
+                    payload = line.split(":", 1)[1].strip()
+                    break
+    if kind == "complete":
+        return Asked(True, json.loads(payload)[3], time.monotonic())
+    return Asked(False, payload, time.monotonic())
+
+
+def png(colour: str, size: int = 48) -> bytes:
+    buffer = io.BytesIO()
+    solid_image(colour, size, size).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def flood_through_app(args: argparse.Namespace) -> dict[str, Any]:
+    """The flood through the running app: one address sends ``--flood`` long answers at once, another asks a
+    short question once the flooder's rows run; medians over ``--repeats``, against the idle app."""
+    from vlm_demo.tools.load_clients import ServerProcess
+
+    server = ServerProcess(["app.py", "--model", args.model, "--max-batch-size", str(args.max_batch_size)])
+    runs = []
+    try:
+        for repeat in range(args.repeats):
+            colour = list(COLOURS)[repeat % 6]  # another picture each time: no answer from the response cache
+            started = time.monotonic()
+            alone = ask_over_http(server.url, png(colour, 40 + repeat), QUESTION, 160, "198.51.100.9")
+            idle = alone.ended - started
+            with ThreadPoolExecutor(args.flood) as pool:
+                flood = [
+                    pool.submit(ask_over_http, server.url, png(colour, 60 + i), "Describe this picture in detail.",
+                                args.long_tokens, "203.0.113.7")
+                    for i in range(args.flood)
+                ]  # fmt: skip
+                deadline = time.monotonic() + 120
+                while running(server.url) < args.max_batch_size and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                started = time.monotonic()
+                visitor = ask_over_http(server.url, png(colour, 41 + repeat), QUESTION, 160, "198.51.100.9")
+                flooded = visitor.ended - started
+                answers = [f.result() for f in flood]
+            runs.append(
+                {
+                    "idle_s": idle,
+                    "flooded_s": flooded,
+                    "ratio": flooded / idle,
+                    "visitor_right": visitor.ok and colour in visitor.said,
+                    "flood_refused": float(sum(not a.ok and "answers in progress" in a.said for a in answers)),
+                    "flood_answered": float(sum(a.ok for a in answers)),
+                    "flood_after_visitor": float(sum(a.ok and a.ended > visitor.ended for a in answers)),
+                }
+            )
+    finally:
+        server.close()
+    return median_of(runs)
+
+
+def running(url: str) -> int:
+    """The answers the app's engine is running now, as /health says."""
+    return int(requests.get(f"{url}/health", timeout=10).json().get("details", {}).get("running") or 0)
+
+
 def think_harder(worker: Worker, beams: int, answers: int, image_cache_mb: float) -> dict[str, float]:
     config = Config(batching="continuous", max_batch_size=16, batch_window_ms=0.0, image_cache_mb=image_cache_mb)
     engine = make_engine(config, worker)
@@ -102,7 +194,12 @@ def response_cache(worker: Worker) -> dict[str, float]:
 
 def median_of(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return {
-        k: statistics.median([r[k] for r in runs]) if isinstance(runs[0][k], float) else runs[0][k] for k in runs[0]
+        k: statistics.median([r[k] for r in runs])
+        if isinstance(runs[0][k], float)
+        else all(r[k] for r in runs)
+        if isinstance(runs[0][k], bool)
+        else runs[0][k]
+        for k in runs[0]
     }
 
 
@@ -117,10 +214,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--beams", type=int, default=4)
     parser.add_argument("--answers", type=int, default=6)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--through-app", action="store_true", help="only the flood, through the running web app")
     parser.add_argument("--json", dest="json_path", default="")
     args = parser.parse_args(argv)
-    worker = load(args.model, args.device)
     report: dict[str, Any] = {}
+    if args.through_app:
+        report["flood_through_app"] = flood_through_app(args)
+        return _report(report, args.json_path)
+    worker = load(args.model, args.device)
     for fair in (False, True):
         runs = [flood(worker, args.max_batch_size, args.flood, args.long_tokens, fair) for _ in range(args.repeats)]
         report["flood_fair" if fair else "flood_fifo"] = median_of(runs)
@@ -128,13 +229,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         runs = [think_harder(worker, args.beams, args.answers, mb) for _ in range(args.repeats)]
         report["think_harder_image_cache" if mb else "think_harder_no_image_cache"] = median_of(runs)
     report["response_cache"] = median_of([response_cache(worker) for _ in range(args.repeats)])
+    return _report(report, args.json_path)
+
+
+def _report(report: dict[str, Any], json_path: str) -> dict[str, Any]:
     for name, figures in report.items():
         print(
             f"{name:<30} "
             + "  ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in figures.items())
         )
-    if args.json_path:
-        with open(args.json_path, "w") as fh:
+    if json_path:
+        with open(json_path, "w") as fh:
             json.dump(report, fh, indent=2)
     return report
 
