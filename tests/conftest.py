@@ -1,4 +1,4 @@
-"""Shared fixtures: the tiny model is built once per machine (cached) and loaded once per session."""
+"""Shared fixtures: the tiny model (shipped built with the package) is loaded once per session."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 @pytest.fixture(scope="session")
 def tiny_dir() -> str:
-    """Path of the trained tiny model folder (built on first use, then cached)."""
+    """Path of the trained tiny model folder (the shipped copy unless ``VLM_TINY_DIR`` names another)."""
     from vlm_demo.models.tiny import ensure_tiny
 
     return ensure_tiny()

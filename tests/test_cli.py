@@ -22,7 +22,7 @@ from contextlib import contextmanager
 
 import pytest
 import requests
-from support import ROOT, free_port, start_app, stop_app
+from support import ROOT, free_port, start_app, stop_app, wait_ready
 
 from vlm_demo.backends.triton import Endpoint, check_ready
 from vlm_demo.config import Config, env_name
@@ -234,3 +234,26 @@ def test_triton_with_nothing_answering_is_a_timeout_not_up_but_not_ready(scheme:
     with silent_server() as port:
         with pytest.raises(BackendTimeoutError, match="did not answer within 1 s"):
             check_ready(Endpoint.parse(f"{scheme}://127.0.0.1:{port}"), "m", 1.0)
+
+
+@pytest.mark.slow
+def test_a_fresh_clone_serves_the_shipped_tiny_model_without_building_it(tmp_path) -> None:
+    """``python app.py`` as a newcomer runs it (no GPU, no options, an empty home directory): the page is
+    healthy on the tiny model shipped with the package, and no model was built into the home directory.
+    (How long it took is printed; docs/BENCHMARKS.md has the measured figure.)"""
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VLM_")}
+    env.update(HOME=str(tmp_path), GRADIO_ANALYTICS_ENABLED="False", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+    started = time.monotonic()
+    proc = start_app(port, env=env, model=None)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(proc, url, timeout=120)
+        took = time.monotonic() - started
+        health = requests.get(url + "/health", timeout=10).json()
+    finally:
+        log = stop_app(proc)
+    print(f"fresh start: healthy after {took:.1f} s")
+    assert health["ready"] and health["model"] == "tiny" and health["tiny_notice"], health
+    assert not (tmp_path / ".cache" / "vlm_demo" / "tiny").exists(), "the tiny model was built instead of loaded"
+    assert "building the tiny model" not in log and "Traceback" not in log.split("Shutting down")[0], log[-3000:]

@@ -6,7 +6,8 @@ The tree's rule: one line per file under ``vlm_demo/`` (modules, static files, t
 files), each saying what it holds; an ``__init__.py`` is listed where it defines something, and left out
 where it holds only its docstring (its folder's line says what the package is). A line is
 ``NAME  what it holds``, indented two spaces per folder level; a name ending in ``/`` is a folder, and a
-name may carry a short path (``1/model.py``).
+name may carry a short path (``1/model.py``). A folder of data (``DATA_FOLDERS``: the shipped tiny model's
+files) is one line.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from vlm_demo.config import build_parser
 README = ROOT / "README.md"
 PACKAGE = ROOT / "vlm_demo"
 SKIPPED_DIRS = {"__pycache__"}
+DATA_FOLDERS = {"vlm_demo/models/tiny_model/"}  # listed as one folder line (a built model's files, no code)
 
 
 def section(title: str) -> str:
@@ -40,8 +42,9 @@ def tree_block() -> list[str]:
     return match.group(1).splitlines()
 
 
-def tree_entries() -> dict[str, str]:
-    """Every file the tree lists, as a repository-relative path -> its description."""
+def tree_entries(folders_too: bool = False) -> dict[str, str]:
+    """Every file the tree lists (and every folder, with ``folders_too``), as a repository-relative path ->
+    its description."""
     entries: dict[str, str] = {}
     folders: list[tuple[int, str]] = []  # (indent, path) of the open folders
     for number, line in enumerate(tree_block(), 1):
@@ -56,6 +59,8 @@ def tree_entries() -> dict[str, str]:
         path = f"{folders[-1][1]}{name}" if folders else name
         if name.endswith("/"):
             folders.append((indent, path))
+            if folders_too:
+                entries[path] = description.strip()
             continue
         assert path not in entries, f"README.md tree: {path} is listed twice"
         entries[path] = description.strip()
@@ -79,6 +84,8 @@ def package_files() -> set[str]:
             continue
         if path.suffix == ".pyc" or (path.name == "__init__.py" and not defines_something(path)):
             continue
+        if any(path.relative_to(ROOT).as_posix().startswith(folder) for folder in DATA_FOLDERS):
+            continue
         found.add(path.relative_to(ROOT).as_posix())
     return found
 
@@ -96,6 +103,9 @@ def test_the_architecture_tree_lists_every_file_of_the_package_and_nothing_else(
         )
     if stale:
         problems.append(f"lists {', '.join(stale)}, which the repository does not have")
+    unlisted = sorted(folder for folder in DATA_FOLDERS if not tree_entries(folders_too=True).get(folder))
+    if unlisted:
+        problems.append(f"does not list the data folder {', '.join(unlisted)} with what it holds")
     assert not problems, "README.md's Architecture tree " + "; and it ".join(problems)
 
 

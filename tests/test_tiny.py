@@ -226,6 +226,41 @@ def test_build_is_deterministic_and_restores_torch_settings(tmp_path: Path) -> N
     assert (torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()) == (threads, deterministic)
 
 
+@pytest.mark.slow
+def test_the_shipped_model_is_exactly_what_the_recipe_builds(tmp_path: Path) -> None:
+    """The committed tiny model is reproducible: built again from this repository's code, every file of it
+    (weights, tokenizer, configs, stamp) is bit-identical to the shipped copy."""
+    out = tmp_path / "rebuilt"
+    tiny.build_tiny(out)
+    (out / tiny.VERSION_FILE).write_text(tiny.TINY_VERSION + "\n")  # as ensure_tiny and the CLI stamp it
+    shipped = sorted(p.name for p in tiny.SHIPPED_DIR.iterdir())
+    assert sorted(p.name for p in out.iterdir()) == shipped
+    for name in shipped:
+        digest = hashlib.sha256((out / name).read_bytes()).hexdigest()
+        assert digest == hashlib.sha256((tiny.SHIPPED_DIR / name).read_bytes()).hexdigest(), (
+            f"{name} differs from the shipped copy: after changing the recipe, bump TINY_VERSION and run "
+            "python -m vlm_demo.models.tiny vlm_demo/models/tiny_model"
+        )
+
+
+def test_the_shipped_model_is_used_unless_another_folder_is_asked_for(tmp_path: Path, monkeypatch) -> None:
+    """No build on a fresh clone: the shipped copy is the default. A folder of one's own (``VLM_TINY_DIR``)
+    wins, and a shipped copy of an older recipe is passed over for the cache, where the model is built."""
+    monkeypatch.delenv(tiny.TINY_DIR_ENV, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert tiny.default_tiny_dir() == tiny.SHIPPED_DIR and tiny.ensure_tiny() == str(tiny.SHIPPED_DIR)
+    assert not (tmp_path / ".cache").exists()
+    monkeypatch.setenv(tiny.TINY_DIR_ENV, str(tmp_path / "mine"))
+    assert tiny.default_tiny_dir() == tmp_path / "mine"
+    monkeypatch.delenv(tiny.TINY_DIR_ENV)
+    stale = tmp_path / "stale"
+    stale.mkdir()
+    (stale / "config.json").write_text("{}")
+    (stale / tiny.VERSION_FILE).write_text("old\n")
+    monkeypatch.setattr(tiny, "SHIPPED_DIR", stale)
+    assert tiny.default_tiny_dir() == tmp_path / ".cache" / "vlm_demo" / "tiny"
+
+
 def test_ensure_tiny_builds_once_and_rebuilds_a_stale_version(tmp_path: Path, monkeypatch) -> None:
     builds = []
 

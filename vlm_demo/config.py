@@ -170,12 +170,13 @@ class Config:
         default=120.0, metadata={"help": "Seconds before a Triton call gives up.", "min": 0.1}
     )
     tiny_dir: str = field(
-        default="", metadata={"help": "Where the tiny model is built/cached (default ~/.cache/vlm_demo/tiny)."}
+        default="",
+        metadata={
+            "help": "A folder for the tiny model, built there on first use (default: the copy shipped with the "
+            "package)."
+        },
     )
     model_explicit: bool = field(default=False, metadata={"cli": False})
-
-    def resolved_tiny_dir(self) -> str:
-        return self.tiny_dir or os.path.join(os.path.expanduser("~"), ".cache", "vlm_demo", "tiny")
 
 
 TRUE_WORDS = ("1", "true", "yes", "on")

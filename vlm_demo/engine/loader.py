@@ -111,7 +111,7 @@ LOAD_TIMES = os.path.join(os.path.expanduser("~"), ".cache", "vlm_demo", "load_s
 
 def load_worker(config: Config, progress: Progress | None = None) -> Worker:
     """The worker for ``config``'s model, device and dtype (``--model tiny`` builds the test model)."""
-    return load(config.model, config.device, config.dtype, config.resolved_tiny_dir(), config.cpu_threads, progress)
+    return load(config.model, config.device, config.dtype, config.tiny_dir, config.cpu_threads, progress)
 
 
 def last_load_seconds(model: str, device: str) -> float | None:

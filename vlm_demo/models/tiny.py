@@ -1,7 +1,8 @@
 """A tiny, real Mllama model trained offline to answer like LLaVA-CoT, so everything runs without the 21 GB model.
 
-``python -m vlm_demo.models.tiny OUT_DIR`` builds it in about 3.5 minutes on one CPU core (no network, deterministic): a
-byte-level BPE tokenizer with the Llama-3 specials, the Llama-3.2-Vision chat template, an
+The package ships it built (``tiny_model/``, 1.4 MB), so a fresh clone serves at once; ``python -m
+vlm_demo.models.tiny OUT_DIR`` builds it again in about 2.5 minutes on one CPU core (no network, deterministic: a
+test checks the rebuild is bit-identical to the shipped copy): a byte-level BPE tokenizer with the Llama-3 specials, the Llama-3.2-Vision chat template, an
 ``MllamaImageProcessor`` with 16-pixel tiles (4 tiles at most), and a ~331k-parameter
 ``MllamaForConditionalGeneration`` trained on solid-colour images. Everything loads with transformers' own
 ``from_pretrained`` / ``AutoProcessor``, so the code under test is the code that serves the real model.
@@ -79,6 +80,10 @@ log = logging.getLogger(__name__)
 TINY_VERSION = "5"  # bump when the recipe changes: cached copies with another stamp are rebuilt
 VERSION_FILE = "tiny_version.txt"
 TINY_DIR_ENV = "VLM_TINY_DIR"
+# The built model, committed (1.4 MB), so a fresh clone serves at once instead of training for minutes. A test
+# rebuilds it from this module and checks every file is bit-identical; after changing the recipe, bump
+# TINY_VERSION and rebuild it: ``python -m vlm_demo.models.tiny vlm_demo/models/tiny_model``.
+SHIPPED_DIR = Path(__file__).resolve().with_name("tiny_model")
 
 COLOURS: dict[str, tuple[int, int, int]] = {
     "red": (220, 30, 30),
@@ -678,6 +683,7 @@ def train(model, processor, seed: int, steps: int = TRAIN_STEPS) -> None:
         optimizer, lambda s: min(1.0, (s + 1) / WARMUP_STEPS) * max(0.05, 1 - s / max(1, steps))
     )
     model.train()
+    started = time.perf_counter()
     for step, batch in enumerate(_prefetched(processor, training_plan(seed, steps))):
         loss = weighted_loss(model, batch)
         optimizer.zero_grad(set_to_none=True)
@@ -686,7 +692,8 @@ def train(model, processor, seed: int, steps: int = TRAIN_STEPS) -> None:
         optimizer.step()
         schedule.step()
         if step % 40 == 0 or step == steps - 1:
-            log.info("step %d/%d loss %.4f", step + 1, steps, loss.item())
+            left = (time.perf_counter() - started) / (step + 1) * (steps - step - 1)
+            log.info("step %d/%d loss %.4f, about %.0f s left", step + 1, steps, loss.item(), left)
     model.eval()
 
 
@@ -721,8 +728,14 @@ def build_tiny(out_dir: str | os.PathLike, seed: int = 0, *, steps: int = TRAIN_
 
 
 def default_tiny_dir() -> Path:
-    """``$VLM_TINY_DIR`` if set, else ``~/.cache/vlm_demo/tiny``."""
-    return Path(os.environ.get(TINY_DIR_ENV) or Path.home() / ".cache" / "vlm_demo" / "tiny").expanduser()
+    """``$VLM_TINY_DIR`` if set; else the copy shipped with the package (:data:`SHIPPED_DIR`) when it was built
+    by this recipe (``TINY_VERSION``); else ``~/.cache/vlm_demo/tiny``, where it is built on first use."""
+    chosen = os.environ.get(TINY_DIR_ENV)
+    if chosen:
+        return Path(chosen).expanduser()
+    if _is_current(SHIPPED_DIR):
+        return SHIPPED_DIR
+    return Path.home() / ".cache" / "vlm_demo" / "tiny"
 
 
 def _is_current(path: Path) -> bool:
