@@ -546,6 +546,8 @@ def test_on_a_phone_the_answer_comes_into_view_after_ask(browser, server: str, s
     try:
         top = {el: page.locator(f"#{el}").bounding_box()["y"] for el in ("ask", "stages", "p_conclusion", "examples")}
         assert top["ask"] < top["stages"] < top["p_conclusion"] < top["examples"], top  # examples come last
+        banner = page.locator("#banner").bounding_box()  # the tiny model's notice: compact on a phone
+        assert banner["height"] < 0.2 * PHONE["height"] and page.locator("#img").bounding_box()["y"] < PHONE["height"]
         ask(page, RED, "What colour is this image?")
         page.wait_for_function(  # the strip came to the top of the screen, the status line under it says something
             """() => {

@@ -316,6 +316,29 @@ def test_a_client_that_goes_away_frees_its_model_row(server: str) -> None:
     assert ended(server, "cancelled") == cancelled + 1, "the abandoned answer kept its model row"
 
 
+def test_a_caller_past_its_cap_gets_a_429_saying_why_and_another_caller_goes_on(tiny_dir: str) -> None:
+    """The ``user`` field names the caller: while one of its answers streams, its next is refused at once
+    with 429 ``too_many_requests`` (the reason in OpenAI's error shape, ``Retry-After``), and another caller's
+    answer is served."""
+    with running_app("--max-per-client", "1", "--response-cache-mb", "0") as url:
+        body = {"model": "tiny", "messages": ask("Describe this picture in detail.", GREEN), "stream": True, **GREEDY}
+        slow = {**body, "user": "ann", "reasoning": "stage-beam", "beams": 8, "temperature": 1.0}  # seconds long
+        with requests.post(url + "/v1/chat/completions", json=slow, stream=True, timeout=60) as first:
+            assert first.status_code == 200, first.text
+            lines = first.iter_lines()  # held: a dropped line iterator closes the stream, and the answer with it
+            next(lines)  # ann's answer is running
+            again = requests.post(
+                url + "/v1/chat/completions", json={**body, "stream": False, "user": "ann"}, timeout=60
+            )
+            other = requests.post(
+                url + "/v1/chat/completions", json={**body, "stream": False, "user": "bob"}, timeout=60
+            )
+        assert again.status_code == 429 and again.headers["Retry-After"] == "1", again.text
+        error = again.json()["error"]
+        assert error["code"] == "too_many_requests" and "You already have 1 answer in progress" in error["message"]
+        assert other.status_code == 200 and colour_of(other.json()["choices"][0]["message"]["content"]) == "green"
+
+
 def test_the_mcp_tool_answers_an_image_sent_as_a_data_url(server: str) -> None:
     from mcp import ClientSession
     from mcp.client.streamable_http import streamablehttp_client

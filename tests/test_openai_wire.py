@@ -72,6 +72,7 @@ def test_a_part_that_stops_extending_what_was_sent_sends_nothing_more() -> None:
     [
         (errors.InvalidRequestError("bad"), 400),
         (errors.QueueFullError("busy"), 429),
+        (errors.TooManyRequestsError("You already have 8 answers in progress"), 429),
         (errors.EngineStoppedError("restarting"), 503),
         (errors.BackendUnavailableError("down"), 503),
         (errors.BackendTimeoutError("slow"), 504),

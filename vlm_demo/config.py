@@ -76,8 +76,8 @@ class Config:
     max_per_client: int = field(
         default=8,
         metadata={
-            "help": "Answers one client (address, API key) may have waiting or running at once; more are refused "
-            "at once (HTTP 429 on the HTTP API); 0 = no cap.",
+            "help": "Answers one client (an address; on /v1 the request's user field, else the address) may have "
+            "waiting or running at once; more are refused at once (HTTP 429 on /v1); 0 = no cap.",
             "min": 0,
         },
     )

@@ -159,7 +159,7 @@ def _decode_data_url(url: str, max_bytes: int) -> bytes:
 
 
 def _too_many_bytes(size: int, max_bytes: int) -> str:
-    return f"The file is {size / 1e6:.1f} MB; the limit is {max_bytes / 1e6:.0f} MB."
+    return f"The file is {size / 2**20:.1f} MiB; the limit is {max_bytes / 2**20:.0f} MiB."
 
 
 def _too_big_message(size: tuple[int, int], max_pixels: int, decoded: tuple[int, int] | None = None) -> str:

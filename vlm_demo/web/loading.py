@@ -24,6 +24,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 
 from vlm_demo.schema import LoadProgress
+from vlm_demo.web.openai_wire import SERVER, error_body
 from vlm_demo.web.operator import OperatorDoor
 
 log = logging.getLogger(__name__)
@@ -100,8 +101,8 @@ def loading_app(state: LoadingState, door: OperatorDoor) -> FastAPI:
 
     @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH", "HEAD", "OPTIONS"])
     def not_yet(path: str, request: Request) -> Response:
-        body = {"error": {"message": f"The model is still loading: {state.report()['message']}.", "code": "loading"}}
-        return JSONResponse(body, status_code=503, headers={"Retry-After": "5"})
+        body = error_body(f"The model is still loading: {state.report()['message']}.", SERVER, None, "loading")
+        return JSONResponse(body, status_code=503, headers={"Retry-After": "5"})  # OpenAI's shape, for /v1 clients
 
     return app
 

@@ -11,8 +11,9 @@ the wire is :mod:`~vlm_demo.web.openai_wire`'s.
   the first user turn; consecutive messages of one role are joined): an earlier assistant turn
   contributes its answer (``content``; its CONCLUSION if it holds stage tags), never its reasoning, as
   reasoning models' APIs ask. System messages are *folded into the question text*, before it (the model
-  was not trained with a system turn). A question with no system message goes in verbatim, so an API
-  answer equals the page's for the same image, question and earlier turns. The question must fit
+  was not trained with a system turn). A question with no system message goes in verbatim, so a
+  single-question API answer equals the page's for the same image and question (the page's follow-ups
+  carry each earlier answer whole, the API its content). The question must fit
   ``--max-question-chars``, the earlier turns the history caps.
 - **Nothing silently ignored**: every OpenAI option we do not implement is refused with a 400 naming it,
   unless it holds the value that means "off" (``n`` = 1, penalties 0, ``logprobs`` false, or ``null``).
