@@ -19,7 +19,10 @@ from the winner. Seeds are per (answer, stage, candidate), so the
 answer is the same either way; only the wait changes.
 
 A candidate that misses its closing tag (end of turn, out of tokens) is dropped when another one has
-it; when none has it, the winner ends the answer there, as a normal answer would end. Identical
+it; when none has it, the winner ends the answer there, as a normal answer would end. Likewise a
+candidate the stage structure had to steer to its closing tag (it tried to leave the stage the wrong
+way) is dropped when another closed the stage on its own: such candidates are mostly garbled, and
+judging them cost more judge calls and more wrong winners. Identical
 candidates are judged once. A straggler is cut: once half the candidates have closed the stage, one
 still writing past twice their length (plus some slack) ends there without its tag, so one rambling
 or looping candidate does not hold the whole answer (and the visitor) for up to ``max_new_tokens``.
@@ -85,6 +88,14 @@ class Candidate:
     @property
     def tagged(self) -> bool:
         return self.streamer.reached_stop_text and self.cut_at is None
+
+    @property
+    def closed_itself(self) -> bool:
+        """It closed its stage without the stage structure's help: a candidate that tried to leave its stage
+        the wrong way was closed by the grammar instead, and like one that never closed, it is judged only
+        when no candidate closed on its own."""
+        structure = self.streamer.structure
+        return self.tagged and (structure is None or not structure.repaired)
 
     def misses(self, limit: int) -> bool:
         """It did not close the stage within ``limit`` tokens (a running row that reached it cannot)."""
@@ -299,12 +310,18 @@ class StageBeam:
                 candidate.streamer.cut()
 
     def _judge_or_decide(self) -> None:
-        """Cut stragglers; drop candidates without the closing tag (if any has it) and repeats; judge the rest."""
+        """Cut stragglers; keep the candidates that closed the stage on their own (else those the structure
+        closed, else any with text); drop repeats; judge the rest."""
         limit = self.stage_limit()
         for candidate in self.candidates:
             if limit is not None and candidate.misses(limit):
                 candidate.cut_at = limit
-        pool = [c for c in self.candidates if c.tagged] or [c for c in self.candidates if c.ids] or self.candidates
+        pool = (
+            [c for c in self.candidates if c.closed_itself]
+            or [c for c in self.candidates if c.tagged]
+            or [c for c in self.candidates if c.ids]
+            or self.candidates
+        )
         unique: list[Candidate] = []
         seen: set[tuple[int, ...]] = set()
         for candidate in pool:

@@ -137,6 +137,7 @@ class StageTracker:
         self.forced: deque[int] = deque()
         self.cut: str | None = None
         self.corrections = 0  # sampled tokens replaced or drawn again (the tests read it)
+        self.repaired = False  # a sampled token broke the grammar and was replaced or drawn again
         if force_open is not None:
             self.forced.extend(grammar.encode(force_open + OPEN[self.stage]))
 
@@ -159,8 +160,10 @@ class StageTracker:
                 fix = self._verdict(token)
                 if fix == RESAMPLE:
                     self.corrections += 1
+                    self.repaired = True
                     return RESAMPLE
                 if fix is not None:
+                    self.repaired = True
                     self.forced.extend(fix)  # type: ignore[arg-type]
         if self.forced:
             forced = self.forced.popleft()
