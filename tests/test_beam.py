@@ -295,3 +295,34 @@ def test_a_rambling_candidate_is_cut_and_does_not_hold_the_answer(worker, make_e
     assert reasoning.closed[reasoning.winner] and not reasoning.judgements  # the three closed ones are identical
     assert parse_stages(batched.text, final=True).text("reasoning") == reasoning.candidates[reasoning.winner]
     assert steps < 200, f"the straggler's row ran on: {steps} steps"  # its long form alone takes ~200
+
+
+def test_a_candidate_the_structure_steered_to_its_tag_is_judged_only_when_none_closed_on_its_own(
+    worker, make_engine
+) -> None:
+    """At temperature 1 some candidates try to leave their stage the wrong way and the stage structure closes
+    the stage for them. Such a candidate is passed over whenever another closed the stage on its own: over
+    many searches, no judge call ever weighs one against a naturally closed candidate."""
+    engine = make_engine()
+    seen_steered = judged_steered = 0
+    original = StageBeam._judge_or_decide
+
+    def spy(self: StageBeam) -> None:
+        nonlocal seen_steered, judged_steered
+        original(self)
+        steered = [c for c in self.candidates if c.tagged and not c.closed_itself]
+        seen_steered += len(steered)
+        if any(c.closed_itself for c in self.candidates):
+            judged_steered += sum(c in self.contenders for c in steered)
+
+    StageBeam._judge_or_decide = spy  # type: ignore[method-assign]
+    try:
+        jobs = [
+            door(solid_image(c, 40, 40), "What colour is this image?", beam(4, s)) for s in range(6) for c in COLOURS
+        ]
+        for handle in [engine.submit(job) for job in jobs]:
+            handle.result(300)
+    finally:
+        StageBeam._judge_or_decide = original  # type: ignore[method-assign]
+    assert seen_steered > 0, "no candidate needed steering: the rule was not exercised"
+    assert judged_steered == 0

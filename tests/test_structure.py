@@ -69,7 +69,7 @@ def test_a_well_formed_answer_passes_token_for_token(worker, grammar) -> None:
             tokens = own.encode(text)
             tracker = own.answer(budget=len(tokens) + 200)
             assert replay(own, tracker, tokens, redraw=0) == tokens, text
-            assert tracker.done and tracker.corrections == 0 and tracker.cut is None
+            assert tracker.done and tracker.corrections == 0 and tracker.cut is None and not tracker.repaired
 
 
 @pytest.mark.parametrize(
@@ -86,7 +86,7 @@ def test_a_broken_answer_is_repaired_where_it_breaks(worker, grammar, broken, ex
     tokens = grammar.encode(broken) + [worker.eos_ids[0]]
     tracker = grammar.answer(budget=400)
     text = worker.tokenizer.decode(replay(grammar, tracker, tokens, redraw=grammar.encode(" x")[0]))
-    assert expected in text and tracker.corrections > 0, text
+    assert expected in text and tracker.corrections > 0 and tracker.repaired, text
     stages = parse_stages(text, final=True)
     assert list(stages.seen) == list(STAGES[: len(stages.seen)]), text  # whatever was written is in order
 
@@ -96,7 +96,7 @@ def test_a_stage_with_no_text_is_drawn_again_without_tags(grammar) -> None:
     for token in grammar.encode("<SUMMARY>"):
         assert tracker.check(token, 0) == token
     closing = grammar.encode(" </SUMMARY>")
-    assert tracker.check(closing[0], 2) == RESAMPLE  # closing an empty SUMMARY
+    assert tracker.check(closing[0], 2) == RESAMPLE and tracker.repaired  # closing an empty SUMMARY
     word = grammar.encode(" plan")[0]
     assert tracker.check(word, 2, redrawn=True) == word
     assert [tracker.check(t, 3) for t in closing] == closing  # now it may close
