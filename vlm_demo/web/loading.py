@@ -107,13 +107,16 @@ def loading_app(state: LoadingState, door: OperatorDoor) -> FastAPI:
     return app
 
 
-# A new visitor's first requests are the web process's heaviest: Gradio builds a session (a config for every
-# component of the page) and parses the upload in one go on the event loop, ~5 ms each. A hundred visitors
-# arriving together would make one turn of the loop last half a second, and every stream already running,
-# and every /health probe, would wait for it. A few at a time, the loop turns every ~20 ms: the same work,
-# spread out, with everyone else served in between.
-ARRIVALS = ("/gradio_api/queue/join", "/gradio_api/upload")
+# A new visitor's first call is the web process's heaviest request: Gradio builds the visitor's session (a
+# config for every component of the page) in one go on the event loop, ~4 ms. A hundred visitors asking
+# together would make one turn of the loop last half a second, and every stream already running, and every
+# /health probe, would wait for it. A few at a time, the loop turns every ~20 ms: the same work, spread out,
+# with everyone else served in between. Each call's body is read in full before it takes its turn, so a
+# client sending slowly holds no turn (and a body past JOIN_MAX_BYTES is refused: a call names its files,
+# it does not carry them).
+ARRIVALS = ("/gradio_api/queue/join",)
 ARRIVALS_AT_ONCE = 4
+JOIN_MAX_BYTES = 4 * 1024 * 1024
 
 
 class Switch:
@@ -139,10 +142,35 @@ class Switch:
             await self._lifespan(receive, send)
             return
         if scope["type"] == "http" and scope["path"] in ARRIVALS:
-            async with self._arrivals:
-                await self._serve(scope, receive, send)
+            await self._in_turn(scope, receive, send)
             return
         await self._serve(scope, receive, send)
+
+    async def _in_turn(self, scope: Scope, receive: Callable, send: Callable) -> None:
+        """Read the request's body, then serve it when one of the ``ARRIVALS_AT_ONCE`` turns is free."""
+        chunks: list[bytes] = []
+        size, more = 0, True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # the client went away before it finished sending
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > JOIN_MAX_BYTES:
+                await JSONResponse({"detail": "Request body too large."}, status_code=413)(scope, receive, send)
+                return
+            more = message.get("more_body", False)
+        body: dict[str, Any] | None = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+
+        async def replay() -> dict[str, Any]:
+            nonlocal body
+            if body is not None:
+                message, body = body, None
+                return message
+            return await receive()  # then whatever the client does next (a disconnect)
+
+        async with self._arrivals:
+            await self._serve(scope, replay, send)
 
     async def _serve(self, scope: Scope, receive: Callable, send: Callable) -> None:
         health = self.health
