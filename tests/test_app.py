@@ -398,3 +398,34 @@ def test_phone_photos_of_48_and_108_megapixels_are_answered(client: Client, tmp_
         path = save(Image.new("RGB", (width, height), (30, 180, 40)), tmp_path / f"{width}.jpg", "JPEG", quality=85)
         answer = client.predict(handle_file(path), "What colour is this image?", *GREEDY, api_name="/ask")
         assert colour_of(answer[3]) == "green", answer[5]
+
+
+def test_calls_dribbled_in_slowly_hold_no_one_else_back(server: str) -> None:
+    """Visitors' calls take turns (a few at a time, so a crowd arriving at once cannot stall the event loop),
+    but only once a call's body has arrived: callers that send a few bytes and stall, more of them than there
+    are turns, do not keep a visitor's call waiting; an oversized call is refused."""
+    import asyncio
+    import socket
+    from urllib.parse import urlparse
+
+    from vlm_demo.tools import page_load
+    from vlm_demo.web.loading import ARRIVALS_AT_ONCE, JOIN_MAX_BYTES
+
+    address = urlparse(server)
+    stalled = []
+    for _ in range(ARRIVALS_AT_ONCE + 2):
+        sock = socket.create_connection((address.hostname, address.port), timeout=10)
+        sock.sendall(
+            f"POST /gradio_api/queue/join HTTP/1.1\r\nHost: {address.netloc}\r\nContent-Type: application/json\r\n"
+            "Content-Length: 5000\r\n\r\n{".encode()
+        )
+        stalled.append(sock)
+    try:
+        visit = page_load.run_visitors(server, os.getpid(), 1, max_new_tokens=60, idle_window_s=0)
+        result = asyncio.run(asyncio.wait_for(visit, 120))
+        assert result.errors == 0 and result.updates >= 1 and result.ttft_p50_s < 60, result
+        big = requests.post(server + "/gradio_api/queue/join", data=b"x" * (JOIN_MAX_BYTES + 1), timeout=30)
+        assert big.status_code == 413
+    finally:
+        for sock in stalled:
+            sock.close()

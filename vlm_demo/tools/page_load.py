@@ -202,9 +202,15 @@ async def _poll_health(client: httpx.AsyncClient, url: str, stop: asyncio.Event)
 
 
 async def run_visitors(
-    url: str, web_pid: int, visitors: int, question: str = LONG_QUESTION, max_new_tokens: int = 300
+    url: str,
+    web_pid: int,
+    visitors: int,
+    question: str = LONG_QUESTION,
+    max_new_tokens: int = 300,
+    idle_window_s: float = IDLE_WINDOW_S,
 ) -> PageLoadResult:
-    """``visitors`` arrive at once; returns what they saw and what the web process spent."""
+    """``visitors`` arrive at once; returns what they saw and what the web process spent (and, over
+    ``idle_window_s`` afterwards, what it spends idle; 0 skips that)."""
     limits = httpx.Limits(max_connections=4 * visitors + 16, max_keepalive_connections=32)
     async with httpx.AsyncClient(timeout=httpx.Timeout(600, connect=30), limits=limits) as client:
         event = PageEvent.find((await client.get(f"{url}/config")).json())
@@ -219,10 +225,12 @@ async def run_visitors(
         client_cpu = time.process_time() - client_before
         stop.set()
         latencies, health_errors, peak = await health
-    await asyncio.sleep(3)  # let the last connections close before the idle window
-    idle_before = cpu_seconds(web_pid)
-    await asyncio.sleep(IDLE_WINDOW_S)
-    idle = (cpu_seconds(web_pid) - idle_before) / IDLE_WINDOW_S * 100
+    idle = 0.0
+    if idle_window_s > 0:
+        await asyncio.sleep(3)  # let the last connections close before the idle window
+        idle_before = cpu_seconds(web_pid)
+        await asyncio.sleep(idle_window_s)
+        idle = (cpu_seconds(web_pid) - idle_before) / idle_window_s * 100
     updates = sum(len(v.updates) for v in visits)
     gaps_per_visitor = [[b - a for a, b in zip(v.updates, v.updates[1:])] for v in visits]
     gaps = [g for visitor in gaps_per_visitor for g in visitor]
