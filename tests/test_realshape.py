@@ -199,7 +199,8 @@ def test_padded_rows_step_like_single_rows(processor, worker, attention) -> None
 def test_structured_rows_equal_single_runs_at_real_shapes(worker, batching) -> None:
     """With the stage structure on, random weights write nothing like the format, so the tracker replaces
     and redraws tokens all the time: in fp32 every batched row still gives its single run's tokens (its
-    corrections are a function of its own tokens), and the answer has the four stages in order."""
+    corrections are a function of its own tokens), and the answer opens with its SUMMARY (16 tokens hold no
+    more at a 128k vocabulary; the four stages and the CONCLUSION's reserve are tested on the tiny model)."""
     params = SamplingParams(max_new_tokens=2 * N, temperature=0.0)
     sampled = SamplingParams(max_new_tokens=2 * N, temperature=0.9, top_p=0.9, seed=7)
     jobs = [door(img, q, params) for img, (_, q) in zip(IMAGES, CASES, strict=True)]
