@@ -233,3 +233,24 @@ def test_think_harder_is_offered_only_where_the_backend_can_run_it() -> None:
     assert by_id["think"].visible is False and by_id["beams"].interactive is False
     error = gr_error(UnsupportedError("Think harder needs continuous batching; this server runs --batching dynamic."))
     assert error.title == "Not available on this server"
+
+
+def test_gradio_runs_a_handler_for_every_answer_the_engine_holds_and_idles_quietly(page: DemoUI) -> None:
+    """Gradio runs at most ``max_threads`` events at once (40 unless set) and its idle queue polls every
+    millisecond: the page lifts the first to every answer the engine can hold (running or waiting) and slows
+    the second. The attributes it sets are Gradio's own (private): if an upgrade renames them, this fails
+    rather than the settings silently doing nothing."""
+    import inspect
+
+    from gradio import queueing
+
+    from vlm_demo.web.page import QUEUE_POLL_S
+
+    demo = page.build()
+    limit = page.config.max_batch_size + page.config.max_queue
+    assert demo.max_threads == demo._queue.max_thread_count == limit
+    streaming = [fn for fn in demo.fns.values() if fn.api_name in ("ask", "ask_page")]
+    assert streaming and all(fn.concurrency_limit == limit for fn in streaming)
+    assert demo._queue.sleep_when_free == QUEUE_POLL_S and demo._queue.progress_update_sleep_when_free == 1.0
+    source = inspect.getsource(queueing.Queue)
+    assert "self.sleep_when_free)" in source and "self.progress_update_sleep_when_free)" in source
