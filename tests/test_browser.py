@@ -94,14 +94,27 @@ def open_page(browser, server: str, theme: str = "light", viewport: dict[str, in
 
 
 def set_greedy(page) -> None:
-    """Temperature 0 in the Advanced box, folded again afterwards (the slider keeps its value)."""
-    page.locator("#advanced").get_by_text("Advanced").click()
+    """Temperature 0 in the Advanced box, folded again afterwards (the slider keeps its value). The page sends
+    the slider's value, so this waits until the slider holds 0, typing it again if a keystroke was lost (a
+    busy box can drop one while the page is still settling): else an answer would be sampled, not greedy."""
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
     temperature = page.locator("#temperature input[type=number]")
-    temperature.fill("0")
-    temperature.press("Enter")
-    temperature.blur()
-    # the slider took it (the page sends the slider's value): else an answer would be sampled, not greedy
-    page.wait_for_function("() => document.querySelector('#temperature input[type=range]')?.value === '0'")
+    for _ in range(3):
+        if not temperature.is_visible():
+            page.locator("#advanced").get_by_text("Advanced").click()
+        temperature.fill("0")
+        temperature.press("Enter")
+        temperature.blur()
+        try:
+            page.wait_for_function(
+                "() => document.querySelector('#temperature input[type=range]')?.value === '0'", timeout=10_000
+            )
+            break
+        except PlaywrightTimeout:
+            continue
+    else:
+        raise AssertionError("the temperature slider never took 0")
     page.locator("#advanced").get_by_text("Advanced").click()
 
 
@@ -118,7 +131,7 @@ def panel_text(page, stage: str) -> str:
 
 def upload(page, image: Path) -> None:
     page.locator("#img input[type=file]").set_input_files(str(image))
-    page.locator("#img img").first.wait_for(timeout=20_000)  # the upload finished and shows a preview
+    page.locator("#img img").first.wait_for(timeout=60_000)  # the upload finished and shows a preview (slow when busy)
 
 
 def ask(page, image: Path, question: str) -> None:
