@@ -32,6 +32,7 @@ from typing import Any
 import httpx
 
 from vlm_demo.models.tiny import COLOURS, solid_image
+from vlm_demo.tools.bench import cpu_seconds, percentile
 from vlm_demo.web import contract
 
 log = logging.getLogger(__name__)
@@ -89,18 +90,9 @@ class _Visit:
     error: str | None = None
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of a process so far (Linux /proc)."""
-    with open(f"/proc/{pid}/stat") as fh:
-        fields = fh.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def percentile(values: list[float], q: float) -> float:
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+def _pct(values: list[float], q: float) -> float:
+    """The bench's nearest-rank percentile (``q`` in percent); 0 when nothing was seen (one update: no gap)."""
+    return percentile(values, q) if values else 0.0
 
 
 @dataclass(frozen=True)
@@ -246,14 +238,14 @@ async def run_visitors(
         web_cpu_s=round(web_cpu, 2),
         cpu_ms_per_update=round(1000 * web_cpu / max(1, updates), 2),
         updates_per_s=round(updates / wall, 1),
-        gap_p50_s=round(percentile(gaps, 0.5), 3),
-        gap_p95_s=round(percentile(gaps, 0.95), 3),
+        gap_p50_s=round(_pct(gaps, 50), 3),
+        gap_p95_s=round(_pct(gaps, 95), 3),
         gap_max_s=round(max(gaps, default=0.0), 3),
-        worst_visitor_gap_p95_s=round(max((percentile(g, 0.95) for g in gaps_per_visitor), default=0.0), 3),
-        ttft_p50_s=round(percentile(firsts, 0.5), 3),
-        ttft_p95_s=round(percentile(firsts, 0.95), 3),
-        health_p50_s=round(percentile(latencies, 0.5), 4),
-        health_p95_s=round(percentile(latencies, 0.95), 4),
+        worst_visitor_gap_p95_s=round(max((_pct(g, 95) for g in gaps_per_visitor), default=0.0), 3),
+        ttft_p50_s=round(_pct(firsts, 50), 3),
+        ttft_p95_s=round(_pct(firsts, 95), 3),
+        health_p50_s=round(_pct(latencies, 50), 4),
+        health_p95_s=round(_pct(latencies, 95), 4),
         health_max_s=round(max(latencies, default=0.0), 4),
         health_errors=health_errors,
         peak_running=peak,
