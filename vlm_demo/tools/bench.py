@@ -39,6 +39,7 @@ from vlm_demo.engine.loader import load
 from vlm_demo.engine.worker import Worker
 from vlm_demo.models.tiny import COLOURS, solid_image
 from vlm_demo.schema import Limits, SamplingParams, ValidRequest, validate_request
+from vlm_demo.tools.stats import cpu_seconds, percentile
 
 log = logging.getLogger("vlm_demo.tools.bench")
 
@@ -91,25 +92,6 @@ class RunResult:
         if self.errors or self.wrong:
             line += f" · {self.errors} errors · {self.wrong} wrong"
         return line
-
-
-def cpu_seconds(pid: int) -> float:
-    """CPU time (user + system, all threads) a process has used so far; 0 where /proc is missing."""
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            fields = fh.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def percentile(values: list[float], q: float) -> float:
-    """Nearest-rank percentile (no interpolation: with 32 samples p95 is a real observation)."""
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    rank = max(1, math.ceil(q / 100 * len(ordered)))
-    return ordered[rank - 1]
 
 
 def forced_lengths(n: int, mixed: bool, max_new_tokens: int, low: int, high: int, seed: int = 0) -> list[int]:

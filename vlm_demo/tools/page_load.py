@@ -32,7 +32,7 @@ from typing import Any
 import httpx
 
 from vlm_demo.models.tiny import COLOURS, solid_image
-from vlm_demo.tools.bench import cpu_seconds, percentile
+from vlm_demo.tools.stats import cpu_seconds, percentile
 from vlm_demo.web import contract
 
 log = logging.getLogger(__name__)
