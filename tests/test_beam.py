@@ -224,19 +224,20 @@ def test_missing_tags_never_crash_the_search_fuzzed(worker, make_engine) -> None
             rng.randint(2, 5), seed=i, temperature=rng.choice([1.0, 1.6, 2.0]), max_new_tokens=rng.randint(1, 90)
         )
         colour = rng.choice(list(COLOURS))
-        handles.append(engine.submit(door(solid_image(colour, rng.randint(16, 200), 40), "colour?", params)))
+        handles.append((engine.submit(door(solid_image(colour, rng.randint(16, 200), 40), "colour?", params)), params))
     plain = engine.submit(door(solid_image("black", 40, 40), "What colour is this image?", SamplingParams(200, 0.0)))
-    for handle in handles:
+    for handle, params in handles:
         result = handle.result(300)
         assert result.finish_reason in ("stop", "length")
-        assert result.completion_tokens <= handle.params.max_new_tokens
+        assert result.completion_tokens <= params.max_new_tokens
         assert result.beam is not None and result.beam.phase == "done"
         parse_stages(result.text, final=True)
     assert plain.result(120).text == answer_for("black", "What colour is this image?")
     deadline = time.monotonic() + 10
-    while engine.beams or len(engine.batch):
+    while engine.beams or len(engine.rows):
         assert time.monotonic() < deadline, "searches or rows were left behind"
         time.sleep(0.05)
+    assert_every_page_returned(engine)
 
 
 def test_cancelling_a_search_frees_its_rows_and_spares_others(worker, make_engine) -> None:
@@ -245,7 +246,7 @@ def test_cancelling_a_search_frees_its_rows_and_spares_others(worker, make_engin
     search = engine.submit(long)
     other = engine.submit(door(solid_image("white", 40, 40), "What colour is this image?", SamplingParams(200, 0.0)))
     deadline = time.monotonic() + 60
-    while len(engine.batch) < 4:
+    while len(engine.rows) < 4:
         assert time.monotonic() < deadline
         time.sleep(0.01)
     search.cancel()
@@ -253,9 +254,17 @@ def test_cancelling_a_search_frees_its_rows_and_spares_others(worker, make_engin
         search.result(10)
     assert other.result(60).text == answer_for("white", "What colour is this image?")
     deadline = time.monotonic() + 10
-    while engine.beams or len(engine.batch):
+    while engine.beams or len(engine.rows):
         assert time.monotonic() < deadline, "the cancelled search kept rows"
         time.sleep(0.05)
+    assert_every_page_returned(engine)
+
+
+def assert_every_page_returned(engine) -> None:
+    """Searches keep caches aside (their start, each stage's winner): once they are over, every page is back
+    in the pool or holds a remembered picture."""
+    pool = engine.rows.pool
+    assert pool.free_pages + engine.images.pages == pool.pages
 
 
 def test_dynamic_batching_refuses_stage_beam_clearly(worker) -> None:

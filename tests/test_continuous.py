@@ -18,7 +18,7 @@ from vlm_demo.engine.base import Engine as BaseEngine
 from vlm_demo.engine.continuous import ContinuousEngine
 from vlm_demo.engine.dynamic import DynamicEngine
 from vlm_demo.engine.loader import load
-from vlm_demo.engine.memory import KVShape
+from vlm_demo.engine.pages import PageShape, page_tokens_for
 from vlm_demo.errors import RequestCancelledError
 from vlm_demo.models.tiny import COLOURS, solid_image
 from vlm_demo.schema import SamplingParams
@@ -144,8 +144,9 @@ def test_limits_hold_and_memory_returns_to_baseline(make_engine) -> None:
     deadline = time.monotonic() + 5
     while engine.stats().cached_token_slots and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert engine.stats().cached_token_slots == 0
-    assert engine.batch.cache is None
+    stats = engine.stats()
+    assert stats.cached_token_slots == 0
+    assert stats.kv_pages_free == stats.kv_pages  # every page back in the pool
 
 
 class FakeOOMWorker:
@@ -159,11 +160,11 @@ class FakeOOMWorker:
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
-    def decode(self, inputs):
-        if inputs["input_ids"].shape[0] > self.max_rows:
+    def decode(self, step, inputs):
+        if inputs.input_ids.shape[0] > self.max_rows:
             self.failures += 1
             raise torch.OutOfMemoryError("CUDA out of memory (injected)")
-        return self.inner.decode(inputs)
+        return self.inner.decode(step, inputs)
 
 
 def test_out_of_memory_step_requeues_rows_and_everyone_finishes(worker) -> None:
@@ -185,14 +186,16 @@ def test_out_of_memory_step_requeues_rows_and_everyone_finishes(worker) -> None:
 @pytest.mark.parametrize(
     ("flag", "value"),
     [
-        ("--kv-token-budget", lambda prompt, kv: int(2.5 * prompt)),
-        ("--kv-budget-gb", lambda prompt, kv: 2.5 * kv / 2**30),
+        ("--kv-token-budget", lambda prompt, pages, page_bytes: int(2.5 * prompt)),
+        # Two rows' pages, a page of headroom for each running row, and half a row more.
+        ("--kv-budget-gb", lambda prompt, pages, page_bytes: (2.5 * pages + 2) * page_bytes / 2**30),
     ],
     ids=["tokens", "bytes"],
 )
 def test_budget_flags_change_admission_end_to_end(tiny_dir, flag, value) -> None:
     """From the command line to admission: the same load runs 4 rows at once without a budget, at
-    most 2 with a budget of two and a half rows' cache (prompt tokens, or bytes incl. image states)."""
+    most 2 with a budget of two and a half rows' cache (prompt tokens, or the page pool's bytes: a row's
+    prompt and the image states of the tiles it sees, plus a page of headroom per running row)."""
 
     def peak_rows(extra: list[str]) -> tuple[int, dict]:
         argv = ["--model", "tiny", "--tiny-dir", tiny_dir, "--device", "cpu", "--batching", "continuous"]
@@ -211,9 +214,12 @@ def test_budget_flags_change_admission_end_to_end(tiny_dir, flag, value) -> None
 
     rows, stats = peak_rows([])
     assert rows == 4 and stats.max_batch_size == 4
-    prompt = load(tiny_dir, device="cpu").prepare(solid_image("red", 64, 64), "Colour?")["input_ids"].shape[1]
-    one_row = KVShape(stats.kv_bytes_per_token, stats.kv_bytes_per_row).batch_bytes(1, prompt)
-    limited, stats = peak_rows([flag, str(value(prompt, one_row))])
+    worker = load(tiny_dir, device="cpu")
+    inputs = worker.prepare(solid_image("red", 64, 64), "Colour?")
+    prompt, tiles = inputs["input_ids"].shape[1], int(inputs["cross_attention_mask"][0, -1].sum())
+    shape = PageShape.of(worker.model.config, worker.dtype, page_tokens_for("cpu"))
+    pages = shape.row_pages(prompt + 1, tiles)
+    limited, stats = peak_rows([flag, str(value(prompt, pages, shape.page_bytes)), "--image-cache-mb", "0"])
     assert limited == 2, (flag, stats)
 
 
@@ -308,11 +314,11 @@ class CountingEngine(ContinuousEngine):
 
     reads: HostReads
 
-    def _step(self) -> None:
+    def _decode(self, sizes) -> None:
         before = self.reads.count
         self.reads.active.on = True
         try:
-            super()._step()
+            super()._decode(sizes)
         finally:
             self.reads.active.on = False
             self.reads_per_step.append(self.reads.count - before)

@@ -1,80 +1,157 @@
-"""The continuous engine's step: written-out decode vs the stock forward, and the slack KV layer."""
+"""The continuous engine's decode step over the page pool, against the stock forward and against itself alone."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from vlm_demo.engine.batch_state import Row, RunningBatch, SlackLayer
+from vlm_demo.engine.attention import PagedAttention
+from vlm_demo.engine.decode_step import TextDecodeStep, layer_devices
+from vlm_demo.engine.pages import PagePool, PageShape, page_tokens_for
 from vlm_demo.engine.request import Request
+from vlm_demo.engine.rows import Row, RunningRows
 from vlm_demo.engine.sampler import RowSampling
 from vlm_demo.models.tiny import solid_image
 from vlm_demo.schema import SamplingParams
 
+JOBS = [
+    (solid_image("red", 300, 80), "What colour is this image? Describe it in detail."),
+    (solid_image("green", 16, 16), "Colour?"),  # shorter prompt, one tile
+    (solid_image("blue", 500, 500), "Describe it"),  # four tiles
+]
 
-def running_batch(worker, jobs, group: int = 1) -> RunningBatch:
-    """Prefill the jobs ``group`` at a time and join them, as the continuous engine does."""
-    batch = RunningBatch(cross_layers=worker.cross_attention_layers)
-    requests = []
+
+def paged(worker, pages: int = 200) -> tuple[RunningRows, TextDecodeStep]:
+    shape = PageShape.of(worker.model.config, worker.dtype, page_tokens_for("cpu"))
+    pool = PagePool(shape, pages, layer_devices(worker.model))
+    text = worker.model.config.text_config
+    attention = PagedAttention(pool, text.num_attention_heads, shape.head_dim**-0.5)
+    return RunningRows(pool, attention, worker.device, worker.dtype), TextDecodeStep(worker.model, attention)
+
+
+def requests(worker, jobs) -> list[Request]:
+    out = []
     for image, question in jobs:
         request = Request(image=image, question=question, params=SamplingParams(max_new_tokens=50, temperature=0))
         request.inputs = worker.prepare(image, question)
-        requests.append(request)
-    for start in range(0, len(requests), group):
-        chunk = requests[start : start + group]
-        prefill = worker.prefill(chunk)
-        sampling = RowSampling([r.params for r in chunk], prefill.logits.device)
-        batch.join([Row(r, None) for r in chunk], prefill, sampling.sample(prefill.logits), sampling)
-    return batch
+        out.append(request)
+    return out
+
+
+def join(worker, rows: RunningRows, chunk: list[Request]) -> torch.Tensor:
+    """Prefill ``chunk`` together and join it, as the continuous engine does; returns the prefill's logits."""
+    prefill = worker.prefill(chunk)
+    places = rows.place(prefill, list(range(len(chunk))))
+    sampling = RowSampling([r.params for r in chunk], prefill.logits.device)
+    rows.join([Row(r, None) for r in chunk], places, sampling.sample(prefill.logits), sampling)
+    return prefill.logits
+
+
+def stock_step(worker, cache, token: torch.Tensor, position: int, inputs: dict) -> torch.Tensor:
+    """One row's next logits through the model's own forward (what ``generate`` runs), extending ``cache``."""
+    out = worker.model(
+        input_ids=token.view(1, 1),
+        position_ids=torch.tensor([[position]]),
+        cross_attention_mask=inputs["cross_attention_mask"][:, -1:],
+        cache=cache,
+        use_cache=True,
+    )
+    return out.logits[:, -1].float()
 
 
 @pytest.mark.parametrize("group", [1, 3], ids=["joined-one-by-one", "prefilled-together"])
-def test_written_out_step_equals_the_stock_forward_bit_for_bit(worker, group) -> None:
-    assert worker.decode_step is not None  # a one-device model takes the written-out step
-    jobs = [
-        (solid_image("red", 300, 80), "What colour is this image? Describe it in detail."),
-        (solid_image("green", 16, 16), "Colour?"),  # shorter prompt: left-padded in the batch
-        (solid_image("blue", 500, 500), "Describe it"),  # different tile count
-    ]
-    written, stock = running_batch(worker, jobs, group), running_batch(worker, jobs, group)
-    step = worker.decode_step
-    for n in range(90):  # past SlackLayer.MIN_SPARE: the buffers regrow on the way
-        if n == 40:  # a row leaves mid-flight; padding columns are trimmed
-            written.keep([0, 2])
-            stock.keep([0, 2])
-        inputs = written.step_inputs()
-        assert (inputs["attention_mask"] is None) == (not written.padded)
-        got = worker.decode(inputs)
-        worker.decode_step = None
-        try:
-            want = worker.decode(stock.step_inputs())
-        finally:
-            worker.decode_step = step
-        assert torch.equal(got, want), f"step {n}"
+def test_the_paged_step_follows_the_stock_forward_row_by_row(worker, group) -> None:
+    """90 steps (past several page boundaries, a row leaving mid-flight): every row's logits match its own
+    stock forward to float precision and pick the same token."""
+    rows, step = paged(worker)
+    batch = requests(worker, JOBS)
+    for start in range(0, len(batch), group):
+        join(worker, rows, batch[start : start + group])
+    alone = []
+    for request in batch:  # each row on its own, through the stock forward and a DynamicCache
+        inputs = worker.to_device(request.inputs)
+        with torch.inference_mode():
+            out = worker.model(**inputs, use_cache=True, logits_to_keep=1)
+        alone.append([out.cache, out.logits[:, -1].argmax(-1), request.prompt_tokens, inputs])
+    live = [0, 1, 2]
+    for n in range(90):
+        if n == 40:  # a row leaves mid-flight: the others' pages stay where they are
+            pages_before = [list(r.place.pages) for r in rows.rows]
+            rows.keep([0, 2])
+            live = [0, 2]
+            assert [r.place.pages[: len(p)] for r, p in zip(rows.rows, pages_before[::2], strict=True)] == pages_before[::2]
+        with torch.inference_mode():
+            got = worker.decode(step, rows.step_inputs())
+            want = torch.cat([stock_step(worker, *alone[i][:1], alone[i][1], alone[i][2], alone[i][3]) for i in live])
+        assert torch.allclose(got, want, atol=1e-4, rtol=1e-4), f"step {n}: {(got - want).abs().max()}"
+        assert torch.equal(got.argmax(-1), want.argmax(-1)), f"step {n}"
         tokens = want.argmax(-1)
-        written.advance(tokens)
-        stock.advance(tokens)
-    for a, b in zip(written.cache.layers, stock.cache.layers, strict=True):
-        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+        rows.advance(tokens)
+        for j, i in enumerate(live):
+            alone[i][1], alone[i][2] = tokens[j : j + 1], alone[i][2] + 1
 
 
-def test_a_lone_unpadded_row_needs_no_mask(worker) -> None:
-    batch = running_batch(worker, [(solid_image("white", 64, 64), "Colour?")])
-    assert not batch.padded and batch.step_inputs()["attention_mask"] is None
+def test_a_row_in_a_batch_gets_its_logits_alone(worker) -> None:
+    """A row's attention reads only its own pages, so its logits in a batch are its logits alone, up to the
+    rounding of the batch's matrix products (fp32), and the same token: what makes batched answers equal
+    single ones."""
+    together, step = paged(worker)
+    join(worker, together, requests(worker, JOBS))
+    singles = []
+    for job in JOBS:
+        rows, own = paged(worker)
+        join(worker, rows, requests(worker, [job]))
+        singles.append((rows, own))
+    for n in range(40):
+        with torch.inference_mode():
+            got = worker.decode(step, together.step_inputs())
+            want = [worker.decode(own, rows.step_inputs()) for rows, own in singles]
+        want = torch.cat(want)
+        assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), f"step {n}: {(got - want).abs().max()}"
+        assert torch.equal(got.argmax(-1), want.argmax(-1)), f"step {n}"
+        together.advance(got.argmax(-1))
+        for (rows, _), logits in zip(singles, want.split(1), strict=True):
+            rows.advance(logits.argmax(-1))
 
 
-def test_slack_layer_matches_concatenation_and_rarely_reallocates() -> None:
-    torch.manual_seed(0)
-    keys, values = torch.randn(2, 3, 5, 4), torch.randn(2, 3, 5, 4)
-    layer = SlackLayer(keys, values)
-    buffers = {layer._keys.data_ptr()}
-    for _ in range(300):
-        k, v = torch.randn(2, 3, 1, 4), torch.randn(2, 3, 1, 4)
-        keys, values = torch.cat([keys, k], dim=2), torch.cat([values, v], dim=2)
-        got_k, got_v = layer.update(k, v)
-        buffers.add(layer._keys.data_ptr())
-        assert torch.equal(got_k, keys) and torch.equal(got_v, values)
-    assert layer.get_seq_length() == 305
-    assert len(buffers) <= 6  # grows by a quarter at a time, not once per token
-    layer.assign(keys[:1, :, 100:], values[:1, :, 100:])  # a row left and padding was trimmed
-    assert torch.equal(layer.keys, keys[:1, :, 100:]) and layer.keys.shape[2] == 205
+def test_image_states_take_only_the_tiles_a_picture_shows(worker) -> None:
+    rows, _ = paged(worker)
+    batch = requests(worker, JOBS)
+    join(worker, rows, batch)
+    shape = rows.shape
+    tiles = [r.place.tiles for r in rows.rows]
+    assert tiles == [r.tiles for r in batch] and tiles[1] == 1 and tiles[2] == 4
+    for row in rows.rows:
+        assert len(row.place.image_pages) == shape.image_pages(row.place.tiles * shape.patches)
+    assert len(rows.rows[1].place.image_pages) < len(rows.rows[2].place.image_pages)
+    inputs = rows.step_inputs()
+    assert inputs.layout.tile_rows.tolist() == [0] * tiles[0] + [1] + [2] * 4  # the step reads those tiles only
+
+
+def test_a_cache_kept_aside_is_shared_not_copied(worker) -> None:
+    """A snapshot shares a row's pages; forks share its full pages and copy only the partly filled last one."""
+    rows, step = paged(worker)
+    join(worker, rows, requests(worker, JOBS[:1]))
+    pool = rows.pool
+    for _ in range(5):
+        with torch.inference_mode():
+            rows.advance(worker.decode(step, rows.step_inputs()).argmax(-1))
+    snapshot = rows.snapshot(0)
+    place = rows.rows[0].place
+    assert all(pool.owners(p) == 2 for p in place.pages + place.image_pages)
+    rows.keep([])  # the row leaves; the snapshot keeps its pages
+    assert all(pool.owners(p) == 1 for p in place.pages + place.image_pages)
+    forks = rows.fork(snapshot, 3)
+    partial = snapshot.length % rows.shape.page_tokens
+    assert partial and rows.copied_bytes == 3 * partial * rows.shape.text_bytes_per_token
+    for fork in forks:
+        assert fork.pages[:-1] == snapshot.place.pages[:-1] and fork.pages[-1] != snapshot.place.pages[-1]
+        assert fork.image_pages == snapshot.place.image_pages
+        last = fork.pages[-1]
+        for layer in rows.shape.self_layers:
+            assert torch.equal(pool.keys[layer][last, :partial], pool.keys[layer][snapshot.place.pages[-1], :partial])
+    free = pool.free_pages
+    snapshot.release()
+    assert pool.free_pages == free + 1  # only the last page was its alone; the rest the forks share
+    pool.release([p for f in forks for p in f.pages + f.image_pages])
+    assert pool.free_pages == pool.pages

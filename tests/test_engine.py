@@ -152,13 +152,18 @@ def test_row_streamer_holds_back_partial_utf8_and_split_tags(worker, native: boo
     row = RowStreamer(worker.tokenizer, request, worker.eos_ids)
     if not native:
         row._stream = None
+    sent = [""]  # the text a client has been sent after each token
     for token in ids:
-        if row.feed(token):
+        done = row.feed(token)
+        if request.text != sent[-1]:
+            assert request.text.startswith(sent[-1])  # text only grows
+            sent.append(request.text)
+        if done:
             break
-    deltas = list(request.stream(timeout=1))
-    assert "".join(deltas) == "<SUMMARY>ok</SUMMARY> 🙂 é → <CONCLUSION>red</CONCLUSION>"
-    assert not any("\ufffd" in d for d in deltas)
-    assert request.result().finish_reason == "stop"
+    assert sent[-1] == "<SUMMARY>ok</SUMMARY> 🙂 é → <CONCLUSION>red</CONCLUSION>"
+    assert not any("\ufffd" in text for text in sent)
+    assert len(sent) > 5  # sent piece by piece
+    assert request.result is not None and request.result.finish_reason == "stop"
 
 
 def test_each_row_stops_on_its_own(make_engine) -> None:
@@ -202,10 +207,11 @@ def test_cancelled_waiting_request_never_runs(make_engine) -> None:
     engine = make_engine(max_batch_size=1, batch_window_ms=0)
     first = engine.submit(door(solid_image("red", 60, 60), "Colour?", GREEDY))
     waiting = engine.submit(door(solid_image("green", 60, 60), "Colour?", GREEDY))
+    encodes = engine.worker.vision_encodes
     waiting.cancel()
     first.result(timeout=60)
     time.sleep(0.2)
-    assert waiting.started is None and waiting.token_ids == []
+    assert waiting.token_ids == [] and engine.worker.vision_encodes == encodes  # its picture never went in
     with pytest.raises(RequestCancelledError):
         waiting.result()
 
@@ -222,12 +228,12 @@ class FakeOOMWorker:
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
-    def run(self, batch, structured: bool = True) -> None:
+    def run(self, batch, structured: bool = True, on_step=None) -> None:
         if self.fails(batch):
             self.failed.append(len(batch))
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB (injected)")
         self.succeeded.append(len(batch))
-        self.inner.run(batch, structured)
+        self.inner.run(batch, structured, on_step)
 
 
 def test_oom_batch_is_split_and_retried_until_requests_succeed(worker, singles) -> None:
@@ -255,11 +261,11 @@ class FakeOOMAfterAllocWorker:
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
-    def run(self, batch, structured: bool = True) -> None:
+    def run(self, batch, structured: bool = True, on_step=None) -> None:
         self.alive_at_run.append(sum(ref() is not None for ref in self.caches))
         if len(batch) > 1:
             self._generate(len(batch))
-        self.inner.run(batch, structured)
+        self.inner.run(batch, structured, on_step)
 
     def _generate(self, rows: int) -> None:
         kv_cache = torch.empty(rows, 256, 1024)  # what a real attempt holds when it runs out
@@ -338,7 +344,7 @@ def test_queue_full_refuses_at_once(make_engine) -> None:
     engine = make_engine(max_batch_size=1, batch_window_ms=0, max_queue=1)
     long = SamplingParams(max_new_tokens=400, temperature=0, ignore_eos=True)
     running = engine.submit(door(solid_image("red", 20, 20), "q", long))
-    while running.started is None:
+    while not running.token_ids:  # it runs
         time.sleep(0.01)
     engine.submit(door(solid_image("red", 20, 20), "q", long))
     with pytest.raises(QueueFullError, match="busy"):

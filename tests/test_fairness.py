@@ -95,10 +95,9 @@ def test_dynamic_batches_take_clients_in_turn(engines) -> None:
     with engine.scheduler._cond:  # all queued before the first batch forms
         firsts = [engine.submit(ask(image, "What colour is this image?", SHORT, "a")) for _ in range(3)]
         second = engine.submit(ask(image, "What colour is this image?", SHORT, "b"))
-    second.result(timeout=120)
-    assert second.batch_size == 2 and firsts[0].batch_size == 2  # b rode in the first batch, beside a's first
-    firsts[2].result(timeout=120)
-    assert firsts[2].started > second.started, "a's third answer went before b's first"
+    b = second.result(timeout=120)
+    assert b.batch_size == 2 and firsts[0].result(timeout=120).batch_size == 2  # b rode in the first batch
+    assert firsts[2].result(timeout=120).queue_s > b.queue_s, "a's third answer went before b's first"
 
 
 def test_a_repeated_image_is_encoded_once_and_answers_alike(engines) -> None:
@@ -125,10 +124,12 @@ def test_a_repeated_image_is_encoded_once_and_answers_alike(engines) -> None:
 
 
 def test_the_image_cache_gives_way_to_rows_under_the_kv_budget(worker) -> None:
-    from vlm_demo.engine.memory import KVShape
+    """The remembered pictures live in the page pool's free pages: two long answers that need every page
+    take them back, and run side by side."""
+    from vlm_demo.engine.pages import PageShape, page_tokens_for
 
-    kv = KVShape.of(worker.model.config, worker.dtype)
-    budget_gb = kv.batch_bytes(2, 200) / 1024**3  # two rows' worth
+    shape = PageShape.of(worker.model.config, worker.dtype, page_tokens_for("cpu"))
+    budget_gb = (2 * shape.row_pages(LONG.max_new_tokens + 40, 4) + 2) * shape.page_bytes / 1024**3  # two rows' worth
     engine = ContinuousEngine(
         worker, Config(batching="continuous", max_batch_size=4, batch_window_ms=0.0, kv_budget_gb=budget_gb)
     ).start()

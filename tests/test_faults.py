@@ -90,6 +90,9 @@ def test_a_sticky_device_error_stops_the_engine_and_fails_everything_it_held(eng
     for request in [running, *waiting]:
         with pytest.raises(EngineStoppedError, match="GPU error the process cannot recover from"):
             request.result(timeout=30)
+    deadline = time.monotonic() + 10  # the engine thread reports the ends, then calls on_fatal
+    while not fatal and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert len(fatal) == 1 and is_fatal_device_error(fatal[0])
     assert not engine.stats().ready
     with pytest.raises(EngineStoppedError, match="illegal memory access"):

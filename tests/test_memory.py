@@ -28,12 +28,14 @@ A10 = Gpu(0, "NVIDIA A10", int(21.5 * GiB), int(22.1 * GiB))
 L40S = Gpu(0, "NVIDIA L40S", 44 * GiB, int(44.4 * GiB))
 
 
-def test_the_11b_cache_costs_128_kib_per_token_and_210_mb_per_image() -> None:
+def test_the_11b_cache_costs_128_kib_per_token_and_52_mb_per_tile() -> None:
     assert KV.bytes_per_token == 2 * 32 * 8 * 128 * 2 == 128 * 1024
-    assert KV.bytes_per_row == 2 * 8 * 8 * 128 * 4 * 1601 * 2  # ~210 MB of cross-attention states
+    assert KV.bytes_per_tile == 2 * 8 * 8 * 128 * 1601 * 2  # ~52 MB of cross-attention states a tile
+    assert KV.bytes_per_row == 4 * KV.bytes_per_tile  # ~210 MB for a four-tile picture
     assert 19.8 * GiB < WEIGHTS < 20.0 * GiB  # 10.67 B parameters in bf16 (21.3 GB)
-    # A row of 2k tokens: ~0.5 GB, counting the slack buffer a step writes into.
-    assert 0.45 * GiB < KV.batch_bytes(1, 2048) < 0.55 * GiB
+    # A row of 2k tokens: ~0.45 GB with a four-tile picture, ~0.3 GB with one.
+    assert 0.44 * GiB < KV.batch_bytes(1, 2048) < 0.45 * GiB
+    assert 0.29 * GiB < KV.batch_bytes(1, 2048, tiles=1) < 0.30 * GiB
 
 
 def after_loading(gpu: Gpu) -> tuple[int, int]:
@@ -44,16 +46,18 @@ def after_loading(gpu: Gpu) -> tuple[int, int]:
 def test_an_h200_batches_about_200_rows_of_2k_tokens() -> None:
     free, total = after_loading(H200)
     memory = plan(KV, Config(max_new_tokens=2048), cuda=True, free=free, total=total)
-    assert 180 <= memory.max_batch_size <= MAX_AUTO_BATCH_SIZE
+    assert memory.max_batch_size == MAX_AUTO_BATCH_SIZE  # 356 rows with one-tile pictures fit, 243 with four
+    assert "356 rows of 2176 tokens fit with one-tile pictures, 243 with four" in memory.source
     assert 100 * GiB < memory.kv_budget_bytes < free
-    assert memory.max_batch_size * KV.batch_bytes(1, 2048 + 128) <= memory.kv_budget_bytes
-    shorter = plan(KV, Config(max_new_tokens=1024), cuda=True, free=free, total=total)
-    assert shorter.max_batch_size > memory.max_batch_size  # shorter answers: more rows
+    longer = plan(KV, Config(max_new_tokens=4096), cuda=True, free=free, total=total)
+    assert 180 <= longer.max_batch_size < memory.max_batch_size  # longer answers: fewer rows
+    assert longer.max_batch_size * KV.batch_bytes(1, 4096 + 128, tiles=1) <= longer.kv_budget_bytes
 
 
-def test_an_h100_batches_dozens_of_rows() -> None:
+def test_an_h100_batches_over_a_hundred_rows() -> None:
     free, total = after_loading(H100)
-    assert 80 <= plan(KV, Config(), cuda=True, free=free, total=total).max_batch_size <= 120
+    memory = plan(KV, Config(), cuda=True, free=free, total=total)
+    assert memory.max_batch_size == 172 and "117 with four" in memory.source
 
 
 def test_an_a10_does_not_fit_bf16_usefully_and_says_what_to_do() -> None:

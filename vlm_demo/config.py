@@ -104,9 +104,18 @@ class Config:
     kv_budget_gb: float = field(
         default=0.0,
         metadata={
-            "help": "Continuous mode: GiB the KV cache may hold (text keys/values per token + each row's image "
-            "cross-attention states); 0 = on CUDA the memory free after loading minus a reserve, on CPU no limit.",
+            "help": "Continuous mode: GiB of the page pool that holds every row's keys/values and the image states of "
+            "the tiles it sees, allocated once at start; 0 = on CUDA the memory free after loading minus a reserve, "
+            "on CPU room for every row at full length.",
             "min": 0,
+        },
+    )
+    decode_attention: str = field(
+        default="auto",
+        metadata={
+            "help": "Continuous mode's decode attention over the page pool: flash (FlashAttention's paged kernel, "
+            "CUDA, 16-bit), reference (torch operations, any device) or auto (flash where it passes a probe at start).",
+            "choices": ("auto", "flash", "reference"),
         },
     )
     prefill_batch_size: int = field(

@@ -178,6 +178,15 @@ class EngineStats:
     image_cache_misses: int = 0
     image_cache_bytes: int = 0
     image_cache_entries: int = 0
+    kv_pages: int = 0  # continuous mode: pages in the pool (text and image states alike)
+    kv_pages_free: int = 0
+    kv_page_bytes: int = 0
+    kv_bytes_per_tile: int = 0  # one tile's image states (a picture holds only the tiles it shows)
+    # Running totals (the Prometheus counters of the same names, with ``vlm_`` and ``_total``).
+    kv_copied_bytes: int = 0  # keys/values and image states moved because rows joined, left or were preempted
+    kv_written_bytes: int = 0  # keys/values written for generated tokens
+    attention_read_bytes: int = 0  # keys/values and image states the decode steps' attention read
+    attention_live_bytes: int = 0  # the rows' own tokens and tiles among those
 
 
 @dataclass(frozen=True)

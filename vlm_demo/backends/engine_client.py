@@ -4,8 +4,9 @@ The web process keeps the page, the door and the HTTP server; the engine process
 (:mod:`vlm_demo.engine.process`) keeps the model. This module is the thin client and the supervisor:
 
 - ``submit`` sends a :class:`~vlm_demo.schema.ValidRequest` over a pipe and returns a handle whose
-  text arrives with the engine's per-step messages; ``cancel`` ends the handle at once and tells the
-  engine, which drops the row at its next step.
+  text arrives with the engine's Step messages, applied by the same
+  :class:`~vlm_demo.engine.streams.StreamTable` an in-process engine uses; ``cancel`` ends the handle
+  at once and tells the engine, which drops the row at its next step.
 - One thread reads the pipe and watches the process. If the engine process dies (out-of-memory kill,
   segfault), every request in flight fails at once with a clear error, ``health()`` turns not-ready,
   and a new engine process is started; the server keeps serving meanwhile.
@@ -15,7 +16,6 @@ Nothing here imports torch: the web process stays light and starts fast.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import multiprocessing
 import signal
@@ -28,15 +28,10 @@ from multiprocessing.process import BaseProcess
 from vlm_demo.backends.base import Features, Health
 from vlm_demo.config import Config
 from vlm_demo.engine.ipc import ENGINE_FAILED, Cancel, Fatal, Loading, Ready, Shutdown, Step, Submit
-from vlm_demo.errors import (
-    BackendUnavailableError,
-    DemoError,
-    EngineStoppedError,
-    QueueFullError,
-    RequestCancelledError,
-)
-from vlm_demo.schema import BeamView, ClientSlots, EngineStats, GenerationResult, LoadProgress, ValidRequest
-from vlm_demo.stream import Listener, OutputStream, Stream, run_all
+from vlm_demo.engine.streams import EngineStream, StreamTable
+from vlm_demo.errors import BackendUnavailableError, DemoError, EngineStoppedError, QueueFullError
+from vlm_demo.schema import ClientSlots, GenerationResult, LoadProgress, ValidRequest
+from vlm_demo.stream import Listener, run_all
 
 log = logging.getLogger(__name__)
 
@@ -46,32 +41,6 @@ MAX_BACKOFF_S = 30.0
 
 class EngineStartError(RuntimeError):
     """The engine process could not load the model (message written for the operator)."""
-
-
-class RemoteStream(OutputStream):
-    """A request running in the engine process."""
-
-    def __init__(self, rid: int, backend: EngineProcessBackend) -> None:
-        super().__init__()
-        self.rid = rid
-        self._backend = backend
-        self._beam: BeamView | None = None  # the latest stage-beam view from the engine
-        self._tokens = 0  # the answer's tokens so far, as the engine last said
-
-    def beam_view(self) -> BeamView | None:
-        return self._beam
-
-    def tokens(self) -> int | None:
-        return self._tokens
-
-    def cancel(self) -> None:
-        """End the stream now; the engine frees the row at its next step."""
-        if self.fail(RequestCancelledError("Request cancelled.")):
-            self._backend._cancel(self.rid)
-
-    def ahead(self) -> int | None:
-        """Requests ahead of this one in the engine's queue (``None`` once it runs)."""
-        return self._backend._position(self.rid)
 
 
 def _describe_exit(code: int | None) -> str:
@@ -104,14 +73,10 @@ class EngineProcessBackend:
         self.restarts = 0
         self.messages_received = 0  # engine steps reported (one message each)
         self._ctx = multiprocessing.get_context("spawn")  # never fork a process that may hold CUDA or threads
-        self._streams: dict[int, RemoteStream] = {}
+        self.table = StreamTable(self._cancel)
         self.clients = ClientSlots(config.max_per_client)
-        self._positions: dict[int, int] = {}
-        self._stats: EngineStats | None = None  # the engine's latest report
-        self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._send_lock = threading.Lock()
-        self._listeners: list[Listener] = []
         self._ready = threading.Event()
         self._closing = False
         self._proc: BaseProcess | None = None
@@ -128,7 +93,7 @@ class EngineProcessBackend:
         return cls(config, progress)
 
     # ---- Backend interface ----
-    def submit(self, request: ValidRequest) -> RemoteStream:
+    def submit(self, request: ValidRequest) -> EngineStream:
         if not isinstance(request, ValidRequest):
             raise TypeError(f"the engine takes a ValidRequest (vlm_demo.schema.validate_request), not {type(request)}")
         if self._closing:
@@ -136,16 +101,14 @@ class EngineProcessBackend:
         if not self._ready.is_set():
             raise BackendUnavailableError("The model is restarting after a failure; please try again in a minute.")
         with self._lock:
-            if len(self._streams) >= self.capacity:
+            if len(self.table) >= self.capacity:
                 raise QueueFullError(
-                    f"Server busy: {len(self._streams)} requests are already in the engine. Please try again shortly."
+                    f"Server busy: {len(self.table)} requests are already in the engine. Please try again shortly."
                 )
             self.clients.take(request.client)  # refused here, at once (the engine process counts too)
-            stream = RemoteStream(next(self._ids), self)
-            self._streams[stream.rid] = stream
+            stream = self.table.open()
         client = request.client
         stream.add_done_callback(lambda done: self.clients.give_back(client))
-        stream.add_done_callback(self._on_done)
         try:
             self._send(Submit(stream.rid, request))
         except (OSError, ValueError):
@@ -156,20 +119,20 @@ class EngineProcessBackend:
         return run_all(self.submit, items)
 
     def health(self) -> Health:
-        stats = self._stats
+        stats = self.table.stats
         alive = self._proc is not None and self._proc.is_alive()
         return Health(
             ready=self._ready.is_set() and alive and not self._closing and (stats is None or stats.ready),
             queue_depth=stats.queue_depth if stats is not None else 0,
             max_batch_size=stats.max_batch_size if stats is not None else self.config.max_batch_size,
-            in_flight=len(self._streams),
+            in_flight=len(self.table),
             engine=stats,
             engine_pid=self.pid,
             engine_restarts=self.restarts,
         )
 
     def add_listener(self, listener: Listener) -> None:
-        self._listeners.append(listener)
+        self.table.listeners.append(listener)
 
     def close(self, timeout: float = 10.0) -> None:
         """Stop the engine process: it fails what is queued and ends the running rows."""
@@ -189,7 +152,8 @@ class EngineProcessBackend:
     @property
     def capacity(self) -> int:
         """Requests the engine may hold (running rows plus its queue) before new ones are refused."""
-        rows = self._stats.max_batch_size if self._stats is not None else self.config.max_batch_size
+        stats = self.table.stats
+        rows = stats.max_batch_size if stats is not None else self.config.max_batch_size
         return self.config.max_queue + rows
 
     def pids(self) -> dict[str, int]:
@@ -235,7 +199,7 @@ class EngineProcessBackend:
             elif not proc.is_alive():
                 raise EngineStartError(f"The engine process stopped while loading ({_describe_exit(proc.exitcode)}).")
         self.model, self.notice = message.model, message.notice
-        self._stats = message.stats
+        self.table.stats = message.stats
         self._proc, self._conn, self._started_at = proc, parent, time.monotonic()
         self._ready.set()
         log.info("engine process %d ready (%s)", proc.pid, self.model)
@@ -265,7 +229,7 @@ class EngineProcessBackend:
     def _on_death(self, exitcode: int | None) -> None:
         self._ready.clear()
         how = _describe_exit(exitcode)
-        log.error("engine process died (%s); failing %d request(s) in flight and restarting", how, len(self._streams))
+        log.error("engine process died (%s); failing %d request(s) in flight and restarting", how, len(self.table))
         self._fail_all(
             EngineStoppedError(
                 f"The model process stopped unexpectedly ({how}); this answer was lost. "
@@ -290,33 +254,9 @@ class EngineProcessBackend:
                 attempt += 1
 
     def _dispatch(self, message: object) -> None:
-        if not isinstance(message, Step):
-            return
-        self.messages_received += 1
-        with self._lock:
-            streams = self._streams
-            for rid, view in message.beams:  # before the text, so a stage's winner never shows without its view
-                stream = streams.get(rid)
-                if stream is not None:
-                    stream._beam = view
-            for rid, count in message.tokens:  # before the text: a counter never lags the text it counts
-                stream = streams.get(rid)
-                if stream is not None:
-                    stream._tokens = count
-            for rid, text in message.text:
-                stream = streams.get(rid)
-                if stream is not None:
-                    stream._send(text)
-            ended = [(streams.pop(e.rid, None), e) for e in message.ended]
-            if message.stats is not None:
-                self._positions = {rid: i for i, rid in enumerate(message.waiting or [])}
-                self._stats = message.stats
-        for stream, end in ended:
-            if stream is not None:
-                stream._end(end.result, end.error)
-        for size in message.batch_sizes:
-            for listener in self._listeners:
-                listener.on_batch(size)
+        if isinstance(message, Step):
+            self.messages_received += 1
+            self.table.apply(message)
 
     def _send(self, message: object) -> None:
         conn = self._conn
@@ -326,26 +266,10 @@ class EngineProcessBackend:
             conn.send(message)
 
     def _cancel(self, rid: int) -> None:
-        with self._lock:
-            self._streams.pop(rid, None)
         try:
             self._send(Cancel(rid))
         except (OSError, ValueError):
             pass  # the engine is gone; its rows went with it
 
-    def _position(self, rid: int) -> int | None:
-        return self._positions.get(rid)
-
     def _fail_all(self, error: DemoError) -> None:
-        with self._lock:
-            streams = list(self._streams.values())
-            self._streams.clear()
-        for stream in streams:
-            stream.fail(error)
-
-    def _on_done(self, stream: Stream) -> None:
-        for listener in self._listeners:
-            try:
-                listener.on_request_done(stream)
-            except Exception:  # a broken metric must not break serving
-                log.exception("listener %r failed", listener)
+        self.table.fail_all(error)

@@ -6,6 +6,8 @@ from it); :func:`make_engine` imports the engine itself.
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -24,13 +26,20 @@ def make_engine(
     the model ``config`` names (loaded here, reporting to ``progress``; raises
     :class:`~vlm_demo.errors.ModelLoadError`)."""
     from vlm_demo.engine.continuous import ContinuousEngine
+    from vlm_demo.engine.decode_step import pageable
     from vlm_demo.engine.dynamic import DynamicEngine
     from vlm_demo.engine.loader import load_worker
 
     kinds = {"continuous": ContinuousEngine, "dynamic": DynamicEngine}
     if config.batching not in kinds:
         raise ValueError(f"unknown batching mode {config.batching!r}")
-    engine = kinds[config.batching](worker or load_worker(config, progress), config)
+    worker = worker or load_worker(config, progress)
+    if config.batching == "continuous" and not pageable(worker.model):
+        logging.getLogger(__name__).warning(
+            "the text model's weights are offloaded: continuous batching needs them on a device; running dynamic"
+        )
+        config = dataclasses.replace(config, batching="dynamic")
+    engine = kinds[config.batching](worker, config)
     if progress is not None:
         progress(LoadProgress("warming up the engine"))
     return engine.start()

@@ -1,9 +1,13 @@
-"""What every engine shares: the door, the listeners, the failure helpers and the engine thread's life.
+"""What every engine shares: the door, the Step it reports, the failure helpers and the engine thread's life.
 
-An engine owns one :class:`~vlm_demo.engine.worker.Worker` and one engine thread. The two batching
-modes are siblings built on this base (:mod:`~vlm_demo.engine.dynamic`,
-:mod:`~vlm_demo.engine.continuous`); :func:`vlm_demo.engine.make_engine` picks one. Construction
-only builds; :meth:`Engine.start` starts the thread, so a subclass sets its fields before anything runs.
+An engine owns one :class:`~vlm_demo.engine.worker.Worker`. The two batching modes are siblings built on
+this base (:mod:`~vlm_demo.engine.dynamic`, :mod:`~vlm_demo.engine.continuous`);
+:func:`vlm_demo.engine.make_engine` picks one. ``add_request`` queues a request under the client's id
+(its ``rid``); ``step()`` runs the engine one step and returns a :class:`~vlm_demo.engine.ipc.Step`
+with what every client's request did. Tests call ``step()`` directly; :meth:`Engine.start` starts a
+thread that loops it and hands each Step to ``sink`` — by default this process's
+:class:`~vlm_demo.engine.streams.StreamTable`, whose handles ``submit`` returns; the engine process
+sends them down its pipe instead.
 
 Failure helpers live here because both modes retry the same way: a failed attempt's memory is released
 (:func:`release`) before anything is retried, and a request that fails on its own gets one specific
@@ -26,9 +30,11 @@ import torch
 
 from vlm_demo.config import Config
 from vlm_demo.engine.faults import from_env as failpoints_from_env
+from vlm_demo.engine.ipc import Ended, Step
 from vlm_demo.engine.memory import MemoryPlan, plan_for
 from vlm_demo.engine.request import Request, make_request
 from vlm_demo.engine.scheduler import Scheduler
+from vlm_demo.engine.streams import EngineStream, StreamTable
 from vlm_demo.engine.worker import Worker
 from vlm_demo.errors import (
     DemoError,
@@ -38,7 +44,7 @@ from vlm_demo.errors import (
     UnsupportedError,
 )
 from vlm_demo.schema import STAGE_BEAM, ClientSlots, EngineStats, GenerationResult, ValidRequest
-from vlm_demo.stream import Listener, Stream, run_all
+from vlm_demo.stream import Listener, run_all
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +104,7 @@ def error_for(exc: Exception) -> DemoError:
 
 
 class Engine:
-    """The base of both batching modes: thread-safe ``submit``, one engine thread running ``_loop``."""
+    """The base of both batching modes: thread-safe ``add_request``/``cancel``, ``step`` on one thread."""
 
     batching: ClassVar[str] = ""
     supports_stage_beam: ClassVar[bool] = False  # forking candidates out of a running batch needs continuous batching
@@ -111,7 +117,10 @@ class Engine:
         self.scheduler = Scheduler(self.max_batch_size, self.config.batch_window_ms / 1000.0, self.config.max_queue)
         if self.config.structured_stages:
             _ = worker.grammar  # every token's text, built now (~0.5 s at 128k tokens) rather than at the first answer
-        self.listeners: list[Listener] = []
+        self.table = StreamTable(self.cancel)  # this process's clients (``submit``)
+        self.sink: Callable[[Step], None] = self.table.apply  # where the thread's Steps go
+        self.live: dict[int, Request] = {}  # rid -> its request, from the door until its end is reported
+        self.outbox: list[Request] = []  # requests with news since the last Step (appended from any thread)
         self.batches_run = 0
         self.failpoint: Callable[[str], None] | None = failpoints_from_env()  # fault drills only; see faults.py
         self.on_fatal: Callable[[BaseException], None] | None = None  # called once the engine thread died
@@ -127,12 +136,16 @@ class Engine:
             self._thread.start()
         return self
 
-    def _loop(self) -> None:
+    def step(self) -> Step:
+        """Run one step (waiting a little when there is nothing to do); what the clients' requests did."""
         raise NotImplementedError
 
     def _run(self) -> None:
         try:
-            self._loop()
+            while not self._stop.is_set():
+                step = self.step()
+                if step:
+                    self.sink(step)
         except BaseException as exc:  # noqa: BLE001 - the engine thread must never end without saying so
             log.critical("the engine thread stopped: %r", exc, exc_info=exc)
             self._die(exc)
@@ -145,11 +158,18 @@ class Engine:
         error = EngineStoppedError(
             f"The model engine stopped after {self.fatal}; this answer was lost. Please try again in a minute."
         )
-        for request in self.scheduler.close():
-            request.fail(error)
-        self._abandon_running(error)
+        self._end_everything(error, error)
         if self.on_fatal is not None:
             self.on_fatal(exc)
+
+    def _end_everything(self, queued: DemoError, running: DemoError) -> None:
+        """Fail what is queued and running, and report it (the last Step)."""
+        for request in self.scheduler.close():
+            request.fail(queued)
+        self._abandon_running(running)
+        for request in list(self.live.values()):
+            request.fail(running)
+        self.sink(self.collect(Step()))
 
     def _failpoint(self, point: str) -> None:
         if self.failpoint is not None:
@@ -164,21 +184,39 @@ class Engine:
             )
         return make_request(valid, self.worker)
 
-    def submit(self, valid: ValidRequest) -> Request:
-        """Queue one request and return its handle (stream / result / cancel)."""
+    def add_request(self, valid: ValidRequest, rid: int) -> None:
+        """Queue one request under the client's id ``rid`` (raises a ``DemoError`` when it is refused)."""
         if self._stop.is_set():
             if self.fatal:
                 raise EngineStoppedError(f"The model engine stopped after {self.fatal}; please try again shortly.")
             raise EngineStoppedError("The server is shutting down; please try again shortly.")
         request = self.make_request(valid)
+        request.rid, request.outbox = rid, self.outbox
         self.clients.take(request.client)  # past --max-per-client: refused here, at once
-        request.add_done_callback(self._on_done)
+        self.live[rid] = request
         try:
             self.scheduler.add(request)
         except DemoError:
+            self.live.pop(rid, None)
             self.clients.give_back(request.client)
             raise
-        return request
+
+    def cancel(self, rid: int) -> None:
+        """The client gave up (any thread): the request ends now, its row leaves at the next step."""
+        request = self.live.get(rid)
+        if request is not None:
+            request.cancel()
+            self.scheduler.wake()
+
+    def submit(self, valid: ValidRequest) -> EngineStream:
+        """Queue one request and return its handle in this process (stream / result / cancel)."""
+        stream = self.table.open()
+        try:
+            self.add_request(valid, stream.rid)
+        except BaseException:
+            self.table.forget(stream.rid)
+            raise
+        return stream
 
     def run_batch(self, items: list[ValidRequest]) -> list[GenerationResult | DemoError]:
         """Submit many at once (they batch together) and wait; errors come back in their slots."""
@@ -187,27 +225,35 @@ class Engine:
     def generate(self, valid: ValidRequest) -> GenerationResult:
         return self.submit(valid).result()
 
+    # ---- the Step ----------------------------------------------------------------------------
+    def collect(self, step: Step) -> Step:
+        """Add what the clients' requests did since the last Step: new token ids and text, ends, queue, stats."""
+        box = self.outbox[:]
+        del self.outbox[: len(box)]
+        for request in box:
+            request.reported = False
+            rid = request.rid
+            if rid is None or rid not in self.live:
+                continue
+            ids = request.token_ids
+            if len(ids) != request.sent_tokens:
+                new = ids[request.sent_tokens :] if len(ids) > request.sent_tokens else list(ids)
+                step.tokens.append((rid, len(ids), new))
+                request.sent_tokens = len(ids)
+            if len(request.text) > request.sent_chars:
+                step.text.append((rid, request.text[request.sent_chars :]))
+                request.sent_chars = len(request.text)
+            if request.done:
+                del self.live[rid]
+                self.clients.give_back(request.client)
+                step.ended.append(Ended(rid, request.result, request.error))
+        step.stats = self.stats()
+        step.waiting = [r.rid for r in self.scheduler.snapshot() if r.rid is not None]
+        return step
+
     # ---- observation -------------------------------------------------------------------------
     def add_listener(self, listener: Listener) -> None:
-        self.listeners.append(listener)
-
-    def _notify_batch(self, size: int) -> None:
-        for listener in self.listeners:
-            try:
-                listener.on_batch(size)
-            except Exception:  # a broken metric must not break serving
-                log.exception("listener %r failed in on_batch", listener)
-
-    def _on_done(self, request: Stream) -> None:
-        if isinstance(request, Request):
-            self.clients.give_back(request.client)
-        for listener in self.listeners:
-            try:
-                listener.on_request_done(request)
-            except Exception:
-                log.exception("listener %r failed in on_request_done", listener)
-        if isinstance(request, Request) and request.cancelled:
-            self.scheduler.wake()
+        self.table.listeners.append(listener)
 
     @property
     def alive(self) -> bool:
@@ -229,6 +275,7 @@ class Engine:
             kv_budget_bytes=plan.kv_budget_bytes,
             kv_bytes_per_token=plan.kv.bytes_per_token,
             kv_bytes_per_row=plan.kv.bytes_per_row,
+            kv_bytes_per_tile=plan.kv.bytes_per_tile,
             memory_plan=plan.source,
             vision_encodes=self.worker.vision_encodes,
         )
@@ -241,8 +288,10 @@ class Engine:
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop taking work, fail what is queued, end the running batch."""
         self._stop.set()
-        for request in self.scheduler.close():
-            request.fail(EngineStoppedError("The server shut down before this request ran."))
-        self._abandon_running(EngineStoppedError("The server shut down before this request finished."))
+        self.scheduler.wake()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
+        self._end_everything(
+            EngineStoppedError("The server shut down before this request ran."),
+            EngineStoppedError("The server shut down before this request finished."),
+        )

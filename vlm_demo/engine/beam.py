@@ -35,12 +35,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-import torch
-
 from vlm_demo.cot import STAGES, _without_tags, parse_stages
-from vlm_demo.engine.batch_state import Prefill, Row, Snapshot
 from vlm_demo.engine.request import STOP_TEXT, Request, SamplingParams
-from vlm_demo.engine.sampler import RowSampling
+from vlm_demo.engine.rows import Row, Snapshot
 from vlm_demo.engine.streamer import RowStreamer
 from vlm_demo.engine.structure import GAP, conclusion_reserve
 from vlm_demo.engine.worker import Worker
@@ -55,10 +52,7 @@ STRAGGLER_FACTOR, STRAGGLER_SLACK = 2, 16  # a candidate's stage may take 2x the
 
 
 class InternalRequest(Request):
-    """A candidate row or a judge call of a search: the search reads its text, nobody streams it."""
-
-    def _send(self, delta: str) -> None:
-        pass
+    """A candidate row or a judge call of a search: the search reads its text, no client is sent it."""
 
 
 class JudgeRequest(InternalRequest):
@@ -180,11 +174,11 @@ class StageBeam:
             return 1 if all(c.finished for c in self.candidates) else 0
         return self.params.beams - self.started
 
-    def fork(self, rows: int) -> tuple[Prefill, list[Row], RowSampling, torch.Tensor, bool]:
+    def fork(self, rows: int) -> tuple[Snapshot, list[Row], list[SamplingParams], bool]:
         """``rows`` new candidates from the stage's start (while speculating: the next stage's, from the
-        likelier winner): their cache (copied), their rows, sampling, next input tokens, and
-        whether those tokens are the candidates' own first output (after a prefill they are drawn now;
-        after a stage they are the winner's last token, already written)."""
+        likelier winner): the snapshot they continue from (the engine shares its pages with them), their rows
+        and sampling parameters, and whether their first tokens are still to be drawn (after a prefill: from
+        its logits) or are the winner's last token, already written (after a stage)."""
         ahead = self.spec_from if self.speculating else None
         base = ahead.snapshot if ahead is not None else self.base
         assert base is not None, "a speculated stage starts from a candidate that closed its stage"
@@ -192,9 +186,7 @@ class StageBeam:
         written = len(self.tokens) + (len(ahead.ids) if ahead is not None else 0)
         into = self.spec if ahead is not None else self.candidates
         first = len(into) if ahead is not None else self.started
-        prefill = base.fork(rows, self.start)
         params = [self._candidate_params(stage_index, first + i, written) for i in range(rows)]
-        sampling = RowSampling(params, prefill.attention_mask.device)
         stop = f"</{STAGES[stage_index].upper()}>"
         written_ids = (self.tokens + ahead.ids) if ahead is not None else self.tokens
         tail = self.worker.tokenizer.decode(written_ids[-1:]) if written_ids else ""
@@ -211,9 +203,7 @@ class StageBeam:
             new_rows.append(Row(request, streamer, beam=self))
         if ahead is None:
             self.started += rows
-        if base.logits is not None:
-            return prefill, new_rows, sampling, sampling.sample(prefill.logits), True
-        return prefill, new_rows, sampling, base.next_token.expand(rows), False
+        return base, new_rows, params, base.logits is not None
 
     def candidate_done(self, row: Row, snapshot: Snapshot | None) -> None:
         """A candidate row left the batch (closing tag, end of turn or out of tokens)."""
@@ -222,6 +212,14 @@ class StageBeam:
                 candidate.snapshot = snapshot
                 candidate.finished = True
                 return
+        if snapshot is not None:  # a candidate dropped meanwhile: nobody will fork from it
+            snapshot.release()
+
+    def close(self) -> None:
+        """The search is over: every cache it kept aside goes back to the pool."""
+        for snapshot in [self.start, self.base, *(c.snapshot for c in self.candidates + self.spec + self.contenders)]:
+            if snapshot is not None:
+                snapshot.release()
 
     def advance(self) -> list[Request]:
         """Move on when a phase is complete; returns judge calls for the engine to queue (first in line)."""
@@ -251,7 +249,12 @@ class StageBeam:
         for judgement in self.judgements:
             judgement.request.cancel()
         self._drop_speculation()
+        keep = {id(self.base), id(self.start)}
+        for candidate in self.candidates:
+            if candidate.snapshot is not None and id(candidate.snapshot) not in keep:
+                candidate.snapshot.release()
         self.candidates, self.started, self.judgements, self.queued, self.said = [], 0, [], [], []
+        self.contenders = []
         self.phase = "writing"
 
     def fail(self, error: DemoError) -> None:
@@ -355,6 +358,8 @@ class StageBeam:
     def _drop_speculation(self) -> None:
         for candidate in self.spec:
             candidate.request.cancel()
+            if candidate.snapshot is not None:
+                candidate.snapshot.release()
         self.spec_from, self.spec = None, []
 
     def _judge_request(self, first: Candidate, second: Candidate) -> JudgeRequest:
@@ -402,6 +407,9 @@ class StageBeam:
         request.token_ids = list(self.tokens)
         request.batch_size = max(request.batch_size, *(c.request.batch_size for c in self.candidates))
         request.push_text(self.text)
+        for candidate in self.candidates:  # the losers' caches go back to the pool
+            if candidate is not winner and candidate.snapshot is not None:
+                candidate.snapshot.release()
         self.candidates, self.started, self.judgements, self.queued, self.said = [], 0, [], [], []
         if winner.streamer.structure is not None and winner.streamer.structure.cut:
             self.cut = self.cut or stage
@@ -412,11 +420,11 @@ class StageBeam:
         elif len(self.tokens) >= self.params.max_new_tokens:
             self._finish("length")
         else:
+            if self.base is not self.start:
+                self.base.release()
             self.base = winner.snapshot  # type: ignore[assignment]  # a tagged candidate always has one
-            if self.stage_index == 0:  # from now on only the image states of the prompt's cache are needed
-                cross = self.worker.cross_attention_layers
-                layers = [layer if i in cross else None for i, layer in enumerate(self.start.layers)]
-                self.start = replace(self.start, layers=layers, logits=None)
+            winner.snapshot = None  # now the search's base: released with it
+            self.start.release()  # the prompt's own pages: every later stage forks from a winner (image pages shared)
             self.stage_index = self._next_stage()
             self.phase = "writing"
 

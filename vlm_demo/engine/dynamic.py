@@ -18,6 +18,7 @@ import logging
 
 from vlm_demo.config import Config
 from vlm_demo.engine.base import Engine, error_for, is_fatal_device_error, release
+from vlm_demo.engine.ipc import Step
 from vlm_demo.engine.request import Request
 from vlm_demo.engine.worker import Worker
 from vlm_demo.errors import DemoError
@@ -31,15 +32,28 @@ class DynamicEngine(Engine):
     def __init__(self, worker: Worker, config: Config | None = None) -> None:
         super().__init__(worker, config)
         self.running: list[Request] = []  # the batch being generated
+        self.sizes: list[int] = []  # batches started since the last Step
 
     def running_rows(self) -> int:
         return sum(1 for r in self.running if not r.done)
 
-    def _loop(self) -> None:
-        while not self._stop.is_set():
-            batch = self.scheduler.next_batch(timeout=0.5)
-            if batch:
-                self._execute(batch)
+    def step(self) -> Step:
+        """One batch (waiting a little for one): ``generate`` for all of it, each of its steps reported to
+        ``sink`` as it happens; returns the last Step."""
+        batch = self.scheduler.next_batch(timeout=0.5)
+        if batch:
+            self._execute(batch)
+        return self._report()
+
+    def _report(self) -> Step:
+        step = self.collect(Step(batch_sizes=self.sizes))
+        self.sizes = []
+        return step
+
+    def _on_token(self) -> bool:
+        """After each of ``generate``'s steps: report it; True stops the batch (the engine is stopping)."""
+        self.sink(self._report())
+        return self._stop.is_set()
 
     def _execute(self, batch: list[Request]) -> None:
         live = [r for r in batch if not r.done]
@@ -47,11 +61,11 @@ class DynamicEngine(Engine):
             return
         self.running = live
         self.batches_run += 1
-        self._notify_batch(len(live))
+        self.sizes.append(len(live))
         failure: Exception | None = None
         try:
             self._failpoint("generate")
-            self.worker.run(live, self.config.structured_stages)
+            self.worker.run(live, self.config.structured_stages, self._on_token)
         except Exception as exc:
             failure = exc  # handled below, outside the except block: see ``release``
         if failure is not None and is_fatal_device_error(failure):

@@ -5,69 +5,106 @@ back often: a Think-harder answer's judge calls (each judge prompt carries the i
 question, the example gallery, a client asking twice. Here the projected vision output (what every
 cross-attention layer turns into its keys and values: 6,404 × 4,096 values, 52 MB in bf16) is kept by
 the image's digest and reused, so such a prefill runs the text model only. Least recently used entries
-go first; the continuous engine counts the cache in its KV budget and empties it before it turns a
-request away (``ContinuousEngine._fits``).
+go first. The entries live in pages of the continuous engine's page pool, so the cache and the rows
+share one budget: it takes only free pages, and the scheduler's plan has it give pages back
+(``evict``) before a row would wait or be handed back for want of them.
 """
 
 from __future__ import annotations
 
+import math
 import threading
 from collections import OrderedDict
+from dataclasses import dataclass
 
 import torch
 
+from vlm_demo.engine.pages import PagePool
+
+
+@dataclass
+class Entry:
+    pages: list[int]  # in the pool (empty when the tensor is kept itself)
+    shape: torch.Size
+    device: torch.device
+    size: int  # bytes
+    tensor: torch.Tensor | None = None  # when the pool has no arena on its device
+
 
 class ImageStates:
-    """A byte-bounded LRU of ``[tiles, patches, hidden]`` vision states on the model's device."""
+    """A byte-bounded LRU of ``[tiles, patches, hidden]`` vision states, kept in the pool's free pages."""
 
-    def __init__(self, max_bytes: int) -> None:
+    def __init__(self, max_bytes: int, pool: PagePool | None = None) -> None:
         self.max_bytes = max_bytes
-        self._entries: OrderedDict[str, torch.Tensor] = OrderedDict()
+        self.pool = pool
+        self._entries: OrderedDict[str, Entry] = OrderedDict()
         self._lock = threading.Lock()  # stats are read from other threads
         self.bytes = 0
         self.hits = 0
         self.misses = 0
+        self.reserve = 0  # free pages the cache leaves alone (the engine sets it to what newcomers need)
+
+    @property
+    def pages(self) -> int:
+        """Pool pages the cache holds (all of them can be given back)."""
+        return sum(len(e.pages) for e in self._entries.values())
 
     def __len__(self) -> int:
         return len(self._entries)
 
     def get(self, key: str) -> torch.Tensor | None:
         with self._lock:
-            states = self._entries.get(key) if key else None
-            if states is None:
+            entry = self._entries.get(key) if key else None
+            if entry is None:
                 self.misses += 1
                 return None
             self._entries.move_to_end(key)
             self.hits += 1
-            return states
+        if entry.tensor is not None:
+            return entry.tensor
+        assert self.pool is not None
+        return self.pool.load(entry.pages, entry.shape, entry.device)
 
     def put(self, key: str, states: torch.Tensor) -> None:
+        """Keep ``states`` (a copy) if they fit under the cap, in free pages only (never ones rows need)."""
         size = states.numel() * states.element_size()
-        if not key or size > self.max_bytes:
+        if not key or size > self.max_bytes or key in self._entries:
             return
+        pool = self.pool
+        on_pool = pool is not None and pool.holds(states.device) and states.dtype == pool.shape.dtype
         with self._lock:
-            if key in self._entries:
-                return
-            self._entries[key] = states
-            self.bytes += size
-            while self.bytes > self.max_bytes:
+            while self._entries and self.bytes + size > self.max_bytes:
                 self._drop_oldest()
+        if on_pool:
+            assert pool is not None
+            count = math.ceil(states.numel() / pool.page_elements(states.device))
+            pages = pool.take(count) if pool.free_pages - count >= self.reserve else None
+            if pages is None:
+                return  # the rows hold or need the pages: not remembered
+            pool.store(pages, states)
+            entry = Entry(pages, states.shape, states.device, size)
+        else:
+            entry = Entry([], states.shape, states.device, size, states)
+        with self._lock:
+            self._entries[key] = entry
+            self.bytes += size
 
-    def evict(self, wanted: int) -> int:
-        """Free at least ``wanted`` bytes (oldest first) if there are that many; returns the bytes freed."""
+    def evict(self, pages: int) -> int:
+        """Give back at least ``pages`` pool pages (oldest entries first) if there are that many; returns those freed."""
         freed = 0
         with self._lock:
-            while self._entries and freed < wanted:
+            while self._entries and freed < pages:
                 freed += self._drop_oldest()
         return freed
 
     def clear(self) -> None:
         with self._lock:
-            self._entries.clear()
-            self.bytes = 0
+            while self._entries:
+                self._drop_oldest()
 
     def _drop_oldest(self) -> int:
-        _, states = self._entries.popitem(last=False)
-        size = states.numel() * states.element_size()
-        self.bytes -= size
-        return size
+        _, entry = self._entries.popitem(last=False)
+        self.bytes -= entry.size
+        if entry.pages and self.pool is not None:
+            self.pool.release(entry.pages)
+        return len(entry.pages)

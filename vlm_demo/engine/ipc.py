@@ -2,9 +2,9 @@
 
 Web → engine: ``Submit`` (a request that passed the door), ``Cancel``, ``Shutdown``.
 Engine → web: ``Loading`` while the model loads, ``Ready`` once it is (or ``Fatal`` if it cannot be), then one ``Step`` per
-engine step carrying every row's new text, the requests that ended, the batch sizes run and the
-engine's stats. Text is sent per step, not per token per row: with 32 rows that is 32× fewer
-messages for the web process to unpickle and dispatch.
+engine step (merged when the pipe is slower than the engine) carrying every row's new text and
+token ids, the requests that ended, the batch sizes run and the engine's stats. Text is sent per step,
+not per token per row: with 32 rows that is 32× fewer messages for the web process to unpickle.
 """
 
 from __future__ import annotations
@@ -63,10 +63,27 @@ class Ended:
 
 @dataclass
 class Step:
-    text: list[tuple[int, str]] = field(default_factory=list)  # (rid, new text) in arrival order
-    tokens: list[tuple[int, int]] = field(default_factory=list)  # (rid, tokens so far) for each row in ``text``
+    """What one engine step (or several, merged) did, for the clients' :class:`~vlm_demo.engine.streams.StreamTable`."""
+
+    text: list[tuple[int, str]] = field(default_factory=list)  # (rid, new text) in order
+    tokens: list[tuple[int, int, list[int]]] = field(default_factory=list)  # (rid, tokens so far, the new ids)
     beams: list[tuple[int, BeamView]] = field(default_factory=list)  # stage-beam searches that changed
     ended: list[Ended] = field(default_factory=list)  # after their last text
-    batch_sizes: list[int] = field(default_factory=list)  # rows in each model batch/step since the last message
+    batch_sizes: list[int] = field(default_factory=list)  # rows in each model batch/step
     stats: EngineStats | None = None  # queue depth, running rows …
     waiting: list[int] | None = None  # with ``stats``: the waiting requests' rids in queue order
+
+    def __bool__(self) -> bool:
+        return bool(self.text or self.tokens or self.beams or self.ended or self.batch_sizes or self.stats)
+
+    def merge(self, later: Step) -> Step:
+        """This step followed by ``later``, as one message (the latest stats and queue win)."""
+        return Step(
+            self.text + later.text,
+            self.tokens + later.tokens,
+            self.beams + later.beams,
+            self.ended + later.ended,
+            self.batch_sizes + later.batch_sizes,
+            later.stats if later.stats is not None else self.stats,
+            later.waiting if later.stats is not None else self.waiting,
+        )

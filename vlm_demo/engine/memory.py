@@ -1,15 +1,18 @@
-"""How many rows fit: the KV cache in bytes, and the batch size that follows from free GPU memory.
+"""How many rows fit: the cache in bytes, the page pool it becomes, and the batch size that follows.
 
 A row's cache has two parts. Its text keys/values grow with every token (Llama-3.2-11B-Vision,
-bf16: 2 × 32 self-attention layers × 8 heads × 128 × 2 bytes = 128 KiB per token). Its image's
-cross-attention keys/values are fixed (8 cross-attention layers × 4 tiles × 1601 patches: ~210 MB
-per row, whatever the answer's length). Counting rows × tokens alone, as a token budget does,
-misses the second part, which dominates short answers.
+bf16: 2 × 32 self-attention layers × 8 heads × 128 × 2 bytes = 128 KiB per token). Its picture's
+cross-attention keys/values are fixed: 8 cross-attention layers × 1601 patches per tile it shows,
+~52 MB a tile, ~210 MB for four, whatever the answer's length. Counting rows × tokens alone, as a
+token budget does, misses the second part, which dominates short answers.
 
 The plan is made where the model is loaded (the engine process) and published in
 ``Engine.stats()``: on CUDA the byte budget is the memory free after loading minus a reserve for
-activations, and the default batch size is the number of rows of ``max_new_tokens`` tokens that
-budget holds; on CPU there is no budget and the batch size defaults to a small number.
+activations; the continuous engine allocates it once as its page pool (``pool_pages``), less the
+image-state cache's share, and admits rows by the pages they really take. The default batch size
+is the number of rows of ``max_new_tokens`` tokens with a one-tile picture that budget holds (the
+most it can hold; four-tile pictures fill the pages sooner). On CPU there is no budget and the
+batch size defaults to a small number.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from typing import Any
 import torch
 
 from vlm_demo.config import Config
-from vlm_demo.engine.batch_state import SlackLayer
+from vlm_demo.engine.pages import PageShape
 from vlm_demo.engine.worker import Worker
 from vlm_demo.errors import ModelLoadError
 
@@ -36,10 +39,11 @@ MIN_ROWS = 4  # fewer rows than this at full length: warn, the GPU is too small 
 
 @dataclass(frozen=True)
 class KVShape:
-    """Bytes the cache holds per text token and per row (its image's cross-attention states)."""
+    """Bytes the cache holds per text token, per tile a picture shows, and for a four-tile picture."""
 
     bytes_per_token: int
-    bytes_per_row: int
+    bytes_per_row: int  # a picture of every tile (the most one row's image states take)
+    bytes_per_tile: int = 0
 
     @classmethod
     def of(cls, config: Any, dtype: torch.dtype) -> KVShape:
@@ -49,14 +53,13 @@ class KVShape:
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
         per_layer_token = 2 * text.num_key_value_heads * head_dim * dtype.itemsize  # keys and values
         patches = (vision.image_size // vision.patch_size) ** 2 + 1  # + the class token
-        vision_tokens = vision.max_num_tiles * patches
-        return cls(self_layers * per_layer_token, cross * per_layer_token * vision_tokens)
+        tile = cross * per_layer_token * patches
+        return cls(self_layers * per_layer_token, tile * vision.max_num_tiles, tile)
 
-    def batch_bytes(self, rows: int, length: int) -> int:
-        """The running batch's cache: every row holds ``length`` columns (left padding), plus the
-        slack a step writes into (see ``SlackLayer``), plus each row's image states."""
-        columns = length + max(SlackLayer.MIN_SPARE, length // 4) if length else 0
-        return rows * (columns * self.bytes_per_token + self.bytes_per_row)
+    def batch_bytes(self, rows: int, length: int, tiles: int | None = None) -> int:
+        """``rows`` rows of ``length`` tokens each, with pictures of ``tiles`` tiles (default: every tile)."""
+        image = self.bytes_per_row if tiles is None else tiles * self.bytes_per_tile
+        return rows * (length * self.bytes_per_token + image)
 
 
 @dataclass(frozen=True)
@@ -67,6 +70,16 @@ class MemoryPlan:
     max_batch_size: int
     kv_budget_bytes: int
     source: str  # where the numbers came from, for the log and stats
+    row_tokens: int = PROMPT_TOKENS  # a full-length row's tokens (its prompt and --max-new-tokens)
+
+    def pool_pages(self, shape: PageShape) -> int:
+        """Pages of the continuous engine's pool (which also holds the image-state cache, in pages rows do
+        not need): the budget, or with no budget (CPU) room for every row at full length with a four-tile
+        picture, and a quarter more for Think harder's kept stage starts and the image-state cache."""
+        if self.kv_budget_bytes > 0:
+            return max(1, self.kv_budget_bytes // shape.page_bytes)
+        row = shape.row_pages(self.row_tokens, shape.max_tiles)
+        return self.max_batch_size * row + max(row, self.max_batch_size * row // 4)
 
     def stats(self) -> dict[str, Any]:
         return {
@@ -94,7 +107,8 @@ def plan(
     """The plan for a model whose cache has shape ``kv``: from ``config`` where it says, else from
     ``free`` GPU memory (bytes, measured after loading) on CUDA, else CPU defaults."""
     row_tokens = config.max_new_tokens + PROMPT_TOKENS
-    row_bytes = kv.batch_bytes(1, row_tokens)
+    row_bytes = kv.batch_bytes(1, row_tokens)  # a four-tile picture: the most one answer can need
+    small_row = kv.batch_bytes(1, row_tokens, tiles=1) if kv.bytes_per_tile else row_bytes
     if config.kv_budget_gb > 0:
         budget, source = int(config.kv_budget_gb * GiB), "--kv-budget-gb"
     elif cuda:
@@ -123,8 +137,11 @@ def plan(
                 budget / GiB,
             )
     elif budget > 0:
-        rows = max(1, min(MAX_AUTO_BATCH_SIZE, budget // row_bytes))
-        source += f"; {budget // row_bytes} rows of {row_tokens} tokens fit"
+        rows = max(1, min(MAX_AUTO_BATCH_SIZE, budget // small_row))
+        source += (
+            f"; {budget // small_row} rows of {row_tokens} tokens fit with one-tile pictures, "
+            f"{budget // row_bytes} with four"
+        )
     else:
         rows = CPU_BATCH_SIZE
     if cuda and budget and budget // row_bytes < MIN_ROWS:
@@ -134,7 +151,7 @@ def plan(
             row_tokens,
             budget / GiB,
         )
-    return MemoryPlan(kv, rows, budget, source)
+    return MemoryPlan(kv, rows, budget, source, row_tokens)
 
 
 def plan_for(worker: Worker, config: Config) -> MemoryPlan:

@@ -7,9 +7,10 @@ gets its own interpreter. The web process (:mod:`vlm_demo.backends.engine_client
 already passed the door; this side preprocesses them, runs them, and publishes one
 :class:`~vlm_demo.engine.ipc.Step` per engine step with every row's new text.
 
-Threads: the main thread receives (submit / cancel / shutdown), the engine thread steps the model,
-and a publisher thread wakes at each step boundary (the engine's ``on_batch`` listener call) to send
-what the rows produced. The engine thread never blocks on the pipe.
+Threads: the main thread receives (submit / cancel / shutdown), a preparing thread turns submitted
+pictures into the model's inputs (so a Cancel never waits behind a picture being tiled), the engine
+thread loops ``step()`` and hands each Step to the publisher, which merges them while the pipe is busy
+and sends them. The engine thread never blocks on the pipe.
 
 If the engine thread dies (a sticky CUDA error), the requests it held have already failed with a clear
 error; this process sends that last step and exits with :data:`ENGINE_FAILED`, and the web process's
@@ -22,18 +23,17 @@ import logging
 import os
 import signal
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING
 
 from vlm_demo.config import Config
 from vlm_demo.engine.ipc import ENGINE_FAILED, Cancel, Ended, Fatal, Loading, Ready, Shutdown, Step, Submit
 from vlm_demo.errors import DemoError, GenerationError
-from vlm_demo.schema import BeamView, EngineStats, LoadProgress
-from vlm_demo.stream import Stream
+from vlm_demo.schema import EngineStats, LoadProgress
 
 if TYPE_CHECKING:  # the engine (and torch) load in ``run``, inside the engine process
     from vlm_demo.engine.base import Engine
-    from vlm_demo.engine.request import Request
 
 log = logging.getLogger(__name__)
 
@@ -46,25 +46,14 @@ class EngineCore:
     def __init__(self, engine: Engine, conn: Connection) -> None:
         self.engine = engine
         self.conn = conn
-        self.live: dict[int, Request] = {}  # rid -> engine Request
-        self.rid_of: dict[int, int] = {}  # engine request_id -> rid (for queue positions)
-        self.pending: list[Ended] = []  # refused at submit: reported with the next step
-        self.views: dict[int, BeamView | None] = {}  # rid -> the stage-beam view last sent
-        self.batch_sizes: list[int] = []
+        self.pending: Step | None = None  # Steps not sent yet, merged
+        self.cancelled: set[int] = set()  # rids cancelled while their picture was being prepared
         self.lock = threading.Lock()
         self.send_lock = threading.Lock()
         self.wake = threading.Event()
         self.running = True
-        engine.add_listener(self)
-
-    # ---- engine listener (called on the engine thread: must not block) ----
-    def on_batch(self, size: int) -> None:
-        with self.lock:
-            self.batch_sizes.append(size)
-        self.wake.set()
-
-    def on_request_done(self, request: Stream) -> None:
-        self.wake.set()
+        self.preparing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vlm-prepare")
+        engine.sink = self.publish
 
     # ---- receiving ----
     def receive_loop(self) -> None:
@@ -76,100 +65,76 @@ class EngineCore:
                 log.warning("web process went away; stopping the engine")
                 return
             if isinstance(message, Submit):
-                self.submit(message)
+                self.preparing.submit(self.submit, message)
             elif isinstance(message, Cancel):
                 with self.lock:
-                    request = self.live.get(message.rid)
-                if request is not None:
-                    request.cancel()
+                    self.cancelled.add(message.rid)
+                self.engine.cancel(message.rid)
             elif isinstance(message, Shutdown):
                 return
 
     def submit(self, message: Submit) -> None:
+        """On the preparing thread: the picture into the model's inputs, then into the engine's queue."""
+        with self.lock:
+            if message.rid in self.cancelled:
+                self.cancelled.discard(message.rid)
+                return
         try:
-            request = self.engine.submit(message.request)
+            self.engine.add_request(message.request, message.rid)
         except DemoError as err:
-            ended = Ended(message.rid, None, err)
+            self.publish(Step(ended=[Ended(message.rid, None, err)]))
         except Exception as err:  # noqa: BLE001 - one bad request must not stop the engine process
             log.exception("submit failed")
-            ended = Ended(message.rid, None, GenerationError(f"Could not start this request: {err}"))
-        else:
-            with self.lock:
-                self.live[message.rid] = request
-                self.rid_of[request.request_id] = message.rid
-            return
+            error = GenerationError(f"Could not start this request: {err}")
+            self.publish(Step(ended=[Ended(message.rid, None, error)]))
         with self.lock:
-            self.pending.append(ended)
-        self.wake.set()
+            late = message.rid in self.cancelled
+            self.cancelled.discard(message.rid)
+        if late:  # cancelled while it was being added
+            self.engine.cancel(message.rid)
 
     # ---- publishing ----
+    def publish(self, step: Step) -> None:
+        """The engine thread's sink: never blocks (merged into what waits to be sent)."""
+        with self.lock:
+            self.pending = step if self.pending is None else self.pending.merge(step)
+        self.wake.set()
+
     def publish_loop(self) -> None:
         while self.running:
             self.wake.wait(HEARTBEAT_S)
             self.wake.clear()
-            step = self.collect()
-            try:
-                with self.send_lock:
-                    self.conn.send(step)
-            except (BrokenPipeError, EOFError, OSError):
+            if not self.flush():
                 return
 
-    def collect(self) -> Step:
-        """Every live row's text since the last message, then the rows that ended, then stats."""
+    def flush(self) -> bool:
+        """Send what is pending; False once the pipe is gone."""
         with self.lock:
-            step = Step(ended=self.pending, batch_sizes=self.batch_sizes)
-            self.pending, self.batch_sizes = [], []
-            live = list(self.live.items())
-        finished = []
-        for rid, request in live:
-            text, ended, error = "", False, None
-            try:
-                text, ended = request.drain()
-                if not ended and request.done:  # ended with an error after this text
-                    more, ended = request.drain()
-                    text += more
-            except DemoError as err:
-                error = err
-            if request.beam is not None:
-                view = request.beam_view()
-                if view != self.views.get(rid):
-                    self.views[rid] = view
-                    step.beams.append((rid, view))
-            if text:
-                step.text.append((rid, text))
-                step.tokens.append((rid, len(request.token_ids)))
-            if ended or error is not None:
-                step.ended.append(Ended(rid, None if error else request.result(0), error))
-                finished.append((rid, request.request_id))
-        with self.lock:
-            for rid, request_id in finished:
-                self.live.pop(rid, None)
-                self.rid_of.pop(request_id, None)
-                self.views.pop(rid, None)
-        step.stats, step.waiting = self.stats(), self.waiting()
-        return step
+            step, self.pending = self.pending, None
+        if step is None:
+            return True
+        try:
+            with self.send_lock:
+                self.conn.send(step)
+        except (BrokenPipeError, EOFError, OSError):
+            return False
+        return True
 
     def stats(self) -> EngineStats:
         return self.engine.stats()
 
-    def waiting(self) -> list[int]:
-        """The waiting requests' rids, in queue order (for each visitor's "N ahead of you")."""
-        queue = list(self.engine.scheduler.waiting)  # a C-level copy: safe against the engine thread
-        with self.lock:
-            return [self.rid_of[r.request_id] for r in queue if r.request_id in self.rid_of]
-
     def close(self) -> None:
         self.running = False
+        self.preparing.shutdown(wait=False, cancel_futures=True)
         self.engine.shutdown()
         self.wake.set()
+        self.flush()
 
     def exit_on_fatal(self, exc: BaseException) -> None:
         """The engine thread died: send what ended (every request it held failed with the reason), then
         exit, so the supervisor starts a fresh process instead of a server that looks alive and never answers."""
         try:
-            step = self.collect()
-            with self.send_lock:
-                self.conn.send(step)
+            self.flush()
         except Exception:  # noqa: BLE001 - exiting matters more than the last message
             log.exception("could not send the last step")
         finally:

@@ -1,8 +1,10 @@
-"""One request's state: its inputs, sampling parameters, and the stream its tokens flow into.
+"""One request's state inside the engine: its inputs, sampling parameters and progress — plain data.
 
-The engine thread writes into a request (``push_text`` / ``finish`` / ``fail``); the caller's
-thread reads from it (``stream`` / ``result``, from :class:`~vlm_demo.stream.OutputStream`) and may
-``cancel`` it at any time.
+The engine thread writes into it (``push_text`` / ``finish`` / ``fail``); what a client sees travels
+in the engine's :class:`~vlm_demo.engine.ipc.Step` messages to the client's handle
+(:mod:`~vlm_demo.engine.streams`), in this process or behind a pipe alike. A request a client asked
+for has its ``rid`` (the handle's id) and reports into the engine's ``outbox`` whenever it has news; the
+rows a Think-harder search runs for itself (candidates, judge calls) have neither.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol, TypeVar
 
-from vlm_demo.errors import RequestCancelledError
+from vlm_demo.errors import DemoError, RequestCancelledError
 from vlm_demo.schema import (
     DEFAULT_MAX_NEW_TOKENS,
     STAGE_BEAM,
@@ -25,7 +27,6 @@ from vlm_demo.schema import (
     Turn,
     ValidRequest,
 )
-from vlm_demo.stream import OutputStream
 
 __all__ = ["DEFAULT_MAX_NEW_TOKENS", "GenerationResult", "Request", "SamplingParams", "ValidRequest", "make_request"]
 
@@ -56,8 +57,8 @@ class Preparer(Protocol):
 
 
 @dataclass(eq=False)
-class Request(OutputStream):
-    """A request moving through the engine; also the handle its submitter holds."""
+class Request:
+    """A request moving through the engine (the engine thread's; ``cancel`` may come from any thread)."""
 
     stop_text: ClassVar[str | re.Pattern[str]] = STOP_TEXT  # where its row stops, besides end of turn and limits
     staged: ClassVar[bool] = True  # an answer in the four stages (the stage structure applies); False: free text
@@ -68,10 +69,10 @@ class Request(OutputStream):
     request_id: int = field(default_factory=lambda: next(_ids))
     inputs: dict[str, Any] = field(default_factory=dict)  # processor output for this one request
     arrival: float = field(default_factory=time.monotonic)
-    # Engine-side progress (written by the engine thread only).
     token_ids: list[int] = field(default_factory=list)
     text: str = ""  # decoded so far, including text already sent
-    sent_chars: int = 0  # how much of ``text`` the client has seen (kept across retries)
+    sent_chars: int = 0  # how much of ``text`` the client has been sent (kept across retries)
+    sent_tokens: int = 0  # how many of ``token_ids`` the client has been sent
     batch_size: int = 0
     started: float | None = None
     first_token: float | None = None
@@ -80,10 +81,25 @@ class Request(OutputStream):
     image_key: str = ""  # its picture's digest (the image-state cache)
     resume: Resume | None = None  # set while a preempted row waits to continue where it stopped
     cut_stage: str | None = None  # the stage the CONCLUSION's reserve cut short (stage structure)
+    rid: int | None = None  # the client's handle (None: a search's own row)
+    outbox: list[Request] | None = None  # where it reports news (the engine's; None: nobody listens)
+    result: GenerationResult | None = None
+    error: DemoError | None = None
+    cancelled: bool = False
+    reported: bool = False  # in the outbox now
 
     def __post_init__(self) -> None:
-        OutputStream.__init__(self)
-        self._cancelled = threading.Event()
+        self._lock = threading.Lock()
+
+    @property
+    def done(self) -> bool:
+        return self.result is not None or self.error is not None
+
+    @property
+    def finish_reason(self) -> str | None:
+        if self.result is not None:
+            return self.result.finish_reason
+        return self.error.code if self.error is not None else None
 
     @property
     def prompt_tokens(self) -> int:
@@ -95,6 +111,14 @@ class Request(OutputStream):
         """Tokens its prefill takes: the prompt, and for a preempted row the tokens it had already written
         (all but the last, which is its next input)."""
         return self.prompt_tokens + (max(0, len(self.token_ids) - 1) if self.resume is not None else 0)
+
+    @property
+    def tiles(self) -> int:
+        """Tiles of its picture its answer sees (what its image states take), from the processor's mask."""
+        cross = self.inputs.get("cross_attention_mask")
+        if cross is None:
+            return 0
+        return int((cross[0, -1] > 0).sum()) or int(cross.shape[-1] * cross.shape[-2])
 
     def prefill_inputs(self) -> dict[str, Any]:
         """The processor's inputs for its prefill; a preempted row continues after what it wrote, every
@@ -124,44 +148,52 @@ class Request(OutputStream):
         """Where its stage-beam search stands (``None`` in the normal mode or before it starts)."""
         return self.beam.view() if self.beam is not None else None
 
-    @property
-    def cancelled(self) -> bool:
-        return self._cancelled.is_set()
-
     def cancel(self) -> None:
-        """Stop streaming now; the engine drops the row at its next step."""
-        if self.done:
-            return
-        self._cancelled.set()
+        """Stop now (from any thread); the engine drops the row at its next step."""
+        self.cancelled = True
         self.fail(RequestCancelledError("Request cancelled."))
 
     # ---- engine side -------------------------------------------------------------------------
+    def _report(self) -> None:
+        if self.outbox is not None and not self.reported:
+            self.reported = True
+            self.outbox.append(self)
+
     def push_text(self, full_text: str) -> None:
-        """Record the row's full decoded text and send the client whatever it has not seen."""
+        """Record the row's full decoded text (the client is sent what it has not seen, with the next Step)."""
         self.text = full_text
         if self.first_token is None:
             self.first_token = time.monotonic()
-        if len(full_text) > self.sent_chars and not self.done:
-            self._send(full_text[self.sent_chars :])
-            self.sent_chars = len(full_text)
+        self._report()
 
     def finish(self, reason: str) -> None:
         now = time.monotonic()
-        self._end(
-            GenerationResult(
-                text=self.text,
-                finish_reason=reason,
-                batch_size=self.batch_size,
-                prompt_tokens=self.prompt_tokens,
-                completion_tokens=len(self.token_ids),
-                queue_s=(self.started or now) - self.arrival,
-                ttft_s=(self.first_token or now) - self.arrival,
-                total_s=now - self.arrival,
-                beam=self.beam_view(),
-                cut_stage=self.cut_stage,
-            ),
-            None,
+        result = GenerationResult(
+            text=self.text,
+            finish_reason=reason,
+            batch_size=self.batch_size,
+            prompt_tokens=self.prompt_tokens,
+            completion_tokens=len(self.token_ids),
+            queue_s=(self.started or now) - self.arrival,
+            ttft_s=(self.first_token or now) - self.arrival,
+            total_s=now - self.arrival,
+            beam=self.beam_view(),
+            cut_stage=self.cut_stage,
         )
+        with self._lock:
+            if self.done:
+                return
+            self.result = result
+        self._report()
+
+    def fail(self, error: DemoError) -> bool:
+        """End with an error (no-op if already ended); True if this call ended it."""
+        with self._lock:
+            if self.done:
+                return False
+            self.error = error
+        self._report()
+        return True
 
     def tokens(self) -> int | None:
         return len(self.token_ids)

@@ -12,8 +12,9 @@ host: the caller does that once per step, for the tokens it streams.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
+import numpy as np
 import torch
 from transformers import LogitsProcessor
 
@@ -64,26 +65,47 @@ def _split_seed(seed: int | None) -> tuple[int, int]:
     return value & MASK32, (value >> 32) & MASK32
 
 
+Send = Callable[[list[np.ndarray]], list[torch.Tensor]]
+
+
+def plain_send(device: torch.device | str) -> Send:
+    """Arrays to ``device`` one ``torch.tensor`` each (where no staging buffer is at hand: dynamic mode)."""
+    return lambda parts: [torch.tensor(np.asarray(p), device=device) for p in parts]
+
+
 class RowSampling:
     """The sampling state of a batch's rows, as tensors on the logits' device.
 
     Rows join (``cat``) and leave (``select``) with the batch; ``sample`` picks every row's next
     token and advances the sampled rows' draw counters. A row's ``n``-th token is always draw
-    ``n``, so a row restarted after an out-of-memory step draws the same tokens again.
+    ``n``, so a row restarted after an out-of-memory step draws the same tokens again. The per-row
+    numbers reach the device through ``send`` (the engine's staging buffer: one asynchronous copy).
     """
 
-    def __init__(self, params: Sequence[SamplingParams], device: torch.device | str, draws: torch.Tensor | None = None):
+    def __init__(
+        self,
+        params: Sequence[SamplingParams],
+        device: torch.device | str,
+        draws: torch.Tensor | None = None,
+        send: Send | None = None,
+    ):
         self.params = list(params)
         self.device = torch.device(device)
-        self.draws = draws if draws is not None else torch.zeros(len(self.params), dtype=torch.long, device=device)
+        self.send = send or plain_send(self.device)
         self.sampled = [i for i, p in enumerate(self.params) if not p.greedy]
+        chosen = [self.params[i] for i in self.sampled]
+        floats = np.asarray([[p.temperature, p.top_p] for p in chosen], dtype=np.float32).reshape(-1, 2)
+        halves = np.asarray([_split_seed(p.seed) for p in chosen], dtype=np.int64).reshape(-1, 2)
+        parts = [np.asarray(self.sampled, dtype=np.int64), floats.view(np.int32).astype(np.int64), halves]
+        if draws is None:
+            parts.append(np.zeros(len(self.params), dtype=np.int64))
+        sent = self.send(parts)
+        self.draws = draws if draws is not None else sent[3]
         if self.sampled:
-            chosen = [self.params[i] for i in self.sampled]
-            self.index = torch.tensor(self.sampled, dtype=torch.long, device=device)
-            self.temperature = torch.tensor([p.temperature for p in chosen], dtype=torch.float32, device=device)
-            self.top_p = torch.tensor([p.top_p for p in chosen], dtype=torch.float32, device=device)
-            halves = torch.tensor([_split_seed(p.seed) for p in chosen], dtype=torch.long, device=device)
-            self.keys = hash32(halves[:, 1] ^ hash32(halves[:, 0]))
+            self.index = sent[0]
+            bits = sent[1].to(torch.int32).view(torch.float32)  # the exact float32 values, sent as integers
+            self.temperature, self.top_p = bits[:, 0].contiguous(), bits[:, 1].contiguous()
+            self.keys = hash32(sent[2][:, 1] ^ hash32(sent[2][:, 0]))
 
     def __len__(self) -> int:
         return len(self.params)
@@ -94,14 +116,14 @@ class RowSampling:
 
     def cat(self, other: RowSampling) -> RowSampling:
         """This batch's rows followed by ``other``'s (newcomers), counters kept."""
-        return RowSampling(
-            self.params + other.params, self.device, torch.cat([self.draws, other.draws.to(self.device)])
-        )
+        draws = torch.cat([self.draws, other.draws.to(self.device)])
+        return RowSampling(self.params + other.params, self.device, draws, self.send)
 
-    def select(self, keep: Sequence[int]) -> RowSampling:
-        """Only the listed rows, in that order, counters kept."""
-        index = torch.tensor(list(keep), dtype=torch.long, device=self.device)
-        return RowSampling([self.params[i] for i in keep], self.device, self.draws.index_select(0, index))
+    def select(self, keep: Sequence[int], index: torch.Tensor | None = None) -> RowSampling:
+        """Only the listed rows, in that order, counters kept (``index``: ``keep`` already on the device)."""
+        if index is None:
+            (index,) = self.send([np.asarray(list(keep), dtype=np.int64)])
+        return RowSampling([self.params[i] for i in keep], self.device, self.draws.index_select(0, index), self.send)
 
     def redraw(self, logits: torch.Tensor, rows: Sequence[int], ban: torch.Tensor) -> torch.Tensor:
         """A second draw for ``rows`` (indices into this batch) with the ``ban`` vocabulary masked out: what the

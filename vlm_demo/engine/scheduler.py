@@ -1,10 +1,13 @@
 """Which waiting requests run together, and when.
 
+Continuous mode asks :meth:`Scheduler.plan` at every step boundary what to do — preempt, fork a
+search's candidates, admit newcomers — and only executes it; every decision of that kind is here.
+
 Fair share: waiting requests queue per client (the visitor's address, an API key; requests without one
 share the anonymous client ``""``), and clients take turns: each admission goes to the next client in
 rotation, so one client with 30 waiting answers gets every other free row while another client waits,
-not all of them. Within a client, requests keep their arrival order. (The continuous engine also gives
-a waiting client back its share of the running rows: see ``ContinuousEngine._preempt``.)
+not all of them. Within a client, requests keep their arrival order. In continuous mode a waiting client
+also gets its share of the running rows back (``plan``: preemption).
 
 Policy (dynamic batching): when the worker asks for work, take up to ``max_batch_size`` waiting
 requests in turn. If fewer are waiting, wait for company at most ``batch_window_s``, counted from when
@@ -22,9 +25,57 @@ import collections
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from vlm_demo.engine.request import Request
 from vlm_demo.errors import EngineStoppedError, QueueFullError
+
+PREEMPT_AFTER = 8  # a row that joined less than this many tokens ago is not handed back (no thrashing)
+
+
+class Search(Protocol):
+    """A stage-beam search as the plan sees it (:class:`~vlm_demo.engine.beam.StageBeam`)."""
+
+    @property
+    def speculating(self) -> bool: ...
+
+    def rows_wanted(self, spare: bool = True) -> int: ...
+
+
+@dataclass(frozen=True)
+class RowState:
+    """What the plan knows of a running row."""
+
+    client: str
+    written: int  # tokens it has written
+    movable: bool  # a plain answer (a search's rows are not handed back)
+    pages: int  # pages it would give back by leaving
+
+
+@dataclass
+class Room:
+    """The running batch's room at a step boundary."""
+
+    rows: int  # rows running
+    rows_allowed: int
+    free_pages: int
+    cache_pages: int  # pages the image-state cache holds (it gives them back when asked)
+    pages_next_step: int  # pages the running rows take at the next step (those opening a page)
+    pages_for: Callable[[Request], int]  # a newcomer's pages (its prompt and its picture's tiles)
+    cached_tokens: int = 0  # text tokens the rows hold, for ``token_budget``
+    token_budget: int = 0  # --kv-token-budget (0: none)
+
+
+@dataclass
+class Plan:
+    """What the continuous engine does at this step boundary, in this order."""
+
+    suspend: list[int] = field(default_factory=list)  # rows handed back to the queue (they resume later)
+    forks: list[tuple[Any, int]] = field(default_factory=list)  # (search, candidate rows to fork)
+    admit: list[Request] = field(default_factory=list)  # newcomers to prefill and join
+    evict_pages: int = 0  # pages the image-state cache gives back first (memory pressure)
+    short: bool = False  # the next step lacks pages even after handing back every plain row
 
 
 class FairQueue:
@@ -209,6 +260,94 @@ class Scheduler:
                 used += need
         return taken
 
+    def plan(self, room: Room, rows: Callable[[], list[RowState]], searches: list[Any]) -> Plan:
+        """Decide this step boundary: rows handed back (the next step's pages, then each waiting client's
+        share), searches' candidates forked (before any newcomer: they are answers in progress), then
+        newcomers admitted while rows and pages allow; the image-state cache gives back the pages all that
+        takes beyond the free ones. ``rows`` is asked only when a decision needs it."""
+        plan = Plan()
+        free_rows = room.rows_allowed - room.rows
+        free, available = room.free_pages, room.free_pages + room.cache_pages
+        states: list[RowState] | None = None
+        if available < room.pages_next_step:
+            states = rows()
+            plan.suspend, freed = _make_room(states, room.pages_next_step - available)
+            plan.short = available + freed < room.pages_next_step
+            free, available, free_rows = free + freed, available + freed, free_rows + len(plan.suspend)
+        waiting = self.clients_waiting()
+        if free_rows <= 0 and waiting:
+            states = states if states is not None else rows()
+            more = self._fair_share(states, waiting, room.rows_allowed, set(plan.suspend))
+            freed = sum(states[i].pages for i in more)
+            plan.suspend += more
+            free, available, free_rows = free + freed, available + freed, free_rows + len(more)
+        used = room.pages_next_step
+        spare = not waiting  # nobody waits: a search may write its next stage ahead
+        for search in searches:
+            wanted = search.rows_wanted(spare)
+            take = min(wanted, free_rows, max(0, available - used))
+            if not wanted or (take <= 0 and search.speculating):
+                continue  # a guess takes only rows nobody wants, and never blocks other forks
+            if take <= 0:
+                break  # a search waits for rows: newcomers wait too
+            plan.forks.append((search, take))
+            free_rows -= take
+            used += take  # each candidate's own last page
+            if take < wanted and not search.speculating:
+                break
+        else:
+            if free_rows > 0 and waiting:
+                used += self._admit_into(plan, room, free_rows, available - used)
+        plan.evict_pages = max(0, used - free)
+        return plan
+
+    def _admit_into(self, plan: Plan, room: Room, free_rows: int, pages: int) -> int:
+        """Admit newcomers in turn while rows and ``pages`` allow, each running row keeping a page of headroom
+        to grow into (a lone request always goes in); returns the pages they take."""
+        running = room.rows - len(plan.suspend) + sum(n for _, n in plan.forks)
+        tokens, taken = room.cached_tokens, 0
+
+        def fits(request: Request) -> bool:
+            nonlocal running, tokens, taken
+            need = room.pages_for(request)
+            lone = running == 0 and not plan.admit
+            over_tokens = 0 < room.token_budget < tokens + request.input_tokens * request.rows_needed
+            if not lone and (pages - taken - need < running + request.rows_needed or over_tokens):
+                return False
+            taken += need
+            running += request.rows_needed
+            tokens += request.input_tokens * request.rows_needed
+            return True
+
+        plan.admit = self.admit(free_rows, fits, alone=running == 0)
+        return taken
+
+    def _fair_share(self, rows: list[RowState], waiting: list[str], allowed: int, taken: set[int]) -> list[int]:
+        """Each waiting client's share of the rows: a client holding more than ``rows ÷ clients`` gives back
+        the rows that wrote least (cheapest to resume). A search's rows stay."""
+        held: dict[str, int] = {}
+        movable: dict[str, list[int]] = {}
+        for index, row in enumerate(rows):
+            if index in taken:
+                continue
+            held[row.client] = held.get(row.client, 0) + 1
+            if row.movable and row.written >= PREEMPT_AFTER:
+                movable.setdefault(row.client, []).append(index)
+        share = max(1, allowed // len(set(held) | set(waiting)))
+        victims: list[int] = []
+        for client in waiting:
+            if held.get(client, 0) >= share:
+                continue
+            over = [c for c, n in held.items() if n > share and movable.get(c)]
+            if not over:
+                break
+            donor = max(over, key=lambda c: held[c])
+            victims.append(min(movable[donor], key=lambda i: rows[i].written))
+            movable[donor].remove(victims[-1])
+            held[donor] -= 1
+            held[client] = held.get(client, 0) + 1
+        return victims
+
     def requeue_front(self, requests: list[Request], first: bool = True) -> None:
         """Put requests back at the head of their clients' queues, ahead of newer arrivals (after an
         out-of-memory step: ``first``, their clients go next; preempted rows: they wait their turn)."""
@@ -230,3 +369,15 @@ class Scheduler:
             left = self.waiting.drain()
             self._cond.notify_all()
             return left
+
+
+def _make_room(rows: list[RowState], pages: int) -> tuple[list[int], int]:
+    """Plain rows to hand back until ``pages`` are free, those that wrote least first (cheapest to resume)."""
+    order = sorted((i for i, r in enumerate(rows) if r.movable), key=lambda i: rows[i].written)
+    chosen, freed = [], 0
+    for index in order:
+        if freed >= pages:
+            break
+        chosen.append(index)
+        freed += rows[index].pages
+    return chosen, freed

@@ -161,10 +161,12 @@ class BatchStreamer(StoppingCriteria):
         rows: list[RowStreamer],
         redraw: Callable[[torch.Tensor, list[int]], torch.Tensor] | None = None,
         tap: ScoresTap | None = None,
+        on_step: Callable[[], bool] | None = None,
     ) -> None:
         self.rows = rows
         self.redraw = redraw  # (logits, rows) -> a second draw for those rows, "<"-tokens masked
         self.tap = tap
+        self.on_step = on_step  # told after each step; True: stop every row
 
     def __call__(
         self, input_ids: torch.LongTensor, scores: torch.FloatTensor | None = None, **kwargs: Any
@@ -176,6 +178,8 @@ class BatchStreamer(StoppingCriteria):
             where = torch.tensor(changed, device=input_ids.device)
             input_ids[where, -1] = torch.tensor([committed[i] for i in changed], device=input_ids.device)
         flags = [row.feed(token) for row, token in zip(self.rows, committed, strict=False)]
+        if self.on_step is not None and self.on_step():
+            flags = [True] * len(flags)
         return torch.tensor(flags, dtype=torch.bool, device=input_ids.device)
 
     def finish_all(self) -> None:
@@ -201,9 +205,3 @@ def commit_tokens(
         for i, token in zip(again, redraw(again), strict=True):
             committed[i] = rows[i].choose(token, redrawn=True)
     return committed
-
-    def finish_all(self) -> None:
-        """After ``generate`` returns, end rows it stopped for its own reasons (overall length)."""
-        for row in self.rows:
-            if not row.done:
-                row._stop("length")

@@ -4,23 +4,22 @@ The worker owns the model and processor.
 ``prepare`` turns one request into tensors on the caller's thread (so a broken image fails alone,
 before it can join a batch). Dynamic mode: ``run`` left-pads a batch of prepared requests and calls
 ``generate`` once, with per-row sampling and per-row streaming/stopping. Continuous mode:
-``prefill`` runs newcomers together, ``decode`` one step for every running row.
+``prefill`` runs newcomers together, ``decode`` one step for every running row over the page pool.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
-from transformers.models.mllama.modeling_mllama import _prepare_cross_attention_mask
 
-from vlm_demo.engine.batch_state import Prefill
-from vlm_demo.engine.decode_step import TextDecodeStep, single_device
+from vlm_demo.engine.decode_step import TextDecodeStep
 from vlm_demo.engine.image_cache import ImageStates
 from vlm_demo.engine.request import Request
+from vlm_demo.engine.rows import Prefill, StepInputs
 from vlm_demo.engine.sampler import RowSampler, RowSampling
 from vlm_demo.engine.streamer import BatchStreamer, RowStreamer, ScoresTap
 from vlm_demo.engine.structure import StageGrammar, StageTracker
@@ -81,9 +80,6 @@ class Worker:
         self.dtype = next(model.parameters()).dtype
         self.pad_id = self._pad_id()
         self.eos_ids = self._eos_ids()
-        self.decode_step = TextDecodeStep(model) if single_device(model) else None
-        # sdpa takes the boolean mask as is; eager (and the other kernels) add the mask to the scores.
-        self.additive_mask = model.config.get_text_config()._attn_implementation != "sdpa"
         self._grammar: StageGrammar | None = None
         self.vision_encodes = 0  # pictures run through the vision tower (the engine reports it)
 
@@ -184,12 +180,14 @@ class Worker:
     def prefill(self, requests: list[Request], images: ImageStates | None = None) -> Prefill:
         """Continuous mode: run newcomers' images and prompts together, left-padded like a dynamic
         batch (positions counted from each row's first real token, as ``generate`` does); return
-        their cache, last logits and masks, ready to join the running batch. With ``images`` the vision
-        tower runs only for pictures it does not hold (each once, however many rows show it)."""
-        inputs = self.to_device(collate([r.prefill_inputs() for r in requests], self.pad_id))
+        their cache, last logits and which tiles each row sees, ready to be written into pages. With
+        ``images`` the vision tower runs only for pictures it does not hold (each once, however many
+        rows show it)."""
+        batch = collate([r.prefill_inputs() for r in requests], self.pad_id)
+        tiles = batch["cross_attention_mask"][:, -1].reshape(len(requests), -1) > 0  # host side: what decoding sees
+        inputs = self.to_device(batch)
         lengths = [r.input_tokens for r in requests]
         mask = inputs["attention_mask"].bool()
-        cross = inputs["cross_attention_mask"]
         if len(set(lengths)) == 1:  # no padding: what generate passes then (no mask, default positions)
             inputs["attention_mask"] = None
         else:
@@ -200,8 +198,7 @@ class Worker:
         else:
             self.vision_encodes += len(requests)
         out = self.model(**inputs, use_cache=True, logits_to_keep=1)
-        cross_mask, row_mask = self.cross_attention_masks(cross)
-        return Prefill(out.cache, out.logits[:, -1].float(), mask, lengths, cross_mask, row_mask)
+        return Prefill(out.cache, out.logits[:, -1].float(), mask, lengths, tiles)
 
     def _vision_states(
         self, requests: list[Request], image_inputs: dict[str, torch.Tensor], images: ImageStates
@@ -240,39 +237,15 @@ class Worker:
         ).last_hidden_state
         return model.multi_modal_projector(states).reshape(-1, states.shape[-2], model.hidden_size)
 
-    def cross_attention_masks(self, cross_attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Continuous mode: a row's decode-step cross-attention masks, built once when it joins.
-
-        Uses the model's own preparation (so values match ``generate`` bit for bit) on the row's
-        last mask position, which every generated token repeats.
-        """
-        return _prepare_cross_attention_mask(
-            cross_attention_mask[:, -1:].to(self.device),
-            num_vision_tokens=self.model.model.vision_model.num_patches,
-            dtype=self.dtype,
-        )
+    @torch.inference_mode()
+    def decode(self, step: TextDecodeStep, inputs: StepInputs) -> torch.Tensor:
+        """Continuous mode: one decode step for every running row over the page pool; ``[rows, vocab]`` logits."""
+        return step(inputs)
 
     @torch.inference_mode()
-    def decode(self, inputs: dict[str, Any]) -> torch.Tensor:
-        """Continuous mode: one decode step for every running row; returns ``[B, vocab]`` logits.
-
-        ``inputs`` come from ``RunningBatch.step_inputs`` (masks already in the layers' form). The
-        written-out step skips the stock forward's per-call machinery; a model spread over several
-        devices goes through the text model's own forward instead.
-        """
-        mask = inputs["attention_mask"]
-        if mask is not None and self.additive_mask:
-            additive = torch.zeros(mask.shape, dtype=self.dtype, device=mask.device)
-            inputs = {**inputs, "attention_mask": additive.masked_fill_(~mask, torch.finfo(self.dtype).min)}
-        if self.decode_step is not None:
-            return self.decode_step(**inputs)
-        hidden = self.model.model.language_model(**inputs, use_cache=True).last_hidden_state
-        return self.model.lm_head(hidden[:, -1]).float()
-
-    @torch.inference_mode()
-    def run(self, batch: list[Request], structured: bool = True) -> None:
+    def run(self, batch: list[Request], structured: bool = True, on_step: Callable[[], bool] | None = None) -> None:
         """Generate for every request in ``batch``; each row streams and finishes on its own (and follows the
-        stage grammar when ``structured``)."""
+        stage grammar when ``structured``). ``on_step`` is called after each step; True stops them all."""
         now = time.monotonic()
         for request in batch:
             request.started = request.started or now
@@ -284,7 +257,7 @@ class Worker:
         ]
         sampler = RowSampler([r.params for r in batch])
         tap = ScoresTap()
-        streamer = BatchStreamer(rows, lambda logits, which: self.redraw(sampler, logits, which), tap)
+        streamer = BatchStreamer(rows, lambda logits, which: self.redraw(sampler, logits, which), tap, on_step)
         self.vision_encodes += len(batch)
         self.model.generate(
             **inputs,

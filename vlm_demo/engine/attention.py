@@ -1,0 +1,216 @@
+"""Decode-step attention over the page pool: each row reads its own tokens and its own tiles, nothing else.
+
+A padded batch makes every row read as many keys as the longest one, and every picture four tiles of
+image states. Here a step's rows are ragged: row ``r`` attends to ``text_lengths[r]`` tokens spread
+over its pages (its new token included) and to the image-state tokens of the tiles it sees.
+
+Two kernels, one contract (``Layout`` in, ``[rows, heads × head dim]`` out):
+
+- ``reference``: torch operations any device runs (the CPU's path, and the GPU's when the fast kernel is
+  missing). Keys and values are gathered block by block — a text page, or an image tile — and the
+  softmax runs per block then combines per row by log-sum-exp (split-KV, as flash-decoding does), so
+  a row's result does not depend on its neighbours and the number of operations does not depend on
+  the number of rows. It reads whole text pages (at most ``page_tokens - 1`` tokens of slack per row)
+  and exactly the tiles' tokens.
+- ``flash``: FlashAttention's paged variable-length kernel from torch itself
+  (``aten._flash_attention_forward`` with a block table and per-row key counts), on CUDA in 16-bit
+  floats; it reads exactly each row's live tokens in place. It is used only when this torch has it
+  and it agrees with the reference on a probe at start (else the reference runs, and the log says so).
+
+What each step read is counted from the layout on the host (``read_tokens``), for the
+``vlm_attention_read_bytes_total`` and ``vlm_attention_live_bytes_total`` counters.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from vlm_demo.engine.pages import PagePool
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Layout:
+    """Where every row's keys are, for one decode step (device tensors, built on the host from its tables)."""
+
+    rows: int
+    text_table: torch.Tensor  # [rows, pages] int32: each row's text pages (unused entries 0)
+    text_lengths: torch.Tensor  # [rows] int32: tokens each row attends to (its new one included)
+    image_table: torch.Tensor  # [rows, pages] int32
+    image_lengths: torch.Tensor  # [rows] int32
+    # The reference kernel's gather plan: text blocks are pages, image blocks are tiles.
+    text_pages: torch.Tensor  # [blocks] long
+    text_rows: torch.Tensor  # [blocks] long: the row each block belongs to
+    text_valid: torch.Tensor  # [blocks, page tokens] bool: which tokens of the page are the row's
+    tile_pages: torch.Tensor  # [tiles, patches] long: the page of every image-state token of a tile
+    tile_offsets: torch.Tensor  # [tiles, patches] long
+    tile_rows: torch.Tensor  # [tiles] long
+    max_text: int  # the table's columns × page tokens (a static bound for the fast kernel)
+    max_image: int
+
+
+def split_softmax(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, rows: torch.Tensor,
+                  valid: torch.Tensor | None, count: int, scale: float) -> torch.Tensor:  # fmt: skip
+    """Attention of ``count`` rows' queries ``[count, kv heads, group, dim]`` over ragged blocks of keys.
+
+    ``keys``/``values`` are ``[blocks, tokens, kv heads, dim]``; ``rows[b]`` is block ``b``'s row and
+    ``valid`` masks tokens that are not the row's (``None``: all are). Each block's scores are
+    normalised by the row's maximum, then summed per row: the exact softmax, computed block-wise."""
+    q = query.index_select(0, rows)  # [blocks, kv heads, group, dim]
+    scores = torch.einsum("bhgd,bthd->bhgt", q, keys) * scale
+    if valid is not None:
+        scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    block_max = scores.amax(dim=-1)  # [blocks, kv heads, group]
+    row_max = torch.full((count, *block_max.shape[1:]), float("-inf"), dtype=scores.dtype, device=scores.device)
+    row_max = row_max.scatter_reduce(0, rows[:, None, None].expand_as(block_max), block_max, "amax")
+    weights = torch.exp(scores - row_max.index_select(0, rows)[..., None])
+    total = torch.zeros_like(row_max).index_add_(0, rows, weights.sum(dim=-1))
+    mixed = torch.einsum("bhgt,bthd->bhgd", weights, values)
+    out = torch.zeros((count, *mixed.shape[1:]), dtype=mixed.dtype, device=mixed.device).index_add_(0, rows, mixed)
+    return out / total[..., None]
+
+
+def _flash_available() -> bool:
+    schema = str(torch.ops.aten._flash_attention_forward.default._schema)
+    return torch.cuda.is_available() and "block_table" in schema and "seqused_k" in schema
+
+
+class PagedAttention:
+    """Self- and cross-attention of one decode step over the pool, with the kernel chosen at start."""
+
+    def __init__(self, pool: PagePool, heads: int, scale: float, kernel: str = "auto") -> None:
+        self.pool = pool
+        self.shape = pool.shape
+        self.heads = heads
+        self.group = heads // self.shape.kv_heads
+        self.scale = scale
+        devices = {t.device.type for t in pool.keys.values()}
+        wanted = kernel
+        if kernel == "auto":
+            wanted = "flash" if devices == {"cuda"} and self.shape.dtype != torch.float32 else "reference"
+        if wanted == "flash" and not (_flash_available() and self._probe()):
+            log.warning("FlashAttention's paged kernel is not usable here; decode attention runs the reference")
+            wanted = "reference"
+        self.kernel = wanted
+
+    # ---- the step's two attentions ------------------------------------------------------------
+    def self_attention(self, layer: int, query: torch.Tensor, layout: Layout) -> torch.Tensor:
+        """``[rows, heads, dim]`` queries over each row's text tokens -> ``[rows, heads × dim]``."""
+        keys, values = self.pool.keys[layer], self.pool.values[layer]
+        if self.kernel == "flash":
+            return self._flash(query, keys, values, layout.text_table, layout.text_lengths, layout.max_text)
+        gathered_k, gathered_v = keys.index_select(0, layout.text_pages), values.index_select(0, layout.text_pages)
+        return self._reference(query, gathered_k, gathered_v, layout.text_rows, layout.text_valid, layout.rows)
+
+    def cross_attention(self, layer: int, query: torch.Tensor, layout: Layout) -> torch.Tensor:
+        """``[rows, heads, dim]`` queries over each row's image-state tokens -> ``[rows, heads × dim]``."""
+        keys, values = self.pool.keys[layer], self.pool.values[layer]
+        if self.kernel == "flash":
+            return self._flash(query, keys, values, layout.image_table, layout.image_lengths, layout.max_image)
+        where = (layout.tile_pages, layout.tile_offsets)
+        return self._reference(query, keys[where], values[where], layout.tile_rows, None, layout.rows)
+
+    def _reference(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, rows: torch.Tensor,
+                   valid: torch.Tensor | None, count: int) -> torch.Tensor:  # fmt: skip
+        q = query.view(count, self.shape.kv_heads, self.group, self.shape.head_dim)
+        out = split_softmax(q, keys, values, rows, valid, count, self.scale)
+        return out.reshape(count, self.heads * self.shape.head_dim).to(query.dtype)
+
+    def _flash(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, table: torch.Tensor,
+               lengths: torch.Tensor, bound: int) -> torch.Tensor:  # fmt: skip
+        count = query.shape[0]
+        cu_q = torch.arange(count + 1, dtype=torch.int32, device=query.device)
+        cu_k = cu_q * bound
+        out = torch.ops.aten._flash_attention_forward(
+            query, keys, values, cu_q, cu_k, 1, bound, 0.0, False, False,
+            scale=self.scale, seqused_k=lengths, block_table=table,
+        )[0]  # fmt: skip
+        return out.reshape(count, self.heads * self.shape.head_dim)
+
+    def _probe(self) -> bool:
+        """The fast kernel on a small random case, against the reference (a torch without it, or a kernel
+        that disagrees, leaves the reference in charge)."""
+        try:
+            layer = self.shape.self_layers[0]
+            keys, values = self.pool.keys[layer], self.pool.values[layer]
+            pages = min(3, keys.shape[0])
+            device = keys.device
+            saved = (keys[:pages].clone(), values[:pages].clone())
+            keys[:pages].normal_()
+            values[:pages].normal_()
+            lengths = [self.shape.page_tokens * pages - 5, 7]
+            layout = layout_for(self.shape, [list(range(pages)), [0]], lengths, [[0], [0]], [1, 1], device)
+            query = torch.randn(2, self.heads, self.shape.head_dim, dtype=keys.dtype, device=device)
+            fast = self._flash(query, keys, values, layout.text_table, layout.text_lengths, layout.max_text)
+            slow = self._reference(query, keys.index_select(0, layout.text_pages),
+                                   values.index_select(0, layout.text_pages), layout.text_rows,
+                                   layout.text_valid, 2)  # fmt: skip
+            keys[:pages].copy_(saved[0])
+            values[:pages].copy_(saved[1])
+            error = (fast.float() - slow.float()).abs().max().item()
+            if error > 2e-2:
+                log.warning("FlashAttention's paged kernel differs from the reference by %.3g", error)
+                return False
+            return True
+        except Exception as exc:  # noqa: BLE001 - any failure here means: use the reference
+            log.warning("FlashAttention's paged kernel failed its probe: %r", exc)
+            return False
+
+    # ---- accounting ---------------------------------------------------------------------------
+    def read_tokens(self, text_lengths: list[int], image_tokens: list[int]) -> tuple[int, int]:
+        """Text and image-state tokens this kernel reads for rows of these lengths (per layer)."""
+        if self.kernel == "flash":
+            return sum(text_lengths), sum(image_tokens)
+        page = self.shape.page_tokens
+        return sum(-(-n // page) * page for n in text_lengths), sum(image_tokens)
+
+
+def layout_for(shape, text_pages: list[list[int]], text_lengths: list[int], image_pages: list[list[int]],
+               tiles: list[int], device: torch.device) -> Layout:  # fmt: skip
+    """The step's layout from the rows' page lists (host side) — one small copy to the device per tensor."""
+    rows = len(text_pages)
+    width = max(len(p) for p in text_pages)
+    image_width = max(1, max(len(p) for p in image_pages))
+    text_table = torch.zeros((rows, width), dtype=torch.int32)
+    image_table = torch.zeros((rows, image_width), dtype=torch.int32)
+    blocks, owners, valid_counts = [], [], []
+    for r, (pages, length) in enumerate(zip(text_pages, text_lengths, strict=True)):
+        text_table[r, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
+        used = -(-length // shape.page_tokens)
+        blocks += pages[:used]
+        owners += [r] * used
+        valid_counts += [shape.page_tokens] * (used - 1) + [length - shape.page_tokens * (used - 1)]
+    tile_tokens = torch.arange(shape.patches)
+    tile_pages, tile_offsets, tile_rows = [], [], []
+    for r, (pages, count) in enumerate(zip(image_pages, tiles, strict=True)):
+        if pages:
+            image_table[r, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
+        for t in range(count):
+            tokens = t * shape.patches + tile_tokens
+            tile_pages.append(torch.tensor(pages, dtype=torch.long)[tokens // shape.image_page_tokens])
+            tile_offsets.append(tokens % shape.image_page_tokens)
+            tile_rows.append(r)
+    valid = torch.arange(shape.page_tokens)[None, :] < torch.tensor(valid_counts)[:, None]
+
+    def dev(t: torch.Tensor) -> torch.Tensor:
+        return t.to(device, non_blocking=True)
+
+    return Layout(
+        rows,
+        dev(text_table),
+        dev(torch.tensor(text_lengths, dtype=torch.int32)),
+        dev(image_table),
+        dev(torch.tensor([c * shape.patches for c in tiles], dtype=torch.int32)),
+        dev(torch.tensor(blocks, dtype=torch.long)),
+        dev(torch.tensor(owners, dtype=torch.long)),
+        dev(valid),
+        dev(torch.stack(tile_pages)) if tile_pages else dev(torch.zeros((0, shape.patches), dtype=torch.long)),
+        dev(torch.stack(tile_offsets)) if tile_offsets else dev(torch.zeros((0, shape.patches), dtype=torch.long)),
+        dev(torch.tensor(tile_rows, dtype=torch.long)),
+        width * shape.page_tokens,
+        image_width * shape.image_page_tokens,
+    )

@@ -1,0 +1,406 @@
+"""The running rows: who takes part in the next decode step, where each one's cache lives, and the step's inputs.
+
+Every row owns pages of the pool (:mod:`~vlm_demo.engine.pages`): text pages for its tokens, image pages
+for the states of the tiles it sees. A newcomer's prefill (left-padded among the newcomers only) is
+written into fresh pages; a leaver gives its pages back; a Think-harder candidate shares its start's
+pages and copies at most one partly filled page. The rows' order in the step is a list on the host;
+their keys and values never move.
+
+The step's inputs are built on the host from the rows' page lists and lengths (no device reads) and
+sent in one copy from a pinned staging buffer (``Staging``); the input tokens stay on the device from
+the previous step's sampling. Image parts of the layout change only when rows join or leave, so they
+are rebuilt only then.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from vlm_demo.engine.attention import Layout, PagedAttention
+from vlm_demo.engine.pages import PagePool
+from vlm_demo.engine.request import Request
+from vlm_demo.engine.sampler import RowSampling
+from vlm_demo.engine.streamer import RowStreamer
+from vlm_demo.errors import DemoError
+
+
+class CandidateOwner(Protocol):
+    """The stage-beam search a row is a candidate of (:class:`~vlm_demo.engine.beam.StageBeam`)."""
+
+    request: Request  # the visitor's request
+
+    def candidate_done(self, row: Row, snapshot: Snapshot | None) -> None: ...
+
+    def restart_stage(self, error: DemoError) -> None: ...
+
+
+@dataclass(eq=False)
+class Placement:
+    """Where one row's cache is: its pages (the last one may be partly filled) and its image pages."""
+
+    pages: list[int]
+    length: int  # tokens in its text pages (= the position of its next input)
+    image_pages: list[int]
+    tiles: int  # tiles whose image states it holds
+    sees_image: bool  # False: no tile is visible (the model then attends evenly to all, and skips the MLP)
+
+
+@dataclass(eq=False)
+class Row:
+    """One request while it is in the running batch."""
+
+    request: Request
+    streamer: RowStreamer
+    beam: CandidateOwner | None = None  # set for a stage-beam candidate
+    place: Placement | None = None
+
+
+@dataclass
+class Prefill:
+    """Newcomers prefilled together (``Worker.prefill``): left-padded among themselves, as a dynamic batch."""
+
+    cache: Any  # transformers DynamicCache: [n, kv heads, L, dim] per self layer, every tile's states per cross layer
+    logits: torch.Tensor  # [n, vocab] float32 at each row's last prompt position
+    attention_mask: torch.Tensor  # [n, L] bool, False for left padding
+    lengths: list[int]  # each row's real prompt tokens
+    tiles: torch.Tensor  # [n, max tiles] bool (host): the tiles each row's next token sees
+
+
+@dataclass(eq=False)
+class Snapshot:
+    """A row's cache kept aside (a Think-harder search's start or a stage's winner): shared pages, no copy.
+
+    The holder must ``release`` it. ``logits`` (after a prefill) or ``next_token`` (after a step) is what
+    its forks continue from."""
+
+    place: Placement
+    pool: PagePool
+    logits: torch.Tensor | None = None  # [1, vocab]
+    next_token: torch.Tensor | None = None  # [1]
+    released: bool = False
+
+    @property
+    def length(self) -> int:
+        return self.place.length
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self.pool.release(self.place.pages + self.place.image_pages)
+
+
+@dataclass
+class StepInputs:
+    """One decode step's inputs, on the device."""
+
+    input_ids: torch.Tensor  # [rows] long
+    positions: torch.Tensor  # [rows] long
+    write_pages: torch.Tensor  # [rows] long: where each row's new keys/values go
+    write_offsets: torch.Tensor  # [rows] long
+    row_mask: torch.Tensor  # [rows] model dtype: 0 for a row that sees no tile
+    layout: Layout
+
+
+class Staging:
+    """Host numbers to the device without waiting for it: each ``send`` packs its arrays into one pinned
+    buffer (on CUDA) and makes one asynchronous copy. Sends go to fresh parts of the buffer until
+    ``recycle``, which the engine calls right after a step's host read (every earlier copy is done then).
+    ``persist`` returns device copies of their own, for tensors that outlive the step."""
+
+    def __init__(self, device: torch.device, dtype: torch.dtype = torch.long) -> None:
+        self.device = device
+        self.dtype = dtype
+        self.cursor = 0
+        self._host = torch.empty(0, dtype=dtype)
+        self._device = self._host
+
+    def send(self, parts: list[np.ndarray], persist: bool = False) -> list[torch.Tensor]:
+        sizes = [int(p.size) for p in parts]
+        total = sum(sizes)
+        if self.cursor + total > self._host.numel():
+            room = max(self.cursor + total, 2 * self._host.numel(), 4096)
+            self._host = torch.empty(room, dtype=self.dtype, pin_memory=self.device.type == "cuda")
+            self._device = (
+                self._host if self.device.type == "cpu" else torch.empty(room, dtype=self.dtype, device=self.device)
+            )
+            self.cursor = 0
+        start = self.cursor
+        host = self._host.numpy()
+        for part, size in zip(parts, sizes, strict=True):
+            host[start : start + size] = np.asarray(part).reshape(-1)
+            start += size
+        if self._device is not self._host:
+            self._device[self.cursor : start].copy_(self._host[self.cursor : start], non_blocking=True)
+        out, at = [], self.cursor
+        for part, size in zip(parts, sizes, strict=True):
+            view = self._device[at : at + size].view(np.asarray(part).shape)
+            out.append(view.clone() if persist else view)
+            at += size
+        self.cursor = start
+        return out
+
+    def recycle(self) -> None:
+        self.cursor = 0
+
+
+class RunningRows:
+    """The rows of the next decode step and their sampling state; the engine thread's alone."""
+
+    def __init__(self, pool: PagePool, attention: PagedAttention, device: torch.device, dtype: torch.dtype) -> None:
+        self.pool = pool
+        self.shape = pool.shape
+        self.attention = attention
+        self.device = device
+        self.dtype = dtype
+        self.rows: list[Row] = []
+        self.next_tokens: torch.Tensor | None = None  # [rows] long: each row's next input
+        self.sampling: RowSampling | None = None
+        self.staging = Staging(device)
+        self._images: tuple[torch.Tensor, ...] | None = None  # the layout's image part, until rows change
+        # Byte counters (the metrics of the same names).
+        self.copied_bytes = 0  # keys/values moved because rows joined, left or were preempted
+        self.written_bytes = 0  # keys/values written for generated tokens
+        self.read_bytes = 0  # keys/values and image states the decode steps' attention read
+        self.live_bytes = 0  # the rows' own tokens and tiles among those
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    @property
+    def cached_tokens(self) -> int:
+        """Text tokens the rows hold (what their pages are spent on)."""
+        return sum(row.place.length for row in self.rows if row.place is not None)
+
+    # ---- placing caches ------------------------------------------------------------------------
+    def pages_for(self, prefill: Prefill, index: int) -> int:
+        tiles = int(prefill.tiles[index].sum()) or prefill.tiles.shape[1]
+        return self.shape.row_pages(prefill.lengths[index], tiles)
+
+    def place(self, prefill: Prefill, index: list[int]) -> list[Placement] | None:
+        """Write rows ``index`` of a prefill into fresh pages (``None``, nothing taken, when too few are free)."""
+        if sum(self.pages_for(prefill, i) for i in index) > self.pool.free_pages:
+            return None
+        s = self.shape
+        places, text, image = [], [], []
+        width, tiles_max = prefill.attention_mask.shape[1], prefill.tiles.shape[1]
+        text_source, tile_source = [], []
+        for j, i in enumerate(index):
+            length, seen = prefill.lengths[i], prefill.tiles[i]
+            shown = np.nonzero(seen.numpy())[0] if bool(seen.any()) else np.arange(tiles_max)
+            place = Placement(self.pool.take(s.text_pages(length)) or [], length, [], len(shown), bool(seen.any()))
+            place.image_pages = self.pool.take(s.image_pages(place.tiles * s.patches)) or []
+            text.append(_addresses(place.pages, length, s.page_tokens))
+            image.append(_addresses(place.image_pages, place.tiles * s.patches, s.image_page_tokens))
+            text_source.append(j * width + np.arange(width - length, width))  # its real (right-aligned) tokens
+            tile_source.append(j * tiles_max + shown)
+            places.append(place)
+        where = [np.concatenate(text, axis=1), np.concatenate(image, axis=1), np.concatenate(text_source),
+                 np.concatenate(tile_source)]  # fmt: skip
+        self._write_prefill(prefill, index, where)
+        return places
+
+    def _write_prefill(self, prefill: Prefill, index: list[int], where: list[np.ndarray]) -> None:
+        """Every layer's keys/values of those rows into their pages: real tokens only, seen tiles only."""
+        sent: dict[str, list[torch.Tensor]] = {}
+        rows = np.asarray(index, dtype=np.int64)
+        for layer, cached in enumerate(prefill.cache.layers):
+            device = cached.keys.device
+            if str(device) not in sent:
+                staging = self.staging if device == self.device else Staging(device)
+                sent[str(device)] = staging.send([rows, *where])
+            picked, text, image, text_source, tile_source = sent[str(device)]
+            cross = layer in self.shape.cross_layers
+            target = image if cross else text
+            pool_device = self.pool.keys[layer].device
+            keys, values = (
+                _tokens(
+                    t.index_select(0, picked), tile_source if cross else text_source, self.shape.patches if cross else 0
+                ).to(pool_device, self.dtype)
+                for t in (cached.keys, cached.values)
+            )
+            self.pool.write(layer, (target[0].to(pool_device), target[1].to(pool_device)), keys, values)
+
+    def fork(self, snapshot: Snapshot, count: int) -> list[Placement] | None:
+        """``count`` rows continuing from a snapshot: its full pages and image pages shared, its partly filled
+        last page copied into a page of each row's own (``None`` when the pool lacks those pages)."""
+        base = snapshot.place
+        partial = base.length % self.shape.page_tokens
+        if partial and count > self.pool.free_pages:
+            return None
+        places = []
+        for _ in range(count):
+            full = base.pages[:-1] if partial else list(base.pages)
+            self.pool.share(full + base.image_pages)
+            pages = full
+            if partial:
+                own = self.pool.take(1)
+                assert own is not None
+                self.pool.copy_page(base.pages[-1], own[0], partial, text=True)
+                self.copied_bytes += partial * self.shape.text_bytes_per_token
+                pages = full + own
+            places.append(Placement(pages, base.length, list(base.image_pages), base.tiles, base.sees_image))
+        return places
+
+    def snapshot(self, index: int) -> Snapshot:
+        """Row ``index``'s cache kept aside (its pages shared), with its next input, before it leaves."""
+        place = self.rows[index].place
+        assert place is not None and self.next_tokens is not None
+        kept = Placement(list(place.pages), place.length, list(place.image_pages), place.tiles, place.sees_image)
+        self.pool.share(kept.pages + kept.image_pages)
+        return Snapshot(kept, self.pool, next_token=self.next_tokens[index : index + 1].clone())
+
+    def keep_aside(self, place: Placement, logits: torch.Tensor | None) -> Snapshot:
+        """A placement nobody runs yet (a search's prompt) as a snapshot: the pages are handed over, not shared."""
+        return Snapshot(place, self.pool, logits=logits)
+
+    # ---- joining and leaving -------------------------------------------------------------------
+    def join(self, rows: list[Row], places: list[Placement], first_tokens: torch.Tensor, sampling: RowSampling) -> None:
+        """Newcomers (their caches already placed) join after the running rows."""
+        for row, place in zip(rows, places, strict=True):
+            row.place = place
+        tokens = first_tokens.to(self.device)
+        if not self.rows:
+            self.next_tokens, self.sampling = tokens, sampling
+        else:
+            assert self.next_tokens is not None and self.sampling is not None
+            self.next_tokens = torch.cat([self.next_tokens, tokens])
+            self.sampling = self.sampling.cat(sampling)
+        self.rows.extend(rows)
+        self._images = None
+
+    def keep(self, keep: list[int]) -> None:
+        """Drop every row not listed: their pages go back to the pool; nobody else's cache moves."""
+        if len(keep) == len(self.rows):
+            return
+        kept = set(keep)
+        for i, row in enumerate(self.rows):
+            if i not in kept and row.place is not None:
+                self.pool.release(row.place.pages + row.place.image_pages)
+                row.place = None
+        self._images = None
+        if not keep:
+            self.rows, self.next_tokens, self.sampling = [], None, None
+            return
+        assert self.next_tokens is not None and self.sampling is not None
+        (index,) = self.staging.send([np.asarray(keep, dtype=np.int64)])
+        self.next_tokens = self.next_tokens.index_select(0, index)
+        self.sampling = self.sampling.select(keep, index)
+        self.rows = [self.rows[i] for i in keep]
+
+    # ---- the step ------------------------------------------------------------------------------
+    def pages_needed(self) -> int:
+        """Pages the next step takes: one for each row whose new token opens a page."""
+        page = self.shape.page_tokens
+        return sum(1 for row in self.rows if row.place is not None and row.place.length == page * len(row.place.pages))
+
+    def step_inputs(self) -> StepInputs:
+        """The next step's inputs: every row writes its next token at position ``length`` (taking a page
+        when it opens one; the plan made sure enough are free) and attends to ``length + 1`` tokens."""
+        s, page = self.shape, self.shape.page_tokens
+        places = [row.place for row in self.rows]
+        for place in places:
+            assert place is not None
+            if place.length == page * len(place.pages):
+                taken = self.pool.take(1)
+                if taken is None:
+                    raise RuntimeError("no free page for the next token (the plan should have made room)")
+                place.pages += taken
+        n = len(places)
+        lengths = np.fromiter((p.length for p in places), dtype=np.int64, count=n)
+        width = max(len(p.pages) for p in places)
+        table = np.zeros((n, width), dtype=np.int64)
+        for r, place in enumerate(places):
+            table[r, : len(place.pages)] = place.pages
+        write_pages = table[np.arange(n), lengths // page]
+        seen = lengths + 1
+        used = -(-seen // page)
+        columns = np.arange(width)[None, :] < used[:, None]
+        blocks, owners = table[columns], np.nonzero(columns)[0]
+        valid = np.minimum(page, seen[owners] - page * np.nonzero(columns)[1])
+        images = self._image_layout(places)
+        ints = self.staging.send([lengths, write_pages, lengths % page, table, seen, blocks, owners, valid])
+        positions, w_pages, w_offsets, text_table, text_lengths, text_pages, text_rows, valid_counts = ints
+        text_valid = torch.arange(page, device=self.device)[None, :] < valid_counts[:, None]
+        read_text, read_image = self.attention.read_tokens(seen.tolist(), [p.tiles * s.patches for p in places])
+        live_text = int(seen.sum())
+        live_image = sum(p.tiles * s.patches for p in places)
+        self.read_bytes += read_text * s.text_bytes_per_token + read_image * s.image_bytes_per_token
+        self.live_bytes += live_text * s.text_bytes_per_token + live_image * s.image_bytes_per_token
+        self.written_bytes += n * s.text_bytes_per_token
+        image_table, image_lengths, tile_pages, tile_offsets, tile_rows, row_mask = images
+        layout = Layout(
+            n, text_table.int(), text_lengths.int(), image_table, image_lengths, text_pages, text_rows, text_valid,
+            tile_pages, tile_offsets, tile_rows, width * page, image_table.shape[1] * s.image_page_tokens,
+        )  # fmt: skip
+        assert self.next_tokens is not None
+        return StepInputs(self.next_tokens, positions, w_pages, w_offsets, row_mask, layout)
+
+    def _image_layout(self, places: list[Any]) -> tuple[torch.Tensor, ...]:
+        """The image part of the layout and the rows' MLP masks (rebuilt when rows join or leave)."""
+        if self._images is not None:
+            return self._images
+        s = self.shape
+        n = len(places)
+        width = max(1, max(len(p.image_pages) for p in places))
+        table = np.zeros((n, width), dtype=np.int64)
+        tile_pages, tile_offsets, tile_rows = [], [], []
+        tokens = np.arange(s.patches)
+        for r, place in enumerate(places):
+            table[r, : len(place.image_pages)] = place.image_pages
+            pages = np.asarray(place.image_pages, dtype=np.int64)
+            for t in range(place.tiles):
+                at = t * s.patches + tokens
+                tile_pages.append(pages[at // s.image_page_tokens])
+                tile_offsets.append(at % s.image_page_tokens)
+                tile_rows.append(r)
+        lengths = np.asarray([p.tiles * s.patches for p in places], dtype=np.int64)
+        empty = np.zeros((0, s.patches), dtype=np.int64)
+        parts = [
+            table,
+            lengths,
+            np.stack(tile_pages) if tile_pages else empty,
+            np.stack(tile_offsets) if tile_offsets else empty,
+            np.asarray(tile_rows, dtype=np.int64),
+            np.asarray([p.sees_image for p in places], dtype=np.int64),
+        ]
+        sent = self.staging.send(parts, persist=True)  # these outlive the step
+        table_t, lengths_t, pages_t, offsets_t, rows_t, mask_t = sent
+        self._images = (table_t.int(), lengths_t.int(), pages_t, offsets_t, rows_t, mask_t.to(self.dtype))
+        return self._images
+
+    def advance(self, tokens: torch.Tensor) -> None:
+        """After a step: each row holds one more token, and its next input is the one it just got (still on
+        the device)."""
+        for row in self.rows:
+            assert row.place is not None
+            row.place.length += 1
+        self.next_tokens = tokens.to(self.device)
+
+    def replace_next(self, tokens: dict[int, int]) -> None:
+        """Give rows another next input than the token they sampled (row index -> token id): the stage
+        structure's replacements, made before the token enters the cache."""
+        assert self.next_tokens is not None
+        index, values = self.staging.send(
+            [np.asarray(list(tokens), np.int64), np.asarray(list(tokens.values()), np.int64)]
+        )
+        self.next_tokens = self.next_tokens.index_copy(0, index, values.to(self.next_tokens.dtype))
+
+
+def _tokens(cached: torch.Tensor, source: torch.Tensor, patches: int) -> torch.Tensor:
+    """``[rows, heads, L, dim]`` cached keys or values -> ``[tokens, heads, dim]``: the ``source`` tokens (flat
+    row-major indices), or with ``patches`` the ``source`` tiles' tokens (image states: ``L`` = tiles × patches)."""
+    rows, heads, _, dim = cached.shape
+    if patches:
+        tiles = cached.view(rows, heads, -1, patches, dim).permute(0, 2, 3, 1, 4).reshape(-1, patches, heads, dim)
+        return tiles.index_select(0, source).reshape(-1, heads, dim)
+    return cached.transpose(1, 2).reshape(-1, heads, dim).index_select(0, source)
+
+
+def _addresses(pages: list[int], tokens: int, per_page: int) -> np.ndarray:
+    """``[2, tokens]``: the page and offset of each of a row's first ``tokens`` tokens."""
+    at = np.arange(tokens)
+    return np.stack([np.asarray(pages, dtype=np.int64)[at // per_page], at % per_page])
