@@ -5,9 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vlm_demo.engine.attention import PagedAttention
-from vlm_demo.engine.decode_step import TextDecodeStep, layer_devices
-from vlm_demo.engine.pages import PagePool, PageShape, page_tokens_for
+from vlm_demo.engine.decode_step import TextDecodeStep
 from vlm_demo.engine.request import Request
 from vlm_demo.engine.rows import Row, RunningRows
 from vlm_demo.engine.sampler import RowSampling
@@ -22,11 +20,8 @@ JOBS = [
 
 
 def paged(worker, pages: int = 200) -> tuple[RunningRows, TextDecodeStep]:
-    shape = PageShape.of(worker.model.config, worker.dtype, page_tokens_for("cpu"))
-    pool = PagePool(shape, pages, layer_devices(worker.model))
-    text = worker.model.config.text_config
-    attention = PagedAttention(pool, text.num_attention_heads, shape.head_dim**-0.5)
-    return RunningRows(pool, attention, worker.device, worker.dtype), TextDecodeStep(worker.model, attention)
+    step = TextDecodeStep.over_pool(worker.model, worker.dtype, pages)
+    return RunningRows(step.pool, step.attention, worker.device, worker.dtype), step
 
 
 def requests(worker, jobs) -> list[Request]:
@@ -79,7 +74,9 @@ def test_the_paged_step_follows_the_stock_forward_row_by_row(worker, group) -> N
             pages_before = [list(r.place.pages) for r in rows.rows]
             rows.keep([0, 2])
             live = [0, 2]
-            assert [r.place.pages[: len(p)] for r, p in zip(rows.rows, pages_before[::2], strict=True)] == pages_before[::2]
+            assert [r.place.pages[: len(p)] for r, p in zip(rows.rows, pages_before[::2], strict=True)] == pages_before[
+                ::2
+            ]
         with torch.inference_mode():
             got = worker.decode(step, rows.step_inputs())
             want = torch.cat([stock_step(worker, *alone[i][:1], alone[i][1], alone[i][2], alone[i][3]) for i in live])

@@ -81,7 +81,7 @@ def test_the_checks_pass_on_an_fp32_model(worker) -> None:
     assert joins["first_row_tokens_when_others_joined"] < joins["first_row_tokens"], "nobody joined mid-flight"
     assert joins["prefills"] == 2 and joins["max_batch_size"] == len(gpu_measure.CASES) + 1, joins
     step = gpu_measure.step_vs_stock(worker)
-    assert step == {"max_abs_logit_diff": 0.0, "same_argmax": True, "written_out_step": True}
+    assert step["same_argmax"] and step["max_abs_logit_diff"] < 1e-4 and step["decode_attention"] == "reference"
 
 
 def test_loading_a_saved_model_goes_through_the_servers_loading_path(worker) -> None:

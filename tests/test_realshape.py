@@ -19,10 +19,11 @@ from support import door
 from vlm_demo.config import Config
 from vlm_demo.cot import parse_stages
 from vlm_demo.engine import make_engine
-from vlm_demo.engine.batch_state import Row, RunningBatch
+from vlm_demo.engine.decode_step import TextDecodeStep
 from vlm_demo.engine.dynamic import DynamicEngine
 from vlm_demo.engine.placement import parameter_count
 from vlm_demo.engine.request import Request
+from vlm_demo.engine.rows import Row, RunningRows
 from vlm_demo.engine.sampler import RowSampling
 from vlm_demo.engine.worker import Worker
 from vlm_demo.models import realshape
@@ -153,13 +154,10 @@ def test_batched_rows_equal_single_runs_at_real_shapes(worker, references, sampl
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
-def test_padded_rows_step_like_single_rows(processor, worker, attention) -> None:
-    """The decode step's padding mask works with either attention kernel.
-
-    Under eager attention the mask is *added* to the scores: a boolean mask added as 0/1 leaves
-    padding unmasked (logits off by ~1e-2 here). Rows are prefilled together (left-padded among
-    themselves) and one more joins later, as in the continuous engine.
-    """
+def test_rows_prefilled_together_step_like_single_rows(processor, worker, attention) -> None:
+    """Rows prefilled together (left-padded among themselves, by either of the model's attention kernels)
+    and one joining later step over the page pool as each does alone: the prefill's padding never reaches
+    a row's pages, and each row's decode attention reads only its own tokens and tiles."""
     worker = worker if attention == "sdpa" else narrow_worker(processor, attention)
 
     def requests(indices):
@@ -170,29 +168,33 @@ def test_padded_rows_step_like_single_rows(processor, worker, attention) -> None
             out.append(request)
         return out
 
-    def join(batch, group):
+    def running():
+        step = TextDecodeStep.over_pool(worker.model, worker.dtype, pages=2048)  # 4 tiles: ~270 pages of 24
+        return RunningRows(step.pool, step.attention, worker.device, worker.dtype), step
+
+    def join(rows, group):
         prefill = worker.prefill(group)
         sampling = RowSampling([r.params for r in group], prefill.logits.device)
-        batch.join([Row(r, None) for r in group], prefill, sampling.sample(prefill.logits), sampling)
+        rows.join([Row(r, None) for r in group], rows.place(prefill, list(range(len(group)))),
+                  sampling.sample(prefill.logits), sampling)  # fmt: skip
 
-    batch = RunningBatch(cross_layers=worker.cross_attention_layers)
+    batch, step = running()
     join(batch, requests([1, 2]))  # prefilled together: the shorter prompt is left-padded
-    join(batch, requests([0]))  # joins later: shortest prompt, padded to the batch
+    join(batch, requests([0]))  # joins later
     singles = []
     for i in (1, 2, 0):
-        alone = RunningBatch(cross_layers=worker.cross_attention_layers)
-        join(alone, requests([i]))
+        alone = running()
+        join(alone[0], requests([i]))
         singles.append(alone)
-    assert batch.padded
-    for step in range(3):
-        got = worker.decode(batch.step_inputs())
-        alone_logits = [worker.decode(alone.step_inputs()) for alone in singles]
+    for n in range(3):
+        got = worker.decode(step, batch.step_inputs())
+        alone_logits = [worker.decode(own, rows.step_inputs()) for rows, own in singles]
         want = torch.cat(alone_logits)
-        assert (got - want).abs().max() < 1e-3, f"{attention} step {step}: {(got - want).abs().amax(-1)}"
+        assert (got - want).abs().max() < 1e-3, f"{attention} step {n}: {(got - want).abs().amax(-1)}"
         assert torch.equal(got.argmax(-1), want.argmax(-1))
         batch.advance(batch.sampling.sample(got))
-        for alone, logits in zip(singles, alone_logits, strict=True):
-            alone.advance(alone.sampling.sample(logits))
+        for (rows, _), logits in zip(singles, alone_logits, strict=True):
+            rows.advance(rows.sampling.sample(logits))
 
 
 @pytest.mark.parametrize("batching", ["dynamic", "continuous"])

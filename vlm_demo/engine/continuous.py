@@ -29,13 +29,11 @@ import numpy as np
 import torch
 
 from vlm_demo.config import Config
-from vlm_demo.engine.attention import PagedAttention
 from vlm_demo.engine.base import Engine, error_for, is_fatal_device_error, is_out_of_memory, release
 from vlm_demo.engine.beam import StageBeam
-from vlm_demo.engine.decode_step import TextDecodeStep, layer_devices
+from vlm_demo.engine.decode_step import TextDecodeStep, page_shape
 from vlm_demo.engine.image_cache import ImageStates
 from vlm_demo.engine.ipc import Step
-from vlm_demo.engine.pages import PagePool, PageShape, page_tokens_for
 from vlm_demo.engine.request import Request, Resume
 from vlm_demo.engine.rows import Row, RunningRows
 from vlm_demo.engine.sampler import RowSampling
@@ -56,20 +54,16 @@ class ContinuousEngine(Engine):
 
     def __init__(self, worker: Worker, config: Config | None = None) -> None:
         super().__init__(worker, config)
-        text = worker.model.config.get_text_config()
-        shape = PageShape.of(worker.model.config, worker.dtype, page_tokens_for(worker.device))
-        pool = PagePool(shape, self.memory.pool_pages(shape), layer_devices(worker.model))
-        head_dim = shape.head_dim
-        attention = PagedAttention(pool, text.num_attention_heads, head_dim**-0.5, self.config.decode_attention)
-        self.decoder = TextDecodeStep(worker.model, attention)
-        self.rows = RunningRows(pool, attention, worker.device, worker.dtype)
+        pages = self.memory.pool_pages(page_shape(worker.model, worker.dtype))
+        self.decoder = TextDecodeStep.over_pool(worker.model, worker.dtype, pages, self.config.decode_attention)
+        self.rows = RunningRows(self.decoder.pool, self.decoder.attention, worker.device, worker.dtype)
         self.send = lambda parts: self.rows.staging.send(parts, persist=True)
         self.row_limit: int | None = None  # lowered after an out-of-memory step; None: max_batch_size
         self.good_steps = self.steps_run = self.prefills_run = self.recoveries = self.preemptions = 0
         self.beams: list[StageBeam] = []  # stage-beam searches in progress
         self.views: dict[int, object] = {}  # rid -> the search view last reported
         mb = self.config.image_cache_mb
-        self.images = ImageStates(int(mb * 1024**2), pool) if mb > 0 else None
+        self.images = ImageStates(int(mb * 1024**2), self.decoder.pool) if mb > 0 else None
 
     # ---- observation -------------------------------------------------------------------------
     def running_rows(self) -> int:

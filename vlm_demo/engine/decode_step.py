@@ -19,6 +19,7 @@ import torch
 from transformers.models.mllama.modeling_mllama import apply_rotary_pos_emb
 
 from vlm_demo.engine.attention import Layout, PagedAttention
+from vlm_demo.engine.pages import PagePool, PageShape, page_tokens_for
 from vlm_demo.engine.rows import StepInputs
 
 
@@ -33,7 +34,20 @@ def pageable(model: Any) -> bool:
     return all(d.type != "meta" for d in layer_devices(model).values())
 
 
+def page_shape(model: Any, dtype: torch.dtype) -> PageShape:
+    """The pages this model's cache takes, on the device its text model runs on."""
+    return PageShape.of(model.config, dtype, page_tokens_for(next(iter(layer_devices(model).values()))))
+
+
 class TextDecodeStep:
+    @classmethod
+    def over_pool(cls, model: Any, dtype: torch.dtype, pages: int, kernel: str = "auto") -> TextDecodeStep:
+        """A step over a pool of ``pages`` pages allocated now (``kernel``: the decode attention's)."""
+        shape = page_shape(model, dtype)
+        pool = PagePool(shape, pages, layer_devices(model))
+        heads = model.config.get_text_config().num_attention_heads
+        return cls(model, PagedAttention(pool, heads, shape.head_dim**-0.5, kernel))
+
     def __init__(self, model: Any, attention: PagedAttention) -> None:
         self.text = model.model.language_model
         self.lm_head = model.lm_head

@@ -353,11 +353,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--triton-url", default="", help="also measure a Triton endpoint (adds mode 'triton')")
     p.add_argument("--triton-model", default="llama_3_2v_11b_cot_ensemble")
     p.add_argument("--triton-protocol", default="auto")
-    p.add_argument(
-        "--stock-decode",
-        action="store_true",
-        help="ablation: continuous steps go through the stock text-model forward, not the written-out step",
-    )
     p.add_argument("--repeats", type=int, default=1, help="interleaved repeats; medians are reported")
     p.add_argument(
         "--page-load",
@@ -384,8 +379,6 @@ def backend_factories(args: argparse.Namespace) -> dict[str, tuple[int, Callable
     worker: Worker | None = None
     if any(m in ("unbatched", "dynamic", "continuous", "engine") for m in modes):
         worker = load(args.model, args.device, args.dtype, cpu_threads=args.cpu_threads)
-        if args.stock_decode:
-            worker.decode_step = None
 
     def local(max_batch: int, batching: str) -> Callable[[], Any]:
         def make() -> Any:

@@ -6,7 +6,7 @@ tiny model, the GPU run with the narrow real-shape model in fp32 and the full 11
 - :func:`batched_vs_single`: every batched row against its single run, in both batching modes, with
   forced mid-flight joins (one row runs first; the others are prefilled together while it runs) and one
   seeded sampled row (a seeded row draws the same tokens whatever its neighbours);
-- :func:`step_vs_stock`: the engine's written-out decode step against the stock forward;
+- :func:`step_vs_stock`: the engine's decode step over the page pool against the stock forward;
 - :func:`decode_read_bytes` and :func:`bandwidth_bound`: what one decode step must read (the text
   weights it uses, not the vision tower, the embedding table or the cross-attention key/value
   projections; plus each row's cached image states and text keys/values) and the batch-1 speed that
@@ -21,7 +21,6 @@ tiny model, the GPU run with the narrow real-shape model in fp32 and the full 11
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import logging
 import math
@@ -38,10 +37,11 @@ from PIL import Image
 from vlm_demo.config import Config
 from vlm_demo.engine import make_engine
 from vlm_demo.engine.base import Engine
-from vlm_demo.engine.batch_state import Row, RunningBatch
+from vlm_demo.engine.decode_step import TextDecodeStep, page_shape
 from vlm_demo.engine.loader import load
 from vlm_demo.engine.memory import KVShape, activation_reserve, plan_for
 from vlm_demo.engine.request import make_request
+from vlm_demo.engine.rows import Row, RunningRows
 from vlm_demo.engine.sampler import RowSampling
 from vlm_demo.engine.worker import Worker
 from vlm_demo.models import realshape
@@ -248,28 +248,42 @@ def batched_vs_single(worker: Worker, tokens: int) -> Comparison:
     return result
 
 
-def step_vs_stock(worker: Worker, steps: int = 4) -> dict[str, float | bool]:
-    """The written-out decode step against the text model's stock forward on the same padded batch."""
+def step_vs_stock(worker: Worker, steps: int = 4) -> dict[str, float | bool | str]:
+    """The engine's decode step over the page pool against each row's own stock forward (what ``generate``
+    runs): the largest logit difference, whether every row picks the same token, and which attention
+    kernel the step ran (on CUDA: FlashAttention's paged kernel when it passed its probe)."""
     requests = [make_request(valid, worker) for valid in jobs(SamplingParams(max_new_tokens=steps + 1, temperature=0))]
-    batch = RunningBatch(cross_layers=worker.cross_attention_layers)
-    prefill = worker.prefill(requests)
-    sampling = RowSampling([r.params for r in requests], prefill.logits.device)
-    batch.join([Row(r, None) for r in requests], prefill, sampling.sample(prefill.logits), sampling)  # type: ignore[arg-type]
-    worst, same = 0.0, True
-    written_step = worker.decode_step
-    for _ in range(steps):
-        inputs = batch.step_inputs()
-        stock_inputs = {**inputs, "cache": copy.deepcopy(inputs["cache"])}
-        worker.decode_step = None
-        try:
-            stock = worker.decode(stock_inputs)
-        finally:
-            worker.decode_step = written_step
-        mine = worker.decode(inputs)
-        worst = max(worst, float((mine - stock).abs().max()))
-        same = same and bool(torch.equal(mine.argmax(-1), stock.argmax(-1)))
-        batch.advance(batch.sampling.sample(mine))
-    return {"max_abs_logit_diff": worst, "same_argmax": same, "written_out_step": written_step is not None}
+    shape = page_shape(worker.model, worker.dtype)
+    pages = sum(shape.row_pages(r.prompt_tokens + steps + 1, shape.max_tiles) for r in requests)
+    decoder = TextDecodeStep.over_pool(worker.model, worker.dtype, pages)
+    rows = RunningRows(decoder.pool, decoder.attention, worker.device, worker.dtype)
+    with torch.inference_mode():
+        prefill = worker.prefill(requests)
+        sampling = RowSampling([r.params for r in requests], prefill.logits.device)
+        places = rows.place(prefill, list(range(len(requests))))
+        assert places is not None
+        tokens = sampling.sample(prefill.logits)
+        rows.join([Row(r, None) for r in requests], places, tokens, sampling)  # type: ignore[arg-type]
+        alone = []
+        for request in requests:
+            inputs = worker.to_device(request.inputs)
+            out = worker.model(**inputs, use_cache=True, logits_to_keep=1)
+            alone.append((out.cache, inputs["cross_attention_mask"][:, -1:]))
+        worst, same = 0.0, True
+        positions = [r.prompt_tokens for r in requests]
+        for _ in range(steps):
+            mine = worker.decode(decoder, rows.step_inputs())
+            stock = torch.cat([
+                worker.model(input_ids=tokens[i].view(1, 1), position_ids=torch.tensor([[positions[i]]], device=tokens.device),
+                             cross_attention_mask=mask, cache=cache, use_cache=True).logits[:, -1].float()
+                for i, (cache, mask) in enumerate(alone)
+            ])  # fmt: skip
+            worst = max(worst, float((mine - stock).abs().max()))
+            same = same and bool(torch.equal(mine.argmax(-1), stock.argmax(-1)))
+            tokens = stock.argmax(-1)
+            rows.advance(tokens)
+            positions = [p + 1 for p in positions]
+    return {"max_abs_logit_diff": worst, "same_argmax": same, "decode_attention": decoder.attention.kernel}
 
 
 # ---- throughput -----------------------------------------------------------------------------------------
