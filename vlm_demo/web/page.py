@@ -90,34 +90,12 @@ API_EXAMPLE_IMAGE = "assets/tiny/red.png"
 API_EXAMPLE_QUESTION = "What colour is this image?"
 
 
-class ImageInput(gr.Image):
-    """The page's image input, with :data:`API_EXAMPLE_IMAGE` as the API page's example."""
-
-    is_template = True  # Gradio's name for a variant of a component: the browser shows its own Image
-
-    def example_payload(self) -> Any:
-        name = os.path.basename(API_EXAMPLE_IMAGE)
-        return {
-            "path": API_EXAMPLE_IMAGE,
-            "url": API_EXAMPLE_IMAGE,
-            "orig_name": name,
-            "meta": {"_type": "gradio.FileData"},
-        }
-
-    def example_value(self) -> Any:
-        return API_EXAMPLE_IMAGE
-
-
-class QuestionInput(gr.Textbox):
-    """The page's question box, with :data:`API_EXAMPLE_QUESTION` as the API page's example."""
-
-    is_template = True
-
-    def example_payload(self) -> Any:
-        return API_EXAMPLE_QUESTION
-
-    def example_value(self) -> Any:
-        return API_EXAMPLE_QUESTION
+def with_api_example(component: Any, example: Any) -> Any:
+    """``component`` with ``example`` as what the API page's snippets send for it. Set on the instance: a
+    subclass of a Gradio component would make Gradio write a ``.pyi`` stub next to this module on import."""
+    component.example_payload = lambda: example
+    component.example_value = lambda: example.get("path") if isinstance(example, dict) else example
+    return component
 
 
 class Page(gr.Blocks):
@@ -259,18 +237,27 @@ class DemoUI:
         line, the buttons)."""
         given: dict[str, Any] = {}
         controls: dict[str, Any] = {}
-        given["image"] = ImageInput(
-            type="filepath", label="Image", elem_id="img", sources=["upload", "clipboard"], height=300
+        given["image"] = with_api_example(
+            gr.Image(type="filepath", label="Image", elem_id="img", sources=["upload", "clipboard"], height=300),
+            {
+                "path": API_EXAMPLE_IMAGE,
+                "url": API_EXAMPLE_IMAGE,  # the snippets name a file by its url
+                "orig_name": os.path.basename(API_EXAMPLE_IMAGE),
+                "meta": {"_type": "gradio.FileData"},
+            },
         )
         controls["upload_error"] = gr.Markdown("", elem_id="upload_error", visible=False)
-        given["question"] = QuestionInput(
-            label="Question",
-            info=QUESTION_INFO,
-            elem_id="q",
-            lines=1,  # one line: Enter submits (Gradio's multi-line boxes submit only on Shift+Enter)
-            max_lines=6,
-            max_length=self.config.max_question_chars,
-            placeholder="Ask something about the image…",
+        given["question"] = with_api_example(
+            gr.Textbox(
+                label="Question",
+                info=QUESTION_INFO,
+                elem_id="q",
+                lines=1,  # one line: Enter submits (Gradio's multi-line boxes submit only on Shift+Enter)
+                max_lines=6,
+                max_length=self.config.max_question_chars,
+                placeholder="Ask something about the image…",
+            ),
+            API_EXAMPLE_QUESTION,
         )
         think = self.backend.features.stage_beam  # not offered where the server cannot run it
         with gr.Row(equal_height=True, elem_id="think", visible=think):
