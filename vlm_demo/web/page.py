@@ -10,7 +10,7 @@ door and talk to a :class:`~vlm_demo.backends.base.Backend`); it holds no model 
 
 Both take :data:`~vlm_demo.web.contract.INPUTS` and return :class:`~vlm_demo.web.contract.Outputs`; the
 components are built and listed by those names, and every output component is labelled with its name,
-so the "Use via API" page and clients say it too. Styles and the one script are files in ``static/``.
+so the "Use via API" page and clients say it too. Styles and scripts are files in ``static/``.
 
 The page's own Ask (button and Enter) runs ``handlers.ask_page``, not ``/ask``: the same stream, but a
 request error is shown once, in the status line, instead of a toast plus an error mark on every output.
