@@ -484,7 +484,8 @@ def test_a_follow_up_is_answered_with_the_first_turn_shown_retry_asks_again_and_
         before = status_text(page)
         page.locator("#retry").click()
         done_again(page, before)
-        assert page.locator("#q textarea").input_value() == LONG_QUESTION, "Retry asks the last question again"
+        assert page.locator("#history .asking").inner_text() == f"Question {LONG_QUESTION}", "Retry asks it again"
+        page.wait_for_function("() => document.querySelector('#q textarea').value === ''", timeout=10_000)
         assert page.locator("#history details.turn").count() == 1, "the retried answer replaced its turn"
         assert panel_text(page, "reasoning") == answer["reasoning"], "greedy: the same history, the same answer"
 
