@@ -1,5 +1,5 @@
 """A real headless Chromium on the real page (tiny model), as a new user meets it: light and dark mode,
-desktop and phone widths, upload errors, Enter, Clear, Stop, and the README's API snippet.
+desktop and phone widths, upload errors, Enter, Clear, Stop, the API page and its snippet, and the README's.
 
 Uses Debian's ``/usr/bin/chromium`` through Playwright (never ``playwright install``). One server and
 one browser for the module. Screenshots go to a temporary folder; ``VLM_SCREENSHOT_DIR=docs`` writes
@@ -331,6 +331,14 @@ def test_enter_asks_shift_enter_adds_a_line_and_the_four_panels_fill(page) -> No
     assert "red" in texts["caption"] and "red" in texts["conclusion"]
     assert not any("<" in t for t in texts.values()), texts  # tags never reach a panel
     assert "batch of" in status_text(page)
+    # The answered question leaves the box (Enter would ask it again as a follow-up) and stays above the panels.
+    page.wait_for_function("() => document.querySelector('#q textarea').value === ''", timeout=10_000)
+    assert page.locator("#history .asking").inner_text() == "Question What colour\nis this image?"
+    page.locator("#retry").wait_for(state="visible", timeout=10_000)
+    box.press("Enter")  # the empty box: an input error, and no Retry (asking again cannot help)
+    wait_status(page, "⚠ Invalid input: Please type a question", 20_000)
+    page.locator("#retry").wait_for(state="hidden", timeout=10_000)
+    assert page.locator("#history details.turn").count() == 1, "the answered turn is still the conversation"
 
 
 def test_the_status_counts_tokens_and_seconds_from_ask_on(page) -> None:
@@ -338,7 +346,8 @@ def test_the_status_counts_tokens_and_seconds_from_ask_on(page) -> None:
         page,
         r"""() => {
             const s = document.querySelector('#status [data-testid=markdown]')?.innerText.trim() || '';
-            return /^Generating · writing [A-Z]+… · \d+ tokens · \d+ s$/.test(s) ? s : false;
+            const m = /^Generating · writing [A-Z]+… · \d+ tokens · (\d+\.\d) s$/.exec(s);
+            return m && parseFloat(m[1]) > 0 ? s : false;  // the time moves even in a sub-second answer
         }""",
     )
     ask(page, BLUE, LONG_QUESTION)
@@ -385,17 +394,19 @@ def test_think_harder_shows_the_candidates_of_each_stage_then_the_winner(browser
         page.locator("#reasoning").get_by_text("Think harder", exact=True).click()
         beams.fill("3")  # waits until Think harder has enabled it
         beams.press("Enter")
-        # The long REASONING keeps its candidates on screen long enough to be seen under any load.
+        # The panel and the status line are read inside the page the moment the candidates show: a search that
+        # takes under a second may be done before a read from here.
         watch(
             page,
             """() => {
                 const value = document.querySelector('#p_reasoning textarea')?.value || '';
-                return value.includes('[Candidate 1]') && value.includes('[Candidate 3]') ? value : false;
+                const status = document.querySelector('#status [data-testid=markdown]')?.innerText || '';
+                return value.includes('[Candidate 1]') && value.includes('[Candidate 3]') ? {value, status} : false;
             }""",
         )
         ask(page, BLUE, LONG_QUESTION)
         candidates = seen(page, "the REASONING candidates in their panel")
-        assert "[Candidate 2]" in candidates and "Thinking harder" in status_text(page)
+        assert "[Candidate 2]" in candidates["value"] and "Thinking harder" in candidates["status"], candidates
         wait_status(page, "Done", 120_000)
         texts = {stage: panel_text(page, stage) for stage in STAGES}
         assert all(texts.values()) and not any("[Candidate" in t for t in texts.values()), texts
@@ -403,6 +414,12 @@ def test_think_harder_shows_the_candidates_of_each_stage_then_the_winner(browser
         assert texts["conclusion"] in chosen, (texts["conclusion"], chosen)
         view = page.locator("#beams_view").inner_text()
         assert view.count("✓ chosen") == 4 and "3 candidates per stage" in view, view
+        assert "same as" not in view, view  # identical candidates share one line, which says how many
+        for stage in STAGES:
+            items = page.locator(f"#beams_view [data-stage={stage}] li.cand")
+            texts_shown = [items.nth(i).inner_text() for i in range(items.count())]
+            counts = [int(items.nth(i).get_attribute("data-count")) for i in range(items.count())]
+            assert sum(counts) == 3 and len(set(texts_shown)) == len(texts_shown), (stage, texts_shown)
         chosen = page.locator("#beams_view [data-stage=caption] li.winner").inner_text()
         assert texts["caption"] in chosen, (texts["caption"], chosen)  # the panels hold the winners
         assert "stage beam search" in status_text(page)
@@ -467,7 +484,8 @@ def test_a_follow_up_is_answered_with_the_first_turn_shown_retry_asks_again_and_
         before = status_text(page)
         page.locator("#retry").click()
         done_again(page, before)
-        assert page.locator("#q textarea").input_value() == LONG_QUESTION, "Retry asks the last question again"
+        assert page.locator("#history .asking").inner_text() == f"Question {LONG_QUESTION}", "Retry asks it again"
+        page.wait_for_function("() => document.querySelector('#q textarea').value === ''", timeout=10_000)
         assert page.locator("#history details.turn").count() == 1, "the retried answer replaced its turn"
         assert panel_text(page, "reasoning") == answer["reasoning"], "greedy: the same history, the same answer"
 
@@ -505,15 +523,22 @@ def test_a_bad_upload_is_named_next_to_the_image_at_once_and_ask_shows_one_messa
     assert_readable(page, "#upload_error *")
     for stage in STAGES:
         assert panel_text(page, stage) == "", "a new image must clear the old answer"
+    # The file is taken out again: no broken preview, and the message stays (taking it out is a change too).
+    page.wait_for_function("() => !document.querySelector('#img img')", timeout=20_000)
+    time.sleep(0.5)
+    assert message.is_visible()
 
     page.locator("#q textarea").fill("What colour is this image?")
     page.locator("#ask").click()
-    wait_status(page, "⚠ Invalid input: That file is not an image", 20_000)
+    wait_status(page, "⚠ Invalid input: Please upload an image first.", 20_000)
     time.sleep(0.5)  # give stray toasts or error marks time to appear
     assert page.locator(".toast-body").count() == 0, "the error must not also pop up as a toast"
     marks = page.evaluate("() => [...document.querySelectorAll('.error')].filter(e => e.offsetParent).length")
     assert marks == 0, "no red error mark on the outputs: the status line says it once"
     assert status_text(page).count("⚠") == 1
+    shown = page.evaluate("() => document.body.innerText")
+    assert shown.count("not an image we can read") == 1, "the file's problem is said once, next to the image"
+    assert not page.locator("#retry").is_visible(), "Retry cannot help until the image changes"
 
     upload(page, RED)  # a good image takes the message away
     message.wait_for(state="hidden", timeout=20_000)
@@ -559,6 +584,17 @@ def test_on_a_phone_the_answer_comes_into_view_after_ask(browser, server: str, s
     try:
         top = {el: page.locator(f"#{el}").bounding_box()["y"] for el in ("ask", "stages", "p_conclusion", "examples")}
         assert top["ask"] < top["stages"] < top["p_conclusion"] < top["examples"], top  # examples come last
+        buttons = {el: page.locator(f"#{el}").bounding_box() for el in ("ask", "stop", "clear")}
+        assert len({round(b["y"]) for b in buttons.values()}) == 1, f"Ask, Stop and Clear share a line: {buttons}"
+        for end in ("min-value", "max-value"):  # Gradio hides a slider's end labels on a phone; ours keep them
+            assert page.locator(f"#beams [data-testid={end}]").is_visible(), end
+        # The strip wraps on a phone: every arrow sits on the line of the step it points to, none ends a line.
+        lines = page.evaluate(
+            """() => [...document.querySelectorAll('#stages .arrow')].map(a => [
+                a.getBoundingClientRect().top, a.nextElementSibling.getBoundingClientRect().top,
+                a.nextElementSibling.getBoundingClientRect().bottom])"""
+        )
+        assert len(lines) == 3 and all(top <= arrow <= bottom for arrow, top, bottom in lines), lines
         banner = page.locator("#banner").bounding_box()  # the tiny model's notice: compact on a phone
         assert banner["height"] < 0.2 * PHONE["height"] and page.locator("#img").bounding_box()["y"] < PHONE["height"]
         ask(page, RED, "What colour is this image?")
@@ -621,12 +657,59 @@ def test_the_loading_page_turns_into_the_demo_when_its_triton_is_ready(browser, 
         ask(page, RED, "What colour is this image?")
         wait_status(page, "Done", 60_000)
         assert "red" in panel_text(page, "conclusion")
+        # Think harder through Triton: the status line says the rows are this visitor's, as the local path does.
+        page.locator("#reasoning").get_by_text("Think harder", exact=True).click()
+        page.locator("#new_chat").click()  # a first question again: this model's follow-ups are another test's
+        before = status_text(page)
+        page.locator("#q textarea").fill("What colour is this image?")
+        page.locator("#ask").click()
+        done_again(page, before)
+        assert status_text(page).startswith("Done · your 2 candidates in a batch of 2 rows · "), status_text(page)
+        # Triton goes away: the visitor reads a plain sentence; the address and transport status go to the log.
+        stop_triton(triton, triton_ports[0])
+        triton = None
+        page.locator("#q textarea").fill("What colour is this image?")  # the answered question left the box
+        page.locator("#ask").click()
+        wait_status(page, "⚠", 60_000)
+        assert status_text(page) == (
+            "⚠ Model unavailable: The model server is not reachable right now; please try again in a minute."
+        )
     finally:
         page.close()
         log = stop_app(app)
         if triton is not None:
             stop_triton(triton, triton_ports[0])
     assert "Traceback" not in log.split("Shutting down")[0], log[-3000:]
+    told = [line for line in log.splitlines() if "the visitor reads: The model server is not reachable" in line]
+    assert told and f"127.0.0.1:{triton_ports[0]}" in told[0], log[-3000:]
+
+
+def test_the_api_page_opens_from_its_link_and_its_python_snippet_runs_offline(
+    browser, server: str, monkeypatch
+) -> None:
+    """``?view=api`` opened directly showed the demo alone (Gradio 6.31 loads the panel's code on a footer click
+    only); the snippets' example image was Gradio's own, on the internet. Now the link opens the panel, and
+    the /ask snippet, copied as the page shows it, runs from the clone with no network."""
+    page = browser.new_page(viewport=DESKTOP)
+    try:
+        page.goto(f"{server}/?view=api", wait_until="domcontentloaded")
+        page.locator(".api-docs").wait_for(timeout=30_000)
+        snippets = page.locator(".api-docs code, .api-docs pre")
+        page.wait_for_function(
+            "() => [...document.querySelectorAll('.api-docs code, .api-docs pre')]"
+            ".some(e => e.offsetParent && e.innerText.includes('api_name=\"/ask\"'))",
+            timeout=30_000,
+        )
+        shown = [snippets.nth(i).inner_text() for i in range(snippets.count()) if snippets.nth(i).is_visible()]
+    finally:
+        page.close()
+    snippet = next(text for text in shown if 'api_name="/ask"' in text)
+    assert "handle_file('assets/tiny/red.png')" in snippet and "githubusercontent" not in snippet, snippet
+    monkeypatch.chdir(ROOT)
+    namespace: dict[str, Any] = {}
+    exec(compile(snippet, "the API page", "exec"), namespace)  # noqa: S102
+    outputs = namespace["result"]
+    assert outputs[3] and outputs[5].startswith("Done"), outputs
 
 
 def test_the_readme_python_snippet_runs_as_written(server: str, monkeypatch) -> None:

@@ -50,7 +50,7 @@ class ScriptedStream(OutputStream):
 
 class ScriptedBackend:
     name = "scripted"
-    remote = False
+    remote = False  # a test may set True: a remote model server (Triton)
     model = "scripted-model"
     notice = None
     features = Features()
@@ -211,9 +211,12 @@ def test_the_status_counts_tokens_and_seconds_while_it_streams_and_uses_plurals(
     from vlm_demo.schema import BeamView, GenerationResult, StageChoice
     from vlm_demo.web.render import progress, render
 
+    # Waiting: whole seconds (one update a second). Streaming: tenths, so a sub-second answer's time moves too.
     assert progress("", ahead=3, elapsed=2.7).status == "Waiting for the model… 3 ahead of you · 2 s"
-    assert progress("<SUMMARY>a", elapsed=4.2, tokens=1).status == "Generating · writing SUMMARY… · 1 token · 4 s"
-    assert progress("<SUMMARY>a b", elapsed=4.2, tokens=12).status.endswith("· 12 tokens · 4 s")
+    assert progress("<SUMMARY>a", elapsed=0.34, tokens=1).status == "Generating · writing SUMMARY… · 1 token · 0.3 s"
+    assert progress("<SUMMARY>a b", elapsed=4.2, tokens=12).status.endswith("· 12 tokens · 4.2 s")
+    searching = BeamView((StageChoice("caption", ("a", "b")),), "writing", 2)
+    assert progress("<SUMMARY>a</SUMMARY>", searching, elapsed=0.56).status.endswith("2 candidates writing… · 0.6 s")
     view = BeamView((StageChoice("summary", ("a", "b", "c", "d"), winner=0),), "done", 4, judge_calls=1)
     result = GenerationResult("<SUMMARY>a</SUMMARY>", "stop", 5, 10, 20, 0.0, 0.1, 0.5, beam=view)
     status = render(result.text, final=True, result=result, view=view).status
@@ -254,3 +257,109 @@ def test_gradio_runs_a_handler_for_every_answer_the_engine_holds_and_idles_quiet
     assert demo._queue.sleep_when_free == QUEUE_POLL_S and demo._queue.progress_update_sleep_when_free == 1.0
     source = inspect.getsource(queueing.Queue)
     assert "self.sleep_when_free)" in source and "self.progress_update_sleep_when_free)" in source
+
+
+def test_think_harder_lists_identical_candidates_once_with_their_numbers() -> None:
+    """Issue 30: eight candidates, seven the same, read as 28 lines of "(same as 1)"; now one line per text."""
+    from vlm_demo.schema import BeamView, StageChoice
+    from vlm_demo.web.render import beams_html, numbers
+
+    same, other = "The image is blue.", "The image is dark blue."
+    choice = StageChoice("conclusion", (same, same, same, same, other, same, same, same), winner=4)
+    shown = beams_html(BeamView((choice,), "done", 8, judge_calls=3))
+    assert shown.count("<li") == 2 and "same as" not in shown, shown
+    assert shown.count(same) == 1 and "1–4, 6–8." in shown and "7 identical" in shown
+    winner = shown[shown.index('class="cand winner"') :]
+    assert winner.startswith('class="cand winner" data-count="1"') and other in winner.split("</li>")[0]
+    assert "8 candidates · candidate 5 chosen" in shown
+    # A candidate that never closed its stage is told apart from the same text that did.
+    unclosed = StageChoice("summary", ("a", "a", "a"), closed=(True, False, True))
+    assert beams_html(BeamView((unclosed,), "writing", 3)).count("<li") == 2
+    assert [numbers(i) for i in ([0], [0, 1], [0, 1, 2, 5], [1, 3, 4, 5, 6])] == ["1", "1, 2", "1–3, 6", "2, 4–7"]
+
+
+def test_the_stage_strip_carries_each_arrow_with_the_step_it_points_to() -> None:
+    """On a phone the strip wraps; a line must not end on an arrow (each ``hop`` wraps as one piece)."""
+    import re
+
+    from vlm_demo.cot import parse_stages
+    from vlm_demo.web.render import tracker_html
+
+    strip = tracker_html(parse_stages("<SUMMARY>a</SUMMARY><CAPTION>b"), "caption")
+    hops = re.findall(r'<span class="hop"><span class="arrow">→</span><span class="step [a-z]+">([A-Z]+)', strip)
+    assert hops == ["CAPTION", "REASONING", "CONCLUSION"] and strip.count("→") == 3, strip
+
+
+def test_a_remote_model_servers_failure_reads_as_plainly_as_the_local_ones(page: DemoUI, caplog) -> None:
+    """Through Triton a visitor read "[StatusCode.UNAVAILABLE] failed to connect to all addresses…"; now the
+    sentence the local path would give, under the same code, with the details in the operator's log."""
+    from vlm_demo.errors import BackendTimeoutError, BackendUnavailableError, InvalidRequestError, QueueFullError
+    from vlm_demo.web.render import for_visitor
+
+    down = BackendUnavailableError(
+        "Triton at grpc://10.0.0.5:8001 is unreachable ([StatusCode.UNAVAILABLE] failed to connect to all "
+        "addresses; last error: UNKNOWN: ipv4:10.0.0.5:8001). Is the server running?"
+    )
+    shown = for_visitor(down, remote=True)
+    assert type(shown) is BackendUnavailableError and str(shown).startswith("The model server is not reachable")
+    assert for_visitor(down, remote=False) is down, "the local path's own messages are already plain"
+    slow = for_visitor(BackendTimeoutError("Triton at http://h:8000 did not answer within 120 s."), remote=True)
+    assert "Triton" not in str(slow) and slow.code == "backend_timeout"
+    for own in (InvalidRequestError("Please type a question about the image."), QueueFullError("Server busy.")):
+        assert for_visitor(own, remote=True) is own, "the visitor's own errors already say what to do"
+
+    page.backend.remote = True
+    try:
+        with caplog.at_level("WARNING", logger="vlm_demo.web.handlers"):
+            updates = asyncio.run(_ask_page(page, lambda s: s.write("<SUMMARY>a"), lambda s: s.fail(down)))
+    finally:
+        page.backend.remote = False
+    status = _statuses(updates)[-1]
+    assert status == "⚠ Model unavailable: The model server is not reachable right now; please try again in a minute."
+    assert "StatusCode.UNAVAILABLE" in caplog.text and "10.0.0.5" in caplog.text, "the operator still gets the details"
+    assert updates[-1][-1].asked == "What colour?", "a server failure can be retried"
+
+
+def test_retry_is_not_offered_after_an_input_error(page: DemoUI) -> None:
+    async def ask(question: str) -> list[tuple]:
+        return [u async for u in page.handlers.ask_page(RED, question, 64, 0.0, 1.0)]
+
+    rejected = asyncio.run(ask("   "))[-1][-1]
+    retry, _, box = DemoUI.after_answer(rejected)
+    assert retry["visible"] is False and "value" not in box, "the box keeps what the visitor typed, to mend it"
+
+
+def test_an_answered_question_leaves_the_box_and_stays_above_the_panels() -> None:
+    """Left in the box, Enter asked the same question again as a follow-up."""
+    from vlm_demo.web.conversation import Conversation
+    from vlm_demo.web.render import history_html
+
+    answered = Conversation().finished("What <colour>?", "<CONCLUSION>red</CONCLUSION>")
+    retry, new_chat, box = DemoUI.after_answer(answered)
+    assert box["value"] == "" and retry["visible"] and new_chat["visible"]
+    assert "value" not in DemoUI.after_answer(answered.unfinished("And now?"))[2], "a stopped question stays"
+    shown = DemoUI.shown_history(answered, "And the border?")
+    assert shown.index("What &lt;colour&gt;?") < shown.index('class="asking"') and "And the border?" in shown
+    assert history_html((), asking="  ") == "" and "Why?" in history_html((), asking="Why?")
+
+
+def test_a_think_harder_answer_through_a_remote_engine_says_its_rows_are_the_visitors() -> None:
+    """A remote engine reports its batch, not a search view: the page says what it asked for, as locally."""
+    from vlm_demo.schema import GenerationResult, SamplingParams
+    from vlm_demo.web.render import render, searched_beams
+
+    answer = "<SUMMARY>s</SUMMARY><CAPTION>c</CAPTION><REASONING>r</REASONING><CONCLUSION>red</CONCLUSION>"
+    result = GenerationResult(answer, "stop", 2, 10, 61, 0.0, 0.1, 0.6)
+    beams = searched_beams(SamplingParams(reasoning="stage-beam", beams=2))
+    status = render(answer, final=True, result=result, beams=beams).status
+    assert status.startswith("Done · your 2 candidates in a batch of 2 rows · 61 tokens"), status
+    assert status.endswith(" · stage beam search: 2 candidates per stage"), status
+    assert searched_beams(SamplingParams(beams=2)) == 0
+    assert render(answer, final=True, result=result).status.startswith("Done · batch of 2 · ")
+
+
+def test_the_api_page_example_is_a_picture_shipped_with_the_demo(api) -> None:
+    """Gradio's default example is a picture on the internet; ours is in the clone, so the snippets run offline."""
+    image, question = api["/ask"]["parameters"][:2]
+    assert image["example_input"]["url"] == "assets/tiny/red.png" and (ROOT / "assets/tiny/red.png").is_file()
+    assert question["example_input"] == "What colour is this image?"

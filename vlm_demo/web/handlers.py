@@ -54,7 +54,15 @@ from vlm_demo.schema import (
 from vlm_demo.web.contract import Outputs
 from vlm_demo.web.conversation import Conversation
 from vlm_demo.web.metrics import Metrics
-from vlm_demo.web.render import ERROR_TITLES, error_status, progress, render
+from vlm_demo.web.render import (
+    ERROR_TITLES,
+    error_status,
+    for_visitor,
+    progress,
+    render,
+    retry_helps,
+    searched_beams,
+)
 
 log = logging.getLogger(__name__)
 
@@ -239,6 +247,8 @@ class Handlers:
                     yield (*update, gr.skip() if asked is sent else asked)
                     sent = asked
         except gr.Error as err:
+            if not retry_helps(err.title):  # the input must change first: nothing for Retry to ask again
+                asked = talk.unfinished("")
             yield (*render(seen.raw, f"⚠ {err.title}: {err.message}", final=True, ended="error"), asked)
 
     async def _ask(
@@ -246,10 +256,10 @@ class Handlers:
     ) -> AsyncIterator[Outputs]:
         loop = asyncio.get_running_loop()
         try:  # decoding an upload takes up to ~0.1 s: not on the event loop that serves everyone
-            stream = await loop.run_in_executor(None, self._submit, client_of(request), *inputs)
+            stream, beams = await loop.run_in_executor(None, self._submit, client_of(request), *inputs)
         except DemoError as err:
             self.metrics.rejected(err.code)
-            raise gr_error(err) from None
+            raise gr_error(self.for_visitor(err)) from None
         session = (request.session_hash if request is not None else None) or f"anonymous-{id(stream)}"
         self.sessions.add(session, stream)
         finished = asyncio.Event()
@@ -298,16 +308,25 @@ class Handlers:
             stream.cancel()
             raise gr.Error(f"The model sent nothing for {TOKEN_TIMEOUT_S:.0f} s; please try again.") from None
         except DemoError as err:  # failed mid-answer: what was streamed stays in the panels
-            raise gr_error(err) from None
+            raise gr_error(self.for_visitor(err)) from None
         finally:
             self.sessions.discard(session, stream)
             stream.cancel()  # no-op when finished; frees the model row if the visitor went away
         if seen is not None:
             seen.result = result
-        yield render(result.text, final=True, result=result, view=result.beam or stream.beam_view())
+        yield render(result.text, final=True, result=result, view=result.beam or stream.beam_view(), beams=beams)
 
-    def _submit(self, client: str, *inputs: Any) -> Stream:
-        return self.backend.submit(dataclasses.replace(self.admit(*inputs), client=client))
+    def _submit(self, client: str, *inputs: Any) -> tuple[Stream, int]:
+        """The request's stream, and its candidates per stage (0: not a stage-beam search) for the status line."""
+        valid = dataclasses.replace(self.admit(*inputs), client=client)
+        return self.backend.submit(valid), searched_beams(valid.params)
+
+    def for_visitor(self, error: DemoError) -> DemoError:
+        """The error in a visitor's words (a remote model server's transport details go to the log instead)."""
+        shown = for_visitor(error, self.backend.remote)
+        if shown is not error:
+            log.warning("%s: %s (the visitor reads: %s)", self.backend.name, error, shown)
+        return shown
 
     def stop(self, request: gr.Request = None) -> None:  # type: ignore[assignment]
         """Cancel this visitor's running answers only; other visitors' requests keep going."""
@@ -360,9 +379,10 @@ class Handlers:
                 results = [GenerationError(f"Generation failed: {type(exc).__name__}")] * len(admitted)
             missing = [GenerationError("The backend returned no result for this item.")] * len(admitted)
             results = (results + missing)[: len(admitted)]
-            for (i, _), result in zip(admitted, results, strict=True):
+            for (i, valid), result in zip(admitted, results, strict=True):
                 if isinstance(result, DemoError):
-                    rows[i] = list(render("", error_status(result), final=True))
+                    rows[i] = list(render("", error_status(self.for_visitor(result)), final=True))
                 else:
-                    rows[i] = list(render(result.text, final=True, result=result, view=result.beam))
+                    beams = searched_beams(valid.params)
+                    rows[i] = list(render(result.text, final=True, result=result, view=result.beam, beams=beams))
         return tuple(list(column) for column in zip(*rows, strict=True))

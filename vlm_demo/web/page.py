@@ -10,7 +10,7 @@ door and talk to a :class:`~vlm_demo.backends.base.Backend`); it holds no model 
 
 Both take :data:`~vlm_demo.web.contract.INPUTS` and return :class:`~vlm_demo.web.contract.Outputs`; the
 components are built and listed by those names, and every output component is labelled with its name,
-so the "Use via API" page and clients say it too. Styles and the one script are files in ``static/``.
+so the "Use via API" page and clients say it too. Styles and scripts are files in ``static/``.
 
 The page's own Ask (button and Enter) runs ``handlers.ask_page``, not ``/ask``: the same stream, but a
 request error is shown once, in the status line, instead of a toast plus an error mark on every output.
@@ -37,6 +37,7 @@ from vlm_demo.schema import (
     MAX_TEMPERATURE,
     NORMAL,
     STAGE_BEAM,
+    has_image,
 )
 from vlm_demo.web import contract
 from vlm_demo.web.contract import INPUTS, OPTIONAL_INPUTS, OUTPUTS, PANEL_ELEM_IDS, PANELS
@@ -80,7 +81,21 @@ def _static(name: str) -> str:
 
 CSS = _static("page.css")
 SHOW_ANSWER_JS = _static("show_answer.js")
+OPEN_API_JS = _static("open_api.js")
 THEME = gr.themes.Soft(primary_hue="indigo")
+# The example the "Use via API" page's snippets send: a picture shipped with the demo, by its path in the clone
+# (where the README's snippets run too), and a question the tiny model answers; Gradio's own default is a
+# picture on the internet, which an offline machine cannot fetch.
+API_EXAMPLE_IMAGE = "assets/tiny/red.png"
+API_EXAMPLE_QUESTION = "What colour is this image?"
+
+
+def with_api_example(component: Any, example: Any) -> Any:
+    """``component`` with ``example`` as what the API page's snippets send for it. Set on the instance: a
+    subclass of a Gradio component would make Gradio write a ``.pyi`` stub next to this module on import."""
+    component.example_payload = lambda: example
+    component.example_value = lambda: example.get("path") if isinstance(example, dict) else example
+    return component
 
 
 class Page(gr.Blocks):
@@ -108,11 +123,16 @@ class DemoUI:
         self.handlers = Handlers(backend, config, metrics)
 
     def upload_checked(self, image: Any) -> tuple[Any, ...]:
-        """A new image (or none): its problem next to it at once, the previous answer cleared, and a new
-        conversation (the earlier turns were about the old picture)."""
+        """A new image (or none): the previous answer cleared, and a new conversation (the earlier turns were
+        about the old picture). A file that is no picture is taken out again (no broken preview; Ask then
+        asks for an image) and its problem shown next to it, once. Taking it out fires this again with no
+        image, which leaves the message up; a good image or Clear takes it away."""
         message = self.handlers.check_upload(image)
-        upload_error = gr.update(value=f"⚠ {message}" if message else "", visible=bool(message))
-        return (upload_error, *self._new_conversation(), *cleared())
+        if message:
+            upload_error = gr.update(value=f"⚠ {message}", visible=True)
+        else:
+            upload_error = gr.update(value="", visible=False) if has_image(image) else gr.update()
+        return (None if message else gr.update(), upload_error, *self._new_conversation(), *cleared())
 
     def cleared_page(self, request: gr.Request = None) -> tuple[Any, ...]:  # type: ignore[assignment]
         """The Clear button: this visitor's answer stopped (its model row freed at once), then no image,
@@ -134,23 +154,27 @@ class DemoUI:
         return (None, "", hidden, hidden, box)
 
     @staticmethod
-    def shown_history(conversation: Any) -> str:
-        """The earlier turns above the live panels as a new question starts (those the model reads)."""
+    def shown_history(conversation: Any, question: Any) -> str:
+        """As a new question starts: the earlier turns above the live panels (those the model reads), then
+        the question itself."""
         talk = Conversation.of(conversation)
-        return history_html(talk.history(), talk.dropped)
+        return history_html(talk.history(), talk.dropped, question if isinstance(question, str) else "")
 
     @staticmethod
     def after_answer(conversation: Any) -> tuple[Any, ...]:
-        """Once an answer ended: Retry for the question just asked, New conversation, and a hint that the
-        next question follows on."""
+        """Once an answer ended: Retry for the question just asked (not after an input error: the answer
+        handler then leaves no question to retry), New conversation, and a hint that the next question
+        follows on. An answered question leaves the box (it stays above the panels), so Enter does not ask it
+        again as a follow-up; one that was stopped or failed stays, to be asked again or mended."""
         talk = Conversation.of(conversation)
         hint = FOLLOW_UP_INFO if talk.turns else QUESTION_INFO
-        return gr.update(visible=bool(talk.asked)), gr.update(visible=bool(talk.turns)), gr.update(info=hint)
+        box = gr.update(info=hint, value="") if talk.answered else gr.update(info=hint)
+        return gr.update(visible=bool(talk.asked)), gr.update(visible=bool(talk.turns)), box
 
     def retry(self, conversation: Any) -> tuple[Any, ...]:
         """Retry: the last question back in the box, its answer forgotten, ready to be asked again."""
         talk = Conversation.of(conversation).retry()
-        return talk.asked, talk, history_html(talk.history(), talk.dropped)
+        return talk.asked, talk, history_html(talk.history(), talk.dropped, talk.asked)
 
     # ---- the page -----------------------------------------------------------------------------------
     def build(self) -> gr.Blocks:
@@ -213,18 +237,27 @@ class DemoUI:
         line, the buttons)."""
         given: dict[str, Any] = {}
         controls: dict[str, Any] = {}
-        given["image"] = gr.Image(
-            type="filepath", label="Image", elem_id="img", sources=["upload", "clipboard"], height=300
+        given["image"] = with_api_example(
+            gr.Image(type="filepath", label="Image", elem_id="img", sources=["upload", "clipboard"], height=300),
+            {
+                "path": API_EXAMPLE_IMAGE,
+                "url": API_EXAMPLE_IMAGE,  # the snippets name a file by its url
+                "orig_name": os.path.basename(API_EXAMPLE_IMAGE),
+                "meta": {"_type": "gradio.FileData"},
+            },
         )
         controls["upload_error"] = gr.Markdown("", elem_id="upload_error", visible=False)
-        given["question"] = gr.Textbox(
-            label="Question",
-            info=QUESTION_INFO,
-            elem_id="q",
-            lines=1,  # one line: Enter submits (Gradio's multi-line boxes submit only on Shift+Enter)
-            max_lines=6,
-            max_length=self.config.max_question_chars,
-            placeholder="Ask something about the image…",
+        given["question"] = with_api_example(
+            gr.Textbox(
+                label="Question",
+                info=QUESTION_INFO,
+                elem_id="q",
+                lines=1,  # one line: Enter submits (Gradio's multi-line boxes submit only on Shift+Enter)
+                max_lines=6,
+                max_length=self.config.max_question_chars,
+                placeholder="Ask something about the image…",
+            ),
+            API_EXAMPLE_QUESTION,
         )
         think = self.backend.features.stage_beam  # not offered where the server cannot run it
         with gr.Row(equal_height=True, elem_id="think", visible=think):
@@ -246,11 +279,13 @@ class DemoUI:
                 label="Candidates per stage",
                 info="With Think harder",
                 elem_id="beams",
+                elem_classes=["ends"],
                 interactive=False,  # Normal is the default: the count only matters with Think harder
                 scale=2,
             )
         with gr.Row():
-            controls["ask"] = gr.Button("Ask", variant="primary", elem_id="ask", scale=2)
+            # min_width: Ask, Stop and Clear share one line on a 390-px phone (Gradio's default 160 px wrapped Clear)
+            controls["ask"] = gr.Button("Ask", variant="primary", elem_id="ask", scale=2, min_width=100)
             controls["stop"] = gr.Button("Stop", variant="stop", elem_id="stop", min_width=80)
             controls["clear"] = gr.Button("Clear", variant="secondary", elem_id="clear", min_width=80)
         with gr.Row(elem_id="turn_buttons"):
@@ -266,6 +301,7 @@ class DemoUI:
                 precision=0,
                 label="Max new tokens",
                 elem_id="max_new_tokens",
+                elem_classes=["ends"],
             )
             given["temperature"] = gr.Slider(
                 0.0,
@@ -274,8 +310,11 @@ class DemoUI:
                 step=0.05,
                 label="Temperature (0 = greedy)",
                 elem_id="temperature",
+                elem_classes=["ends"],
             )
-            given["top_p"] = gr.Slider(MIN_TOP_P, 1.0, DEFAULT_TOP_P, step=0.05, label="Top-p", elem_id="top_p")
+            given["top_p"] = gr.Slider(
+                MIN_TOP_P, 1.0, DEFAULT_TOP_P, step=0.05, label="Top-p", elem_id="top_p", elem_classes=["ends"]
+            )
         return given, controls
 
     def _examples(self, image: gr.Image, question: gr.Textbox) -> None:
@@ -330,7 +369,7 @@ class DemoUI:
         quiet: dict[str, Any] = dict(queue=False, show_progress="hidden", api_visibility="private")
         running = []
         for trigger, name in ((controls["ask"].click, contract.ASK_PAGE), (question.submit, None)):
-            trigger(self.shown_history, inputs=[conversation], outputs=[history], **quiet)
+            trigger(self.shown_history, inputs=[conversation, question], outputs=[history], **quiet)
             answer = trigger(self.handlers.ask_page, api_name=name, **page_answer)
             answer.then(self.after_answer, api_visibility="private", **turn_buttons)
             running.append(answer)
@@ -357,7 +396,7 @@ class DemoUI:
         image.change(
             self.upload_checked,
             inputs=[image],
-            outputs=[controls["upload_error"], *fresh, *outputs],
+            outputs=[image, controls["upload_error"], *fresh, *outputs],
             preprocess=False,
             **quiet,  # a quick check: no spinner over every output
         )
@@ -378,4 +417,5 @@ class DemoUI:
             concurrency_id=CONCURRENCY_ID,
             concurrency_limit=self._concurrency_limit(),
         )
+        demo.load(None, js=OPEN_API_JS)
         demo.unload(self.handlers.forget_session)

@@ -2,7 +2,7 @@
 
 No Gradio and no I/O here, so every wording and every piece of HTML can be tested on its own: the
 four panels (split by :func:`vlm_demo.cot.parse_stages`, so raw tags never reach a renderer), the
-status line, the stage strip and the Think-harder candidates.
+status line, the stage strip, the Think-harder candidates, and what a visitor reads of an error.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import html
 
 from vlm_demo.cot import STAGES, Stages, parse_stages
 from vlm_demo.errors import DemoError
-from vlm_demo.schema import BeamView, GenerationResult, StageChoice, Turn
+from vlm_demo.schema import STAGE_BEAM, BeamView, GenerationResult, SamplingParams, StageChoice, Turn
 from vlm_demo.web.contract import Outputs
 
 # The title of an error by its code, as the page and API clients see it.
@@ -23,10 +23,33 @@ ERROR_TITLES = {
     "out_of_memory": "Out of GPU memory",
     "cancelled": "Stopped",
     "engine_stopped": "Model restarting",
-    "backend_unavailable": "Backend unavailable",
-    "backend_timeout": "Backend timeout",
+    "backend_unavailable": "Model unavailable",
+    "backend_timeout": "Model timed out",
     "generation_failed": "Generation failed",
 }
+# Errors the visitor's own input caused (or a server setting they cannot change): asking again as it stands
+# gives the same error, so the page offers no Retry after them.
+INPUT_ERRORS = ("invalid_request", "unsupported")
+# What a visitor reads when a remote model server (Triton) fails, in the words the local path uses for the
+# same trouble: the original, with addresses and transport status codes, is for the operator's log.
+REMOTE_FAILURES = {
+    "backend_unavailable": "The model server is not reachable right now; please try again in a minute.",
+    "backend_timeout": "The model server took too long to answer; please try again in a minute.",
+    "engine_stopped": "The model server is restarting; please try again in a minute.",
+    "generation_failed": "The model server could not finish this answer; please try again.",
+}
+
+
+def for_visitor(error: DemoError, remote: bool) -> DemoError:
+    """The error as a visitor should read it: a remote backend's transport failures become the plain
+    sentence of :data:`REMOTE_FAILURES` (same class, so the code and title stay); anything else as it is."""
+    plain = REMOTE_FAILURES.get(error.code) if remote else None
+    return type(error)(plain) if plain and str(error) != plain else error
+
+
+def retry_helps(title: str) -> bool:
+    """Whether asking again can end differently after an error shown under ``title`` (not after an input error)."""
+    return title not in {ERROR_TITLES[code] for code in INPUT_ERRORS}
 
 
 MARKS = {"active": " ●", "done": " ✓", "cut": " ✂ cut", "stopped": " ■ stopped", "todo": ""}
@@ -68,7 +91,9 @@ def tracker_html(
     """
     states = stage_states(stages, active, ended, cut, running)
     steps = [f'<span class="step {state}">{stage.upper()}{MARKS[state]}</span>' for stage, state in states.items()]
-    body = ' <span class="arrow">→</span> '.join(steps)
+    # Each arrow travels with the step it points to: a strip that wraps (a phone) starts its next line with
+    # "→ STEP" instead of ending a line on an arrow that points nowhere.
+    body = steps[0] + "".join(f'<span class="hop"><span class="arrow">→</span>{step}</span>' for step in steps[1:])
     extra = ""
     if stages.extra:
         extra = (
@@ -103,7 +128,7 @@ def result_status(result: GenerationResult, stages: Stages | None = None, beams:
     parts = [head]
     if result.batch_size > 0:
         batch = f"batch of {result.batch_size}"
-        if beams:
+        if beams:  # a search's rows are all this visitor's: say so, as "batch of 2" reads like a stranger's
             batch = f"your {beams} candidates in a batch of {plural(result.batch_size, 'row')}"
         parts.append(batch)
     if result.completion_tokens > 0:
@@ -116,6 +141,11 @@ def result_status(result: GenerationResult, stages: Stages | None = None, beams:
     return " · ".join(parts)
 
 
+def searched_beams(params: SamplingParams) -> int:
+    """The candidates per stage a request asked for (0: not a stage-beam search), for :func:`render`."""
+    return params.beams if params.reasoning == STAGE_BEAM else 0
+
+
 def error_status(error: DemoError) -> str:
     return f"Error ({error.code}): {error}"
 
@@ -125,23 +155,51 @@ def candidates_text(choice: StageChoice) -> str:
     return "\n\n".join(f"[Candidate {i + 1}] {text or '…'}" for i, text in enumerate(choice.candidates))
 
 
+def candidate_groups(choice: StageChoice) -> list[list[int]]:
+    """A stage's candidates grouped by identical text (and closing tag), in order of first appearance: a
+    confident model often writes the same candidate many times, and one line says so."""
+    groups: dict[tuple[str, bool], list[int]] = {}
+    for i, text in enumerate(choice.candidates):
+        closed = not choice.closed or choice.closed[i]
+        groups.setdefault((text, closed), []).append(i)
+    return list(groups.values())
+
+
+def numbers(indexes: list[int]) -> str:
+    """Candidate numbers (1-based) with runs shortened: [0, 1, 2, 4] -> "1–3, 5"."""
+    runs: list[list[int]] = []
+    for i in indexes:
+        if runs and i == runs[-1][-1] + 1:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return ", ".join(
+        f"{run[0] + 1}–{run[-1] + 1}" if len(run) > 2 else ", ".join(str(i + 1) for i in run) for run in runs
+    )
+
+
 def beams_html(view: BeamView | None, stopped: bool = False) -> str:
-    """Every stage of a stage-beam search: its candidates, the winner marked, the judge's words (a stage
-    still running when the answer was ``stopped`` says so, not "writing…")."""
+    """Every stage of a stage-beam search: its candidates (identical ones on one line, numbered), the winner
+    marked, the judge's words (a stage still running when the answer was ``stopped`` says so, not
+    "writing…")."""
     if view is None:
         return ""
     blocks = []
     for choice in view.stages:
         running = choice.winner is None
         items = []
-        for i, text in enumerate(choice.candidates):
-            won = i == choice.winner
+        for group in candidate_groups(choice):
+            won = choice.winner in group
             mark = '<span class="won">✓ chosen</span> ' if won else ""
-            first = choice.candidates.index(text)
-            shown = html.escape(text or "…") if first == i or not text else f"<i>(same as {first + 1})</i>"
-            if choice.closed and not choice.closed[i]:
+            first = group[0]
+            shown = html.escape(choice.candidates[first] or "…")
+            if choice.closed and not choice.closed[first]:
                 shown += " <i>(no closing tag: not judged)</i>"
-            items.append(f'<li class="cand{" winner" if won else ""}">{mark}{shown}</li>')
+            same = f' <span class="same">· {len(group)} identical</span>' if len(group) > 1 else ""
+            items.append(
+                f'<li class="cand{" winner" if won else ""}" data-count="{len(group)}">{mark}'
+                f'<span class="nums">{numbers(group)}.</span> {shown}{same}</li>'
+            )
         if running and stopped:
             state = "stopped"
         elif running:
@@ -155,7 +213,7 @@ def beams_html(view: BeamView | None, stopped: bool = False) -> str:
         blocks.append(
             f'<div class="beam-stage" data-stage="{choice.stage}" data-state="{"running" if running else "done"}">'
             f"<b>{choice.stage.upper()}</b> · {len(choice.candidates)} candidates · {state}"
-            f"<ol>{''.join(items)}</ol>{judge}</div>"
+            f"<ul>{''.join(items)}</ul>{judge}</div>"
         )
     head = f"Stage beam search · {view.beams} candidates per stage · {plural(view.judge_calls, 'judge call')}"
     return (
@@ -170,13 +228,15 @@ def render(
     result: GenerationResult | None = None,
     view: BeamView | None = None,
     ended: str | None = None,
+    beams: int = 0,
 ) -> Outputs:
     """All outputs for one moment of an answer.
 
     With ``result`` the status line is the finished answer's (honest about how it ended). With a
     running stage-beam ``view``, the running stage's panel shows its candidates. ``ended`` says how an
     answer that has no result ended ("cancelled" by Stop, "error"), so a stage it left open is marked
-    stopped, not done.
+    stopped, not done. ``beams``: the candidates per stage the request asked for, for a backend whose
+    result carries no search view (a remote engine reports only its batch): the status line says the same.
     """
     if result is not None:
         ended = result.finish_reason
@@ -190,11 +250,14 @@ def render(
         panels[STAGES.index(running.stage)] = candidates_text(running)
         active = running.stage
     if result is not None:
-        status = result_status(result, stages, view.beams if view is not None else 0)
+        beams = view.beams if view is not None else beams
+        status = result_status(result, stages, beams)
         if view is not None:
             status += (
                 f" · stage beam search: {view.beams} candidates per stage, {plural(view.judge_calls, 'judge call')}"
             )
+        elif beams:
+            status += f" · stage beam search: {beams} candidates per stage"
     status = status or ""
     if final and raw.strip() and not stages.seen:
         status += " · the answer did not use the four stages (shown above the panels)"
@@ -213,11 +276,13 @@ def plural(count: int, word: str) -> str:
     return f"{count} {word}{'' if count == 1 else 's'}"
 
 
-def counter(elapsed: float | None, tokens: int | None = None) -> str:
-    """The live counter after the status: tokens written (where known) and whole seconds since Ask."""
+def counter(elapsed: float | None, tokens: int | None = None, moving: bool = False) -> str:
+    """The live counter after the status: tokens written (where known) and the seconds since Ask. While the
+    answer is ``moving`` (text or candidates arrive, so the page updates anyway) in tenths, so that even a
+    sub-second answer shows its time pass; while it waits, whole seconds, one update a second."""
     parts = [plural(tokens, "token")] if tokens else []
     if elapsed is not None:
-        parts.append(f"{int(elapsed)} s")
+        parts.append(f"{elapsed:.1f} s" if moving else f"{int(elapsed)} s")
     return "".join(f" · {part}" for part in parts)
 
 
@@ -233,21 +298,24 @@ def progress(
         running = view.stages[-1]
         count = max(len(running.candidates), 1 if view.phase == "judging" else view.beams)
         doing = f"judging {count} candidates" if view.phase == "judging" else f"{count} candidates writing"
-        return render(raw, f"Thinking harder · {running.stage.upper()}: {doing}…{counter(elapsed)}", view=view)
+        status = f"Thinking harder · {running.stage.upper()}: {doing}…{counter(elapsed, moving=True)}"
+        return render(raw, status, view=view)
     stages = parse_stages(raw)
     if raw:
         status = f"Generating · writing {stages.active.upper()}…" if stages.active else "Generating…"
-        status += counter(elapsed, tokens)
+        status += counter(elapsed, tokens, moving=True)
     else:
         status = waiting_status(ahead) + counter(elapsed)
     return Outputs(*stages.as_tuple(), raw, status, stages.extra, tracker_html(stages, stages.active), "")
 
 
-def history_html(turns: tuple[Turn, ...], dropped: int = 0) -> str:
-    """The earlier turns of a conversation, collapsed above the live panels: each question with its
-    CONCLUSION, the four stages inside."""
+def history_html(turns: tuple[Turn, ...], dropped: int = 0, asking: str = "") -> str:
+    """The conversation above the live panels: the earlier turns, collapsed (each question with its CONCLUSION,
+    the four stages inside), then the question being answered (``asking``), which stays in view after the
+    page empties the question box for the next one."""
+    asked = f'<div class="asking"><b>Question</b> {html.escape(asking.strip())}</div>' if asking.strip() else ""
     if not turns:
-        return ""
+        return asked
     items = []
     for number, turn in enumerate(turns, 1):
         stages = parse_stages(turn.answer, final=True)
@@ -265,7 +333,7 @@ def history_html(turns: tuple[Turn, ...], dropped: int = 0) -> str:
     note = f" · the oldest {dropped} no longer reach the model (too long)" if dropped else ""
     return (
         f'<div class="conversation"><div class="conversation-head">Follow-up about the same image · {count}: '
-        f"the model reads them before your question{note}</div>{''.join(items)}</div>"
+        f"the model reads them before your question{note}</div>{''.join(items)}</div>{asked}"
     )
 
 
