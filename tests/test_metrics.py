@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from vlm_demo.engine.ipc import Ended, Step
 from vlm_demo.engine.request import Request, SamplingParams
+from vlm_demo.engine.streams import EngineStream, StreamTable
 from vlm_demo.errors import OutOfMemoryError
-from vlm_demo.web.metrics import Metrics
+from vlm_demo.web.metrics import TRAFFIC, CacheCounts, Metrics
 
 
 def samples(metrics: Metrics) -> dict[tuple[str, tuple], float]:
@@ -18,12 +20,16 @@ def samples(metrics: Metrics) -> dict[tuple[str, tuple], float]:
     return out
 
 
-def finished_request(tokens: int, reason: str = "stop") -> Request:
+def finished_request(tokens: int, reason: str = "stop") -> EngineStream:
+    """A client's handle to an engine request that finished, as the engine's Step delivers it."""
     request = Request(image=None, question="q", params=SamplingParams())
     request.token_ids = list(range(tokens))
     request.push_text("x" * tokens)
     request.finish(reason)
-    return request
+    table = StreamTable(cancel=lambda rid: None)
+    handle = table.open()
+    table.apply(Step(ended=[Ended(handle.rid, request.result)]))
+    return handle
 
 
 def test_exposes_the_contract_names() -> None:
@@ -40,15 +46,27 @@ def test_exposes_the_contract_names() -> None:
     assert "vlm_queue_depth 3.0" in text
 
 
+def test_the_key_value_traffic_counters_read_the_engines_totals() -> None:
+    counts = CacheCounts(kv_copied_bytes=10, kv_written_bytes=20, attention_read_bytes=33, attention_live_bytes=30)
+    got = samples(Metrics(caches=lambda: counts))
+    assert set(TRAFFIC) == {
+        "vlm_kv_copied_bytes",
+        "vlm_kv_written_bytes",
+        "vlm_attention_read_bytes",
+        "vlm_attention_live_bytes",
+    }
+    assert [got[(f"{name}_total", ())] for name in TRAFFIC] == [10, 20, 33, 30]
+
+
 def test_requests_are_counted_by_outcome_with_tokens_and_latency() -> None:
     m = Metrics()
     for request in (finished_request(5), finished_request(7, "length")):
         m.on_request_done(request)
-    cancelled = Request(image=None, question="q", params=SamplingParams())
+    table = StreamTable(cancel=lambda rid: None)
+    cancelled, failed = table.open(), table.open()
     cancelled.cancel()
     m.on_request_done(cancelled)
-    failed = Request(image=None, question="q", params=SamplingParams())
-    failed.fail(OutOfMemoryError("no memory"))
+    table.apply(Step(ended=[Ended(failed.rid, None, OutOfMemoryError("no memory"))]))
     m.on_request_done(failed)
     m.rejected("invalid_request")
     s = samples(m)

@@ -54,6 +54,8 @@ STRAGGLER_FACTOR, STRAGGLER_SLACK = 2, 16  # a candidate's stage may take 2x the
 class InternalRequest(Request):
     """A candidate row or a judge call of a search: the search reads its text, no client is sent it."""
 
+    visible = False
+
 
 class JudgeRequest(InternalRequest):
     """A judge call: its row stops once the choice is written ("I choose response 2"), not at end of turn."""

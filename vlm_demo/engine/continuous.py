@@ -25,23 +25,18 @@ import dataclasses
 import logging
 import time
 
-import numpy as np
-import torch
-
 from vlm_demo.config import Config
 from vlm_demo.engine.base import Engine, error_for, is_fatal_device_error, is_out_of_memory, release
 from vlm_demo.engine.beam import StageBeam
 from vlm_demo.engine.decode_step import TextDecodeStep, page_shape
 from vlm_demo.engine.image_cache import ImageStates
 from vlm_demo.engine.ipc import Step
+from vlm_demo.engine.joining import Joiner
 from vlm_demo.engine.request import Request, Resume
 from vlm_demo.engine.rows import Row, RunningRows
-from vlm_demo.engine.sampler import RowSampling
-from vlm_demo.engine.scheduler import Room, RowState
-from vlm_demo.engine.streamer import RowStreamer, commit_tokens
 from vlm_demo.engine.worker import Worker
 from vlm_demo.errors import DemoError, OutOfMemoryError
-from vlm_demo.schema import STAGE_BEAM, EngineStats
+from vlm_demo.schema import EngineStats
 
 log = logging.getLogger(__name__)
 
@@ -57,10 +52,11 @@ class ContinuousEngine(Engine):
         pages = self.memory.pool_pages(page_shape(worker.model, worker.dtype))
         self.decoder = TextDecodeStep.over_pool(worker.model, worker.dtype, pages, self.config.decode_attention)
         self.rows = RunningRows(self.decoder.pool, self.decoder.attention, worker.device, worker.dtype)
-        self.send = lambda parts: self.rows.staging.send(parts, persist=True)
+        self.joiner = Joiner(worker, self.rows, self.config.structured_stages)
         self.row_limit: int | None = None  # lowered after an out-of-memory step; None: max_batch_size
         self.good_steps = self.steps_run = self.prefills_run = self.recoveries = self.preemptions = 0
         self.beams: list[StageBeam] = []  # stage-beam searches in progress
+        self.unrendered: list[Row] = []  # rows whose last token is taken but not yet text
         self.views: dict[int, object] = {}  # rid -> the search view last reported
         mb = self.config.image_cache_mb
         self.images = ImageStates(int(mb * 1024**2), self.decoder.pool) if mb > 0 else None
@@ -74,28 +70,11 @@ class ContinuousEngine(Engine):
         return self.max_batch_size if self.row_limit is None else min(self.row_limit, self.max_batch_size)
 
     def stats(self) -> EngineStats:
-        pool, rows, images = self.rows.pool, self.rows, self.images
-        return dataclasses.replace(
-            super().stats(),
-            cached_token_slots=rows.cached_tokens,
-            cached_bytes=pool.used_pages * pool.shape.page_bytes,
-            row_limit=self.rows_allowed,
-            steps_run=self.steps_run,
-            prefills_run=self.prefills_run,
-            beam_searches=len(self.beams),
-            preemptions=self.preemptions,
-            image_cache_hits=images.hits if images is not None else 0,
-            image_cache_misses=images.misses if images is not None else 0,
-            image_cache_bytes=images.bytes if images is not None else 0,
-            image_cache_entries=len(images) if images is not None else 0,
-            kv_pages=pool.pages,
-            kv_pages_free=pool.free_pages,
-            kv_page_bytes=pool.shape.page_bytes,
-            kv_copied_bytes=rows.copied_bytes,
-            kv_written_bytes=rows.written_bytes,
-            attention_read_bytes=rows.read_bytes,
-            attention_live_bytes=rows.live_bytes,
-        )
+        images = self.images.stats() if self.images is not None else {}
+        counts = {"steps_run": self.steps_run, "prefills_run": self.prefills_run, "preemptions": self.preemptions}
+        searches = len(self.beams)
+        return dataclasses.replace(super().stats(), **self.rows.stats(), **images, **counts,
+                                   row_limit=self.rows_allowed, beam_searches=searches)  # fmt: skip
 
     # ---- one step ----------------------------------------------------------------------------
     def step(self) -> Step:
@@ -109,8 +88,10 @@ class ContinuousEngine(Engine):
                 self._leave_ended()  # rows cancelled meanwhile (the others left as their last token came)
                 if len(self.rows):
                     self._decode(sizes)
-                elif self.beams:  # searches waiting on nothing this engine runs (cannot last): do not spin
-                    self.scheduler.wait_for_work(timeout=0.005)
+                else:
+                    self._render()
+                    if self.beams:  # searches waiting on nothing this engine runs (cannot last): do not spin
+                        self.scheduler.wait_for_work(timeout=0.005)
             except Exception as exc:
                 failure = exc  # handled outside the except block, so the failed attempt's memory can go
             if failure is not None:
@@ -134,27 +115,10 @@ class ContinuousEngine(Engine):
                 self.beams.remove(beam)
                 self.views.pop(beam.request.rid, None)  # type: ignore[arg-type]
 
-    def _room(self) -> Room:
-        pool = self.rows.pool
-        pages_for = lambda r: pool.shape.row_pages(r.input_tokens + 1, r.tiles)  # noqa: E731
-        cache = self.images.pages if self.images is not None else 0
-        return Room(len(self.rows), self.rows_allowed, pool.free_pages, cache, self.rows.pages_needed(), pages_for,
-                    self.rows.cached_tokens, self.config.kv_token_budget)  # fmt: skip
-
-    def _row_states(self) -> list[RowState]:
-        pool = self.rows.pool
-        return [
-            RowState(
-                row.beam.request.client if row.beam is not None else row.request.client,
-                len(row.streamer.ids),
-                row.beam is None and type(row.request) is Request and not row.streamer.done,
-                sum(pool.owners(p) == 1 for p in row.place.pages + row.place.image_pages) if row.place else 0,
-            )
-            for row in self.rows.rows
-        ]
-
     def _execute_plan(self) -> None:
-        plan = self.scheduler.plan(self._room(), self._row_states, self.beams)
+        cache = self.images.pages if self.images is not None else 0
+        room = self.rows.room(self.rows_allowed, cache, self.config.kv_token_budget)
+        plan = self.scheduler.plan(room, self.rows.states, self.beams)
         if plan.evict_pages and self.images is not None:
             self.images.evict(plan.evict_pages)
         if plan.suspend:
@@ -162,7 +126,7 @@ class ContinuousEngine(Engine):
         if plan.short:  # rows that outgrew the whole pool end here, honestly marked as out of room ("length")
             self._cut_short()
         for search, count in plan.forks:
-            self._fork(search, count)
+            self.joiner.fork(search, count)
         admitted = [r for r in plan.admit if not r.done]
         for start in range(0, len(admitted), max(1, self.config.prefill_batch_size)):
             back = self._admit(admitted[start : start + self.config.prefill_batch_size])
@@ -173,10 +137,7 @@ class ContinuousEngine(Engine):
     def _cut_short(self) -> None:
         """End the newest rows that need a page for their next token until the pool (with the image-state
         cache's pages) has one for each of the others: nothing else can make room."""
-        pool, page = self.rows.pool, self.rows.shape.page_tokens
-        room = pool.free_pages + (self.images.pages if self.images is not None else 0)
-        needing = [r for r in self.rows.rows if r.place is not None and r.place.length == page * len(r.place.pages)]
-        for row in reversed(needing[room:]):
+        for row in self.rows.beyond(self.rows.pool.free_pages + (self.images.pages if self.images is not None else 0)):
             log.warning("request %d filled the page pool: its answer ends here", row.request.request_id)
             row.streamer.cut()
         self._leave_ended()
@@ -191,22 +152,6 @@ class ContinuousEngine(Engine):
         self.rows.keep([i for i in range(len(self.rows)) if i not in set(indices)])
         self.preemptions += len(requests)
         self.scheduler.requeue_front(requests, first=False)  # their clients wait their turn
-
-    def _fork(self, search: StageBeam, count: int) -> None:
-        """``count`` candidate rows of a search, sharing its start's pages (the plan kept a page for each)."""
-        base, rows, params, own_first = search.fork(count)
-        places = self.rows.fork(base, count)
-        assert places is not None, "the plan keeps a page for each candidate"
-        sampling = RowSampling(params, self.worker.device, send=self.send)
-        if own_first:  # drawn from the prompt's logits: the candidates' first tokens
-            logits = base.logits.expand(count, -1)  # type: ignore[union-attr]
-            tokens = sampling.sample(logits)
-            tokens = self._start(rows, tokens, logits, sampling, tokens.tolist())
-        else:  # the winner's last token, already written: the candidates' next input
-            tokens = base.next_token.expand(count)  # type: ignore[union-attr]
-        for row in rows:
-            row.request.batch_size = len(self.rows) + count
-        self.rows.join(rows, places, tokens, sampling)
 
     def _admit(self, group: list[Request]) -> list[Request]:
         """Prefill ``group`` together and join it; if that fails, retry in halves. Returns the requests to
@@ -248,66 +193,13 @@ class ContinuousEngine(Engine):
             self._fail(group[0], OutOfMemoryError(f"This request needs {need} pages of cache; the server has "
                                                   f"{self.rows.pool.pages}. Try a shorter conversation."))  # fmt: skip
             return []
-        sampling = RowSampling([r.params for r in group], self.worker.device, send=self.send)
-        tokens = sampling.sample(prefill.logits)
-        first = tokens.tolist()  # the newcomers' first tokens (a host read, once per admission)
-        self.rows.staging.recycle()
-        joining = [i for i, r in enumerate(group) if r.params.reasoning != STAGE_BEAM]
-        for i, request in enumerate(group):
-            if i not in joining:  # a search keeps its prompt's cache aside and forks candidates from it
-                start = self.rows.keep_aside(places[i], prefill.logits[i : i + 1].clone())
-                request.beam = beam = StageBeam(request, start, self.worker, self.config.structured_stages)
-                self.beams.append(beam)
-        if not joining:
-            return []
-        rows = [Row(group[i], self._streamer(group[i])) for i in joining]
-        sampling = sampling.select(joining)
-        tokens = self._start(rows, tokens[joining], prefill.logits[joining], sampling, [first[i] for i in joining])
-        for row in rows:
-            row.request.batch_size = max(row.request.batch_size, len(self.rows) + len(rows))
-            row.request.resume = None
-        self.rows.join(rows, [places[i] for i in joining], tokens, sampling)
+        self.beams += self.joiner.join(group, prefill, places)
         return []
 
-    def _streamer(self, request: Request) -> RowStreamer:
-        if request.resume is not None:
-            return request.resume.streamer
-        tracker = self.worker.tracker(request.params, self.config.structured_stages and request.staged)
-        return RowStreamer(self.worker.tokenizer, request, self.worker.eos_ids, request.stop_text, tracker)
-
-    def _start(self, rows: list[Row], tokens: torch.Tensor, logits: torch.Tensor, sampling: RowSampling,
-               sampled: list[int]) -> torch.Tensor:  # fmt: skip
-        """The rows' first tokens: a newcomer commits the one drawn from its prompt's logits (the stage structure
-        may replace it); a resumed row continues from the last token it wrote, its draws where they were.
-        Returns the rows' next inputs."""
-        fresh = [i for i, row in enumerate(rows) if row.request.resume is None]
-        values = list(sampled)
-        for i, token in zip(fresh, self._commit([rows[i] for i in fresh], [sampled[i] for i in fresh], logits,
-                                                sampling, fresh), strict=True):  # fmt: skip
-            values[i] = token
-            rows[i].streamer.feed(token)
-        resumes = {i: row.request.resume for i, row in enumerate(rows) if row.request.resume is not None}
-        for i in resumes:
-            values[i] = rows[i].request.token_ids[-1]
-        if resumes:
-            (sampling.draws,) = self.send(
-                [np.asarray([resumes[i].draws if i in resumes else 1 for i in range(len(rows))])]
-            )
-        if values == sampled:
-            return tokens
-        (out,) = self.send([np.asarray(values)])
-        return out
-
-    def _commit(self, rows: list[Row], sampled: list[int], logits: torch.Tensor, sampling: RowSampling,
-                index: list[int] | None = None) -> list[int]:  # fmt: skip
-        """The tokens the rows commit (the stage structure may replace a sampled one, or draw it again)."""
-        where = index if index is not None else list(range(len(rows)))
-        redraw = lambda which: self.worker.redraw(sampling, logits, [where[j] for j in which]).tolist()  # noqa: E731
-        return commit_tokens([row.streamer for row in rows], sampled, redraw)
-
     def _decode(self, sizes: list[int]) -> None:
-        """One decode step for every row: forward and sampling on the device, one host read, then the stage
-        structure, streaming and stop per row."""
+        """One decode step for every row: forward and sampling launched on the device, then the previous
+        step's tokens rendered as text while it runs, then the one host read, the stage structure and each
+        row's new token taken (a row that ended at its stop text was in this step too; it leaves now)."""
         rows = list(self.rows.rows)
         inputs = self.rows.step_inputs()
         self._failpoint("forward")
@@ -315,22 +207,30 @@ class ContinuousEngine(Engine):
         tokens = self.rows.sampling.sample(logits)  # type: ignore[union-attr]
         self._failpoint("advance")
         self.rows.advance(tokens)
+        self._render()
         self._failpoint("host_read")
         ids = tokens.tolist()  # the step's one read back to the host
         self.rows.staging.recycle()
-        committed = self._commit(rows, ids, logits, self.rows.sampling)  # type: ignore[arg-type]
+        committed = self.joiner.commit(rows, ids, logits, self.rows.sampling)  # type: ignore[arg-type]
         if committed != ids:  # not in the cache yet: the replacement is the row's next input
             self.rows.replace_next({i: t for i, (t, was) in enumerate(zip(committed, ids, strict=True)) if t != was})
         self.steps_run += 1
         sizes.append(len(rows))
         for row, token in zip(rows, committed, strict=True):
             row.request.batch_size = max(row.request.batch_size, len(rows))
-            row.streamer.feed(token)
+            row.streamer.accept(token)
+        self.unrendered = rows
         self._leave_ended()
         self.good_steps += 1
         if self.row_limit is not None and self.good_steps >= RECOVERY_STEPS:
             self.row_limit = None if self.row_limit + 1 >= self.max_batch_size else self.row_limit + 1
             self.good_steps = 0
+
+    def _render(self) -> None:
+        """The last step's tokens into text (what the clients are sent, and where rows meet their stop text)."""
+        for row in self.unrendered:
+            row.streamer.render()
+        self.unrendered = []
 
     def _leave_ended(self) -> None:
         """Finished and cancelled rows leave (their pages go back); a search's candidate that reached its
@@ -352,6 +252,7 @@ class ContinuousEngine(Engine):
         own gets the error. A sticky device error is raised on: it ends the engine thread."""
         if is_fatal_device_error(exc):
             raise exc
+        self.unrendered = []
         requests = [row.request for row in self.rows.rows if row.beam is None]
         requests += [r for r in newcomers or [] if r not in requests and not r.done]
         searches = list({id(row.beam): row.beam for row in self.rows.rows if row.beam is not None}.values())

@@ -44,6 +44,15 @@ class ImageStates:
         self.misses = 0
         self.reserve = 0  # free pages the cache leaves alone (the engine sets it to what newcomers need)
 
+    def stats(self) -> dict[str, int]:
+        """Its figures for ``EngineStats``."""
+        return {
+            "image_cache_hits": self.hits,
+            "image_cache_misses": self.misses,
+            "image_cache_bytes": self.bytes,
+            "image_cache_entries": len(self._entries),
+        }
+
     @property
     def pages(self) -> int:
         """Pool pages the cache holds (all of them can be given back)."""

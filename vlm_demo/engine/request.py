@@ -62,6 +62,7 @@ class Request:
 
     stop_text: ClassVar[str | re.Pattern[str]] = STOP_TEXT  # where its row stops, besides end of turn and limits
     staged: ClassVar[bool] = True  # an answer in the four stages (the stage structure applies); False: free text
+    visible: ClassVar[bool] = True  # a client's answer (False: a Think-harder search's own candidate or judge)
 
     image: Any  # PIL.Image.Image, RGB
     question: str

@@ -24,6 +24,7 @@ from vlm_demo.engine.attention import Layout, PagedAttention
 from vlm_demo.engine.pages import PagePool
 from vlm_demo.engine.request import Request
 from vlm_demo.engine.sampler import RowSampling
+from vlm_demo.engine.scheduler import Room, RowState
 from vlm_demo.engine.streamer import RowStreamer
 from vlm_demo.errors import DemoError
 
@@ -57,6 +58,7 @@ class Row:
     streamer: RowStreamer
     beam: CandidateOwner | None = None  # set for a stage-beam candidate
     place: Placement | None = None
+    written: int = 0  # how many of its answer's tokens its pages hold (as of its last step)
 
 
 @dataclass
@@ -175,6 +177,54 @@ class RunningRows:
         """Text tokens the rows hold (what their pages are spent on)."""
         return sum(row.place.length for row in self.rows if row.place is not None)
 
+    def stats(self) -> dict[str, int]:
+        """The pool's figures for ``EngineStats`` (the byte totals are the ``vlm_*_bytes_total`` counters)."""
+        pool = self.pool
+        return {
+            "cached_token_slots": self.cached_tokens,
+            "cached_bytes": pool.used_pages * self.shape.page_bytes,
+            "kv_pages": pool.pages,
+            "kv_pages_free": pool.free_pages,
+            "kv_page_bytes": self.shape.page_bytes,
+            "kv_copied_bytes": self.copied_bytes,
+            "kv_written_bytes": self.written_bytes,
+            "attention_read_bytes": self.read_bytes,
+            "attention_live_bytes": self.live_bytes,
+        }
+
+    # ---- what the plan sees ----------------------------------------------------------------------
+    def room(self, rows_allowed: int, cache_pages: int, token_budget: int) -> Room:
+        """The batch's room at this boundary (``cache_pages``: what the image-state cache can give back)."""
+        shape = self.shape
+
+        def pages_for(request: Request) -> int:
+            return shape.row_pages(request.input_tokens + 1, request.tiles)
+
+        free, needed = self.pool.free_pages, self.pages_needed()
+        return Room(
+            len(self.rows), rows_allowed, free, cache_pages, needed, pages_for, self.cached_tokens, token_budget
+        )
+
+    def states(self) -> list[RowState]:
+        """Each row as the plan weighs it: whose it is, what it wrote, whether it may be handed back, and
+        the pages it would give back."""
+        owners = self.pool.owners
+        return [
+            RowState(
+                row.beam.request.client if row.beam is not None else row.request.client,
+                len(row.streamer.ids),
+                row.beam is None and row.request.visible and not row.streamer.done,
+                sum(owners(p) == 1 for p in row.place.pages + row.place.image_pages) if row.place else 0,
+            )
+            for row in self.rows
+        ]
+
+    def beyond(self, pages: int) -> list[Row]:
+        """The newest rows that need a page for their next token, past the first ``pages`` of them."""
+        page = self.shape.page_tokens
+        needing = [r for r in self.rows if r.place is not None and r.place.length == page * len(r.place.pages)]
+        return needing[pages:]
+
     # ---- placing caches ------------------------------------------------------------------------
     def pages_for(self, prefill: Prefill, index: int) -> int:
         tiles = int(prefill.tiles[index].sum()) or prefill.tiles.shape[1]
@@ -246,12 +296,19 @@ class RunningRows:
         return places
 
     def snapshot(self, index: int) -> Snapshot:
-        """Row ``index``'s cache kept aside (its pages shared), with its next input, before it leaves."""
-        place = self.rows[index].place
-        assert place is not None and self.next_tokens is not None
-        kept = Placement(list(place.pages), place.length, list(place.image_pages), place.tiles, place.sees_image)
+        """Row ``index``'s cache kept aside (its pages shared) up to its answer's last token, which is the
+        snapshot's next input — whether or not a step already wrote it (the engine runs a step ahead of
+        rendering text, so a row that ends at its stop text was often in one more step)."""
+        row = self.rows[index]
+        place = row.place
+        assert place is not None and row.streamer.ids
+        ids = row.streamer.ids
+        length = place.length - row.written + len(ids) - 1
+        pages = place.pages[: -(-length // self.shape.page_tokens)]
+        kept = Placement(list(pages), length, list(place.image_pages), place.tiles, place.sees_image)
         self.pool.share(kept.pages + kept.image_pages)
-        return Snapshot(kept, self.pool, next_token=self.next_tokens[index : index + 1].clone())
+        (last,) = self.staging.send([np.asarray([ids[-1]], dtype=np.int64)], persist=True)
+        return Snapshot(kept, self.pool, next_token=last)
 
     def keep_aside(self, place: Placement, logits: torch.Tensor | None) -> Snapshot:
         """A placement nobody runs yet (a search's prompt) as a snapshot: the pages are handed over, not shared."""
@@ -262,6 +319,7 @@ class RunningRows:
         """Newcomers (their caches already placed) join after the running rows."""
         for row, place in zip(rows, places, strict=True):
             row.place = place
+            row.written = max(0, len(row.streamer.ids) - 1) if row.streamer is not None else 0
         tokens = first_tokens.to(self.device)
         if not self.rows:
             self.next_tokens, self.sampling = tokens, sampling
@@ -302,6 +360,9 @@ class RunningRows:
         when it opens one; the plan made sure enough are free) and attends to ``length + 1`` tokens."""
         s, page = self.shape, self.shape.page_tokens
         places = [row.place for row in self.rows]
+        for row in self.rows:
+            if row.streamer is not None:
+                row.written = len(row.streamer.ids)  # the step writes its next input: its newest token
         for place in places:
             assert place is not None
             if place.length == page * len(place.pages):

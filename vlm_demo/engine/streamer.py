@@ -34,6 +34,10 @@ class RowStreamer:
     difference, holding back text that ends in an incomplete UTF-8 character ("\\ufffd"). With a
     Rust-backed tokenizer, ``tokenizers``' ``DecodeStream`` does exactly that in one native call per
     token; it runs for every row on every step, so the Python version is only the fallback.
+
+    Taking a token (``accept``: its id, end of turn, the length limit) is kept apart from turning it into
+    text (``render``: decoding, the stop text), so the continuous engine can launch its next step on the
+    device before it renders this one's tokens; ``feed`` does both at once.
     """
 
     def __init__(
@@ -51,6 +55,7 @@ class RowStreamer:
         self.request = request
         self.eos_ids = set(eos_ids)
         self.ids: list[int] = []
+        self.rendered = 0  # how many of ``ids`` are text already
         self.text = ""
         self.prefix_offset = 0
         self.read_offset = 0
@@ -62,15 +67,15 @@ class RowStreamer:
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
-    def _next_text(self) -> str:
-        """The text the newest token completes ("" while a character is still partial)."""
+    def _next_text(self, count: int) -> str:
+        """The text token ``count - 1`` completes, after the ones before it ("" while a character is partial)."""
         if self._stream is not None:
-            return self._stream.step(self._backend, self.ids[-1]) or ""
+            return self._stream.step(self._backend, self.ids[count - 1]) or ""
         prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
-        window = self._decode(self.ids[self.prefix_offset :])
+        window = self._decode(self.ids[self.prefix_offset : count])
         if len(window) <= len(prefix) or window.endswith("\ufffd"):
             return ""
-        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        self.prefix_offset, self.read_offset = self.read_offset, count
         return window[len(prefix) :]
 
     def _stop_end(self, text: str, new: int) -> int:
@@ -86,7 +91,11 @@ class RowStreamer:
         return match.end() if match else -1
 
     def feed(self, token_id: int) -> bool:
-        """Take the row's next token; return True once the row has finished."""
+        """Take the row's next token and render it; return True once the row has finished."""
+        return self.accept(token_id) or self.render()
+
+    def accept(self, token_id: int) -> bool:
+        """Take the row's next token (its id, end of turn, the length limit; no decoding); True once finished."""
         if self.done:
             return True
         request = self.request
@@ -94,21 +103,36 @@ class RowStreamer:
             return self._stop("cancelled")
         params = request.params
         if token_id in self.eos_ids and not params.ignore_eos:
-            return self._stop("stop")
+            return self.render() or self._stop("stop")
         self.ids.append(token_id)
         request.token_ids.append(token_id)
-        new = self._next_text()
-        if new:
+        if len(self.ids) >= params.max_new_tokens:
+            return self.render() or self._stop("length")
+        return False
+
+    def render(self) -> bool:
+        """Turn the tokens taken since the last render into text, and stop at the stop text (tokens taken after
+        it are dropped); True once the row has finished."""
+        if self.done:
+            return True
+        request, before = self.request, self.text
+        while self.rendered < len(self.ids):
+            self.rendered += 1
+            new = self._next_text(self.rendered)
+            if not new:
+                continue
             self.text += new
             end = self._stop_end(self.text, len(new))
-            if end >= 0 and not params.ignore_eos:
+            if end >= 0 and not request.params.ignore_eos:
+                extra = len(self.ids) - self.rendered
+                if extra:
+                    del self.ids[-extra:], request.token_ids[-extra:]
                 self.text = self.text[:end]
                 self.reached_stop_text = True
                 request.push_text(self.text)
                 return self._stop("stop")
+        if self.text != before:
             request.push_text(self.text)
-        if len(self.ids) >= params.max_new_tokens:
-            return self._stop("length")
         return False
 
     def cut(self) -> None:

@@ -63,7 +63,7 @@ class StaticBatcher:
             requests = [r for r, _, _ in group]
             try:
                 self.worker.run(requests)
-                outcomes: list[Any] = [r.result(0) for r in requests]
+                outcomes: list[Any] = [r.result if r.result is not None else r.error for r in requests]
             except Exception as exc:  # noqa: BLE001 - reported to each caller
                 outcomes = [exc] * len(requests)
             for (_, loop, future), outcome in zip(group, outcomes, strict=True):

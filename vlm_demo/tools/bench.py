@@ -81,6 +81,11 @@ class RunResult:
     wall_s: float
     wrong: int = 0  # finished answers that were not right (only workloads that know the answer)
     cpu_ms_per_request: dict[str, float] = dataclasses.field(default_factory=dict)  # by process, Linux only
+    # The page pool's traffic during the run (continuous engines that report it; None elsewhere): bytes of
+    # keys/values moved by joins, leaves and preemptions per byte written for new tokens, and bytes decode
+    # attention read per byte of the rows' own tokens and tiles.
+    kv_copied_per_written: float | None = None
+    attention_read_over_live: float | None = None
 
     def __str__(self) -> str:
         """One readable line for the log (the table and the JSON hold every field)."""
@@ -140,6 +145,28 @@ def names_colour(expected: list[str]) -> Callable[[int, str], bool]:
         return bool(match) and expected[index] in match.group(1).lower()
 
     return check
+
+
+TRAFFIC_FIELDS = ("kv_copied_bytes", "kv_written_bytes", "attention_read_bytes", "attention_live_bytes")
+
+
+def traffic(backend: Any) -> dict[str, int] | None:
+    """The engine's key/value byte counters now (``None`` where the backend reports none)."""
+    engine = getattr(backend.health(), "engine", None)
+    if engine is None or not engine.kv_written_bytes:
+        return None
+    return {name: getattr(engine, name) for name in TRAFFIC_FIELDS}
+
+
+def traffic_ratios(before: dict[str, int] | None, after: dict[str, int] | None) -> tuple[float | None, float | None]:
+    """``kv_copied_per_written`` and ``attention_read_over_live`` over the run between the two readings."""
+    if before is None or after is None:
+        return None, None
+    delta = {name: after[name] - before[name] for name in TRAFFIC_FIELDS}
+    written, live = delta["kv_written_bytes"], delta["attention_live_bytes"]
+    copied = round(delta["kv_copied_bytes"] / written, 4) if written else None
+    read = round(delta["attention_read_bytes"] / live, 4) if live else None
+    return copied, read
 
 
 class BatchCounter:
@@ -240,6 +267,9 @@ def median_run(runs: list[RunResult]) -> RunResult:
     for f in dataclasses.fields(RunResult):
         values = [getattr(r, f.name) for r in runs]
         merged[f.name] = statistics.median(values) if isinstance(values[0], float) else values[0]
+    for name in ("kv_copied_per_written", "attention_read_over_live"):
+        values = [getattr(r, name) for r in runs if getattr(r, name) is not None]
+        merged[name] = statistics.median(values) if values else None
     merged["errors"] = sum(r.errors for r in runs)
     merged["wrong"] = sum(r.wrong for r in runs)
     return RunResult(**merged)
@@ -255,6 +285,11 @@ def print_table(results: list[RunResult]) -> None:
             f"{r.tokens_per_s:>9.1f}{r.latency_p50_s:>8.3f}{r.latency_p95_s:>8.3f}{r.ttft_p50_s:>8.3f}"
             f"{r.mean_batch_size:>7.2f}{r.errors:>5}{r.wrong:>6}"
             + ("   cpu ms/req: " + ", ".join(f"{k} {v:.0f}" for k, v in r.cpu_ms_per_request.items()))
+            + (
+                f"   kv copied/written {r.kv_copied_per_written}, attention read/live {r.attention_read_over_live}"
+                if r.attention_read_over_live is not None
+                else ""
+            )
         )
     by_level: dict[int, dict[str, RunResult]] = {}
     for r in results:
@@ -503,12 +538,15 @@ def main(argv: list[str] | None = None) -> list[RunResult]:
                     counter.sizes.clear()
                     pids = {"bench": os.getpid(), **backend.pids()}
                     before = {name: cpu_seconds(pid) for name, pid in pids.items()}
+                    bytes_before = traffic(backend)
                     samples, wall = run_load(backend, workload, level, check)
                     cpu = {name: cpu_seconds(pid) - before[name] for name, pid in pids.items()}
+                    ratios = traffic_ratios(bytes_before, traffic(backend))
                     max_batch = backend.health().max_batch_size or max_batch  # as the engine sized it
                 finally:
                     backend.close()  # servers started for a mode stop even when the run fails
                 result = summarise(mode, max_batch, level, samples, wall, counter.sizes)
+                result.kv_copied_per_written, result.attention_read_over_live = ratios
                 result.cpu_ms_per_request = {k: round(1000 * v / max(1, len(samples)), 1) for k, v in cpu.items()}
                 log.info("repeat %d: %s", repeat + 1, result)
                 collected.setdefault((mode, level), []).append(result)

@@ -33,18 +33,41 @@ def outcome_of(request: Stream) -> str:
 
 @dataclass(frozen=True)
 class CacheCounts:
-    """What the caches have done, read at each scrape (the engine's side arrives with its stats)."""
+    """What the caches have done, read at each scrape (the engine's side arrives with its stats): lookups,
+    and the bytes the key/value cache moved, wrote and had read (the page pool's traffic)."""
 
     response_hits: int = 0
     response_misses: int = 0
     image_hits: int = 0
     image_misses: int = 0
     vision_encodes: int = 0
+    kv_copied_bytes: int = 0
+    kv_written_bytes: int = 0
+    attention_read_bytes: int = 0
+    attention_live_bytes: int = 0
+
+
+TRAFFIC: dict[str, tuple[Callable[[CacheCounts], int], str]] = {  # counter (exposed with _total) -> (value, help)
+    "vlm_kv_copied_bytes": (
+        lambda c: c.kv_copied_bytes,
+        "Bytes of keys/values and image states moved because rows joined, left or were preempted.",
+    ),
+    "vlm_kv_written_bytes": (lambda c: c.kv_written_bytes, "Bytes of keys/values written for generated tokens."),
+    "vlm_attention_read_bytes": (
+        lambda c: c.attention_read_bytes,
+        "Bytes of keys/values and image states the decode steps' attention read.",
+    ),
+    "vlm_attention_live_bytes": (
+        lambda c: c.attention_live_bytes,
+        "The live part of what decode attention read: each row's real tokens and the tiles it sees.",
+    ),
+}
 
 
 class _CacheCollector:
-    """``vlm_cache_requests_total{cache,result}`` and ``vlm_vision_encodes_total``, from counts kept elsewhere
-    (the response cache in this process, the image-state cache in the engine's)."""
+    """``vlm_cache_requests_total{cache,result}``, ``vlm_vision_encodes_total`` and the key/value traffic
+    counters (:data:`TRAFFIC`), from counts kept elsewhere (the response cache in this process, the
+    image-state cache and the page pool in the engine's)."""
 
     def __init__(self, read: Callable[[], CacheCounts]) -> None:
         self.read = read
@@ -66,6 +89,8 @@ class _CacheCollector:
         yield CounterMetricFamily(
             "vlm_vision_encodes", "Images run through the vision tower.", value=counts.vision_encodes
         )
+        for name, (value, text) in TRAFFIC.items():
+            yield CounterMetricFamily(name, text, value=value(counts))
 
 
 class Metrics:
