@@ -9,6 +9,7 @@ from vlm_demo.engine.decode_step import TextDecodeStep
 from vlm_demo.engine.request import Request
 from vlm_demo.engine.rows import Row, RunningRows
 from vlm_demo.engine.sampler import RowSampling
+from vlm_demo.engine.streamer import RowStreamer
 from vlm_demo.models.tiny import solid_image
 from vlm_demo.schema import SamplingParams
 
@@ -126,14 +127,25 @@ def test_image_states_take_only_the_tiles_a_picture_shows(worker) -> None:
 
 
 def test_a_cache_kept_aside_is_shared_not_copied(worker) -> None:
-    """A snapshot shares a row's pages; forks share its full pages and copy only the partly filled last one."""
+    """A snapshot shares a row's pages up to its last token (the snapshot's next input); forks share its full
+    pages and copy only the partly filled last one."""
     rows, step = paged(worker)
-    join(worker, rows, requests(worker, JOBS[:1]))
+    (request,) = requests(worker, JOBS[:1])
+    prefill = worker.prefill([request])
+    sampling = RowSampling([request.params], prefill.logits.device)
+    first = sampling.sample(prefill.logits)
+    row = Row(request, RowStreamer(worker.tokenizer, request, worker.eos_ids))
+    row.streamer.feed(int(first))
+    rows.join([row], rows.place(prefill, [0]), first, sampling)
     pool = rows.pool
     for _ in range(5):
         with torch.inference_mode():
-            rows.advance(worker.decode(step, rows.step_inputs()).argmax(-1))
+            tokens = worker.decode(step, rows.step_inputs()).argmax(-1)
+        rows.advance(tokens)
+        row.streamer.accept(int(tokens))
     snapshot = rows.snapshot(0)
+    assert snapshot.length == request.prompt_tokens + len(row.streamer.ids) - 1  # the last token is its next input
+    assert int(snapshot.next_token) == row.streamer.ids[-1]
     place = rows.rows[0].place
     assert all(pool.owners(p) == 2 for p in place.pages + place.image_pages)
     rows.keep([])  # the row leaves; the snapshot keeps its pages
