@@ -51,6 +51,7 @@ class Layout:
     tile_rows: torch.Tensor  # [tiles] long
     max_text: int  # the table's columns × page tokens (a static bound for the fast kernel)
     max_image: int
+    query_starts: torch.Tensor | None = None  # [rows + 1] int32: 0, 1, 2 … (one query per row, the fast kernel's)
 
 
 def split_softmax(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, rows: torch.Tensor,
@@ -61,7 +62,7 @@ def split_softmax(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     ``valid`` masks tokens that are not the row's (``None``: all are). Each block's scores are
     normalised by the row's maximum, then summed per row: the exact softmax, computed block-wise."""
     q = query.index_select(0, rows)  # [blocks, kv heads, group, dim]
-    scores = torch.einsum("bhgd,bthd->bhgt", q, keys) * scale
+    scores = torch.matmul(q, keys.permute(0, 2, 3, 1)) * scale  # [blocks, kv heads, group, tokens]
     if valid is not None:
         scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
     block_max = scores.amax(dim=-1)  # [blocks, kv heads, group]
@@ -69,7 +70,7 @@ def split_softmax(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     row_max = row_max.scatter_reduce(0, rows[:, None, None].expand_as(block_max), block_max, "amax")
     weights = torch.exp(scores - row_max.index_select(0, rows)[..., None])
     total = torch.zeros_like(row_max).index_add_(0, rows, weights.sum(dim=-1))
-    mixed = torch.einsum("bhgt,bthd->bhgd", weights, values)
+    mixed = torch.matmul(weights, values.transpose(1, 2))  # [blocks, kv heads, group, dim]
     out = torch.zeros((count, *mixed.shape[1:]), dtype=mixed.dtype, device=mixed.device).index_add_(0, rows, mixed)
     return out / total[..., None]
 
@@ -102,7 +103,8 @@ class PagedAttention:
         """``[rows, heads, dim]`` queries over each row's text tokens -> ``[rows, heads × dim]``."""
         keys, values = self.pool.keys[layer], self.pool.values[layer]
         if self.kernel == "flash":
-            return self._flash(query, keys, values, layout.text_table, layout.text_lengths, layout.max_text)
+            return self._flash(query, keys, values, layout.text_table, layout.text_lengths, layout.max_text,
+                               layout.query_starts)  # fmt: skip
         gathered_k, gathered_v = keys.index_select(0, layout.text_pages), values.index_select(0, layout.text_pages)
         return self._reference(query, gathered_k, gathered_v, layout.text_rows, layout.text_valid, layout.rows)
 
@@ -110,7 +112,8 @@ class PagedAttention:
         """``[rows, heads, dim]`` queries over each row's image-state tokens -> ``[rows, heads × dim]``."""
         keys, values = self.pool.keys[layer], self.pool.values[layer]
         if self.kernel == "flash":
-            return self._flash(query, keys, values, layout.image_table, layout.image_lengths, layout.max_image)
+            return self._flash(query, keys, values, layout.image_table, layout.image_lengths, layout.max_image,
+                               layout.query_starts)  # fmt: skip
         where = (layout.tile_pages, layout.tile_offsets)
         return self._reference(query, keys[where], values[where], layout.tile_rows, None, layout.rows)
 
@@ -121,12 +124,13 @@ class PagedAttention:
         return out.reshape(count, self.heads * self.shape.head_dim).to(query.dtype)
 
     def _flash(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, table: torch.Tensor,
-               lengths: torch.Tensor, bound: int) -> torch.Tensor:  # fmt: skip
+               lengths: torch.Tensor, bound: int, starts: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
         count = query.shape[0]
-        cu_q = torch.arange(count + 1, dtype=torch.int32, device=query.device)
-        cu_k = cu_q * bound
+        starts = torch.arange(count + 1, dtype=torch.int32, device=query.device) if starts is None else starts
+        # With a block table the kernel finds each row's keys through it and counts them by ``lengths``; the key
+        # offsets it also takes are not read then, so the query offsets stand in for them.
         out = torch.ops.aten._flash_attention_forward(
-            query, keys, values, cu_q, cu_k, 1, bound, 0.0, False, False,
+            query, keys, values, starts, starts, 1, bound, 0.0, False, False,
             scale=self.scale, seqused_k=lengths, block_table=table,
         )[0]  # fmt: skip
         return out.reshape(count, self.heads * self.shape.head_dim)

@@ -2,10 +2,18 @@
 
 The stock forward keeps its cache in per-layer tensors of shape ``[rows, heads, length, dim]``: rows
 joining or leaving copy every row, and a padded batch reads every row at the longest length. This step
-runs the same operations on the same modules' weights, but each self-attention layer writes the rows'
-new keys/values into their pages and attends over each row's own tokens, and each cross-attention layer
-attends over the tiles each row sees (:mod:`~vlm_demo.engine.attention`). Its inputs are
-:class:`~vlm_demo.engine.rows.StepInputs`: tensors only, nothing that is a Python number per step.
+runs the same arithmetic on the same weights, but each self-attention layer writes the rows' new
+keys/values into their pages and attends over each row's own tokens, and each cross-attention layer
+attends over the tiles each row sees (:mod:`~vlm_demo.engine.attention`).
+
+It also launches about half the operations of the stock forward, which matters where each one is a GPU
+kernel launched from Python: RMSNorm is ``torch.nn.functional.rms_norm`` (one fused kernel on CUDA); the
+rotary embedding is computed once per step for all layers, as one rotation per row that each layer
+applies to its queries and keys together in one matrix product; queries, keys and values come from one
+merged projection, the MLP's gate and up projections from another (the modules' weights become views of
+the merged ones: no extra memory, and the stock forward that prefills uses the same numbers); the
+residual additions ride on the output projections (``addmm``). Token-identical to the stock forward in
+fp32 (the tests check it); its inputs are :class:`~vlm_demo.engine.rows.StepInputs`, tensors only.
 
 A model spread over several devices (``device_map``) runs here too: the hidden states move to each
 layer's device, as accelerate's hooks would move them, and each device holds its layers' pages.
@@ -13,10 +21,11 @@ layer's device, as accelerate's hooks would move them, and each device holds its
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers.models.mllama.modeling_mllama import apply_rotary_pos_emb
+import torch.nn.functional as F
 
 from vlm_demo.engine.attention import Layout, PagedAttention
 from vlm_demo.engine.pages import PagePool, PageShape, page_tokens_for
@@ -39,6 +48,37 @@ def page_shape(model: Any, dtype: torch.dtype) -> PageShape:
     return PageShape.of(model.config, dtype, page_tokens_for(next(iter(layer_devices(model).values()))))
 
 
+def merge(linears: list[torch.nn.Linear]) -> torch.Tensor | None:
+    """One weight for several projections of the same input: the modules' weights become views of it (the
+    memory stays the same, and every other user of the modules sees the same values). ``None`` where the
+    weights are not plain tensors of one dtype and device (quantized layers keep their own)."""
+    weights = [linear.weight for linear in linears]
+    if any(linear.bias is not None for linear in linears) or any(type(w.data) is not torch.Tensor for w in weights):
+        return None
+    if len({(w.dtype, w.device) for w in weights}) != 1:
+        return None
+    merged = torch.cat([w.detach() for w in weights])
+    start = 0
+    for linear, weight in zip(linears, weights, strict=True):
+        rows = weight.shape[0]
+        linear.weight = torch.nn.Parameter(merged[start : start + rows], requires_grad=False)
+        start += rows
+    return merged
+
+
+@dataclass
+class Layer:
+    """One decoder layer as the step runs it: its modules, merged weights and constants."""
+
+    index: int
+    module: Any
+    cross: bool
+    device: torch.device
+    qkv: torch.Tensor | None  # [q; k; v] rows (self-attention layers), or None: the three projections
+    gate_up: torch.Tensor | None  # [gate; up] rows, or None: the two projections
+    gates: tuple[float, float] = (1.0, 1.0)  # tanh of a cross-attention layer's attention and MLP gates
+
+
 class TextDecodeStep:
     @classmethod
     def over_pool(cls, model: Any, dtype: torch.dtype, pages: int, kernel: str = "auto") -> TextDecodeStep:
@@ -54,61 +94,99 @@ class TextDecodeStep:
         self.attention = attention
         self.pool = attention.pool
         config = self.text.config
-        self.cross_layers = frozenset(config.cross_attention_layers)
-        self.devices = layer_devices(model)
-        with torch.no_grad():  # the tanh gates are constants at inference: computed once, same values
-            self.gates = {
-                index: (layer.cross_attn_attn_gate.tanh(), layer.cross_attn_mlp_gate.tanh())
-                for index, layer in enumerate(self.text.layers)
-                if index in self.cross_layers
-            }
+        self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = attention.shape.head_dim
+        self.eps = config.rms_norm_eps
+        devices = layer_devices(model)
+        cross = frozenset(config.cross_attention_layers)
+        self.layers = []
+        with torch.no_grad():
+            for index, module in enumerate(self.text.layers):
+                if index in cross:
+                    gates = (_number(module.cross_attn_attn_gate.tanh()), _number(module.cross_attn_mlp_gate.tanh()))
+                    qkv = None
+                else:
+                    attn = module.self_attn
+                    gates = (1.0, 1.0)
+                    qkv = merge([attn.q_proj, attn.k_proj, attn.v_proj])
+                mlp = merge([module.mlp.gate_proj, module.mlp.up_proj])
+                self.layers.append(Layer(index, module, index in cross, devices[index], qkv, mlp, gates))
+        half = self.head_dim // 2
+        self._partner = torch.arange(self.head_dim).roll(half)  # where rotate_half takes each element from
+        self._sign = torch.cat([-torch.ones(half), torch.ones(self.head_dim - half)])
 
     def __call__(self, inputs: StepInputs) -> torch.Tensor:
         """``[rows, vocab]`` float32 logits for every row's next input; writes the inputs' keys/values.
 
         Run it under ``torch.inference_mode`` (``Worker.decode`` does), as any forward pass."""
-        hidden = self.text.embed_tokens(inputs.input_ids[:, None])  # [rows, 1, hidden]
-        cos, sin = self.text.rotary_emb(hidden, inputs.positions[:, None])
-        here = {hidden.device: (inputs, cos, sin)}
-        for index, layer in enumerate(self.text.layers):
-            device = self.devices[index]
-            if device not in here:  # a spread model: everything this layer reads, on its device
-                moved = _moved(inputs, device)
-                here[device] = (moved, cos.to(device), sin.to(device))
-            step, c, s = here[device]
-            hidden = hidden.to(device)
-            if index in self.cross_layers:
-                hidden = self._cross_layer(index, layer, hidden, step)
-            else:
-                hidden = self._self_layer(index, layer, hidden, c, s, step)
-        hidden = self.text.norm(hidden.to(self.text.norm.weight.device))
-        return self.lm_head(hidden[:, -1].to(self.lm_head.weight.device)).float()
+        hidden = self.text.embed_tokens(inputs.input_ids)  # [rows, hidden]
+        rotation = self._rotation(hidden, inputs.positions)
+        here = {hidden.device: (inputs, rotation)}
+        for layer in self.layers:
+            if layer.device not in here:  # a spread model: everything this layer reads, on its device
+                here[layer.device] = (_moved(inputs, layer.device), rotation.to(layer.device))
+            step, rotate = here[layer.device]
+            hidden = hidden.to(layer.device)
+            hidden = self._cross(layer, hidden, step) if layer.cross else self._self(layer, hidden, rotate, step)
+        hidden = self._norm(self.text.norm, hidden.to(self.text.norm.weight.device))
+        return self.lm_head(hidden.to(self.lm_head.weight.device)).float()
 
-    def _self_layer(
-        self, index: int, layer: Any, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: StepInputs
-    ) -> torch.Tensor:
-        attn = layer.self_attn
-        rows = hidden.shape[0]
-        x = layer.input_layernorm(hidden)
-        query = attn.q_proj(x).view(rows, 1, attn.num_heads, attn.head_dim).transpose(1, 2)
-        key = attn.k_proj(x).view(rows, 1, attn.num_key_value_heads, attn.head_dim).transpose(1, 2)
-        value = attn.v_proj(x).view(rows, 1, attn.num_key_value_heads, attn.head_dim)
-        query, key = apply_rotary_pos_emb(query, key, cos, sin)
-        self.pool.write(index, (step.write_pages, step.write_offsets), key[:, :, 0], value[:, 0])
-        out = self.attention.self_attention(index, query[:, :, 0], step.layout)
-        hidden = hidden + attn.o_proj(out[:, None])
-        return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+    def _rotation(self, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Every row's rotary embedding as a ``[rows, dim, dim]`` matrix (``x @ R = x·cos + rotate_half(x)·sin``):
+        computed once per step, applied by each layer in one matrix product."""
+        cos, sin = self.text.rotary_emb(hidden[:, None], positions[:, None])  # [rows, 1, dim]
+        cos, sin = cos[:, 0], sin[:, 0]
+        rotation = torch.diag_embed(cos)
+        columns = torch.arange(self.head_dim, device=hidden.device)
+        rotation[:, self._partner.to(hidden.device), columns] = sin * self._sign.to(sin)
+        return rotation
 
-    def _cross_layer(self, index: int, layer: Any, hidden: torch.Tensor, step: StepInputs) -> torch.Tensor:
-        attn = layer.cross_attn
+    def _norm(self, module: Any, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), module.weight, module.variance_epsilon)
+
+    def _self(self, layer: Layer, hidden: torch.Tensor, rotation: torch.Tensor, step: StepInputs) -> torch.Tensor:
+        module, attn = layer.module, layer.module.self_attn
+        rows, dim = hidden.shape[0], self.head_dim
+        x = self._norm(module.input_layernorm, hidden)
+        if layer.qkv is not None:
+            qkv = F.linear(x, layer.qkv)
+        else:
+            qkv = torch.cat([attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)], dim=-1)
+        heads = self.heads + self.kv_heads
+        qk = torch.matmul(qkv[:, : heads * dim].view(rows, heads, dim), rotation)  # rotary, queries and keys at once
+        value = qkv[:, heads * dim :].view(rows, self.kv_heads, dim)
+        self.pool.write(layer.index, (step.write_pages, step.write_offsets), qk[:, self.heads :], value)
+        out = self.attention.self_attention(layer.index, qk[:, : self.heads], step.layout)
+        hidden = torch.addmm(hidden, out, attn.o_proj.weight.t())
+        return self._mlp(layer, hidden)
+
+    def _cross(self, layer: Layer, hidden: torch.Tensor, step: StepInputs) -> torch.Tensor:
+        module, attn = layer.module, layer.module.cross_attn
         rows = hidden.shape[0]
-        attn_gate, mlp_gate = self.gates[index]
-        query = attn.q_proj(layer.input_layernorm(hidden)).view(rows, 1, attn.num_heads, attn.head_dim).transpose(1, 2)
-        query = attn.q_norm(query)
-        out = self.attention.cross_attention(index, query[:, :, 0], step.layout)
-        hidden = hidden + attn_gate * attn.o_proj(out[:, None])
-        mlp = step.row_mask[:, None, None] * layer.mlp(layer.post_attention_layernorm(hidden))
-        return hidden + mlp_gate * mlp
+        x = self._norm(module.input_layernorm, hidden)
+        query = self._norm(attn.q_norm, attn.q_proj(x).view(rows, self.heads, self.head_dim))
+        out = self.attention.cross_attention(layer.index, query, step.layout)
+        hidden = torch.addmm(hidden, out, attn.o_proj.weight.t(), alpha=layer.gates[0])
+        return self._mlp(layer, hidden, step.row_mask)
+
+    def _mlp(self, layer: Layer, hidden: torch.Tensor, row_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """The layer's MLP added to ``hidden`` (a cross-attention layer's scaled by its gate, and zero for a row
+        that sees no tile)."""
+        module, mlp = layer.module, layer.module.mlp
+        x = self._norm(module.post_attention_layernorm, hidden)
+        if layer.gate_up is not None:
+            gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
+        else:
+            gate, up = mlp.gate_proj(x), mlp.up_proj(x)
+        inner = F.silu(gate) * up
+        if row_mask is None:
+            return torch.addmm(hidden, inner, mlp.down_proj.weight.t())
+        return torch.addcmul(hidden, mlp.down_proj(inner), row_mask[:, None], value=layer.gates[1])
+
+
+def _number(value: torch.Tensor) -> float:
+    """A constant of the model as a Python number (the kernel-count tool's shapes-only model has no values)."""
+    return 1.0 if value.device.type == "meta" else float(value)
 
 
 def _moved(inputs: StepInputs, device: torch.device) -> StepInputs:

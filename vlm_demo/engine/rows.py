@@ -383,8 +383,10 @@ class RunningRows:
         blocks, owners = table[columns], np.nonzero(columns)[0]
         valid = np.minimum(page, seen[owners] - page * np.nonzero(columns)[1])
         images = self._image_layout(places)
-        ints = self.staging.send([lengths, write_pages, lengths % page, table, seen, blocks, owners, valid])
-        positions, w_pages, w_offsets, text_table, text_lengths, text_pages, text_rows, valid_counts = ints
+        starts = np.arange(n + 1, dtype=np.int64)
+        ints = self.staging.send([lengths, write_pages, lengths % page, table, seen, blocks, owners, valid, starts])
+        positions, w_pages, w_offsets, text_table, text_lengths, text_pages, text_rows, valid_counts, starts = ints
+        starts = starts.int()
         text_valid = torch.arange(page, device=self.device)[None, :] < valid_counts[:, None]
         read_text, read_image = self.attention.read_tokens(seen.tolist(), [p.tiles * s.patches for p in places])
         live_text = int(seen.sum())
@@ -395,7 +397,7 @@ class RunningRows:
         image_table, image_lengths, tile_pages, tile_offsets, tile_rows, row_mask = images
         layout = Layout(
             n, text_table.int(), text_lengths.int(), image_table, image_lengths, text_pages, text_rows, text_valid,
-            tile_pages, tile_offsets, tile_rows, width * page, image_table.shape[1] * s.image_page_tokens,
+            tile_pages, tile_offsets, tile_rows, width * page, image_table.shape[1] * s.image_page_tokens, starts,
         )  # fmt: skip
         assert self.next_tokens is not None
         return StepInputs(self.next_tokens, positions, w_pages, w_offsets, row_mask, layout)
