@@ -23,6 +23,7 @@ import argparse
 import asyncio
 import logging
 import os
+import signal
 import sys
 import sysconfig
 import threading
@@ -31,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from vlm_demo import REPO_ROOT
+from vlm_demo import REPO_ROOT, logs
 from vlm_demo.config import Config, build_parser, config_from_namespace
 from vlm_demo.errors import DemoError
 from vlm_demo.schema import DEFAULT_MAX_NEW_TOKENS, Limits
@@ -43,6 +44,11 @@ if TYPE_CHECKING:
     from vlm_demo.engine.base import Engine
 
 log = logging.getLogger(__name__)
+
+MISSING_PYTRITON = (
+    "python -m vlm_demo.triton.serve needs PyTriton, which this Python does not have: install "
+    "requirements-triton.txt, in a virtual environment of its own (PyTriton 0.7 needs numpy below 2; see docs/triton.md)"
+)
 
 # ---- PyTriton wiring ----------------------------------------------------------------------------------
 
@@ -168,13 +174,23 @@ def name_the_model(triton: Any, model: str) -> None:
 
 
 def triton_config_for(
-    config: Config, http_port: int, grpc_port: int, metrics_port: int, host: str, repository: str | None = None
+    config: Config,
+    http_port: int,
+    grpc_port: int,
+    metrics_port: int,
+    host: str,
+    repository: str | None = None,
+    gpu: bool = True,
 ) -> Any:
-    """PyTriton's server settings: our ports on ``host``, the response cache, a model repository if given."""
+    """PyTriton's server settings: our ports on ``host``, the response cache, a model repository if given.
+
+    Without a GPU, no GPU metrics: tritonserver would otherwise try NVML and DCGM at start-up and print an
+    ``Error: Failed to initialize NVML`` line and a DCGM warning that mean only "no GPU here"."""
     from pytriton.triton import TritonConfig
 
     return TritonConfig(
         model_repository=repository,
+        allow_gpu_metrics=gpu,
         http_address=host,
         grpc_address=host,
         http_port=http_port,
@@ -190,6 +206,19 @@ def cache_config(config: Config) -> list[str] | None:
     if config.response_cache_mb <= 0:
         return None
     return [f"local,size={int(config.response_cache_mb * 1024**2)}"]
+
+
+def explain_expected_errors(gpu: bool, in_process: bool) -> None:
+    """Say before tritonserver starts which of its ``E`` lines are expected here, so nobody hunts them down:
+    without a GPU it reports that it could not initialise CUDA, and with models bound in-process PyTriton
+    loads each one with a config of its own, which tritonserver 2.51 cannot date (once per model)."""
+    expected = []
+    if not gpu:
+        expected.append('"CudaDriverHelper has not been initialized" (no GPU here)')
+    if in_process:
+        expected.append('"Failed to set config modification time" once per model (PyTriton passes configs inline)')
+    if expected:
+        log.info("tritonserver will log %s: expected, and harmless", " and ".join(expected))
 
 
 def libdir_on_path() -> bool:
@@ -223,8 +252,11 @@ def serve(config: Config, http_port: int, grpc_port: int, metrics_port: int, hos
     from vlm_demo.engine import make_engine
 
     engine = make_engine(config)
+    gpu = str(engine.worker.device).startswith("cuda")
+    explain_expected_errors(gpu, in_process=True)
     triton = Triton(
-        config=triton_config_for(config, http_port, grpc_port, metrics_port, host), security_config=_security()
+        config=triton_config_for(config, http_port, grpc_port, metrics_port, host, gpu=gpu),
+        security_config=_security(),
     )
     try:
         bind_models(triton, engine, config)  # before the server starts: the models load with their parameters
@@ -291,9 +323,10 @@ def serve_repository(
     cpu = not torch.cuda.is_available()
     if cpu:
         log.warning("no GPU: running the repository's KIND_GPU instances on the CPU")
+    explain_expected_errors(not cpu, in_process=False)
     with tempfile.TemporaryDirectory() as scratch:
         repository = local_copy_of_repository(repository, scratch, config.model if config.model_explicit else None, cpu)
-        triton_config = triton_config_for(config, http_port, grpc_port, metrics_port, host, repository)
+        triton_config = triton_config_for(config, http_port, grpc_port, metrics_port, host, repository, gpu=not cpu)
         with Triton(config=triton_config, security_config=_security()) as triton:
             log.info("Triton serving %s on http://%s:%d and grpc://%s:%d", repository, host, http_port, host, grpc_port)
             triton.serve()
@@ -332,9 +365,27 @@ def build_arg_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def stop_on_sigterm() -> None:
+    """SIGTERM (a service manager, ``docker stop``, a test) and SIGINT stop the server the way Ctrl+C does:
+    PyTriton's ``serve`` catches the ``KeyboardInterrupt``, stops tritonserver and removes its workspace
+    (``~/.cache/pytriton/workspace_*``). Without this, SIGTERM ends Python on the spot and leaves it all behind,
+    and a server started in the background has SIGINT ignored."""
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)
+    signal.signal(signal.SIGINT, interrupt)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     args = build_arg_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        import pytriton  # noqa: F401 - only to say in one line that it is missing
+    except ImportError:
+        raise SystemExit(MISSING_PYTRITON) from None
+    logs.setup()
+    stop_on_sigterm()
     put_libdir_on_path()
     config = config_from_namespace(args)
     ports = (args.http_port, args.grpc_port, args.metrics_port, args.host)
