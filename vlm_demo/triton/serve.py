@@ -27,6 +27,7 @@ import signal
 import sys
 import sysconfig
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -45,6 +46,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+EXIT_TIMEOUT_S = 5  # tritonserver's wait for clients to hang up once the models are unloaded (its default: 30)
 MISSING_PYTRITON = (
     "python -m vlm_demo.triton.serve needs PyTriton, which this Python does not have: install "
     "requirements-triton.txt, in a virtual environment of its own (PyTriton 0.7 needs numpy below 2; see docs/triton.md)"
@@ -191,6 +193,7 @@ def triton_config_for(
     return TritonConfig(
         model_repository=repository,
         allow_gpu_metrics=gpu,
+        exit_timeout_secs=EXIT_TIMEOUT_S,
         http_address=host,
         grpc_address=host,
         http_port=http_port,
@@ -254,9 +257,9 @@ def serve(config: Config, http_port: int, grpc_port: int, metrics_port: int, hos
     engine = make_engine(config)
     gpu = str(engine.worker.device).startswith("cuda")
     explain_expected_errors(gpu, in_process=True)
+    security = _security()
     triton = Triton(
-        config=triton_config_for(config, http_port, grpc_port, metrics_port, host, gpu=gpu),
-        security_config=_security(),
+        config=triton_config_for(config, http_port, grpc_port, metrics_port, host, gpu=gpu), security_config=security
     )
     try:
         bind_models(triton, engine, config)  # before the server starts: the models load with their parameters
@@ -269,7 +272,7 @@ def serve(config: Config, http_port: int, grpc_port: int, metrics_port: int, hos
             host,
             grpc_port,
         )
-        triton.serve()  # starts tritonserver, loads the bound models, blocks until SIGTERM/SIGINT
+        run_until_stopped(triton, f"{host}:{http_port}", [ENSEMBLE_MODEL, GENERATE_MODEL], security.access_token)
     finally:
         triton.stop()
         engine.shutdown()
@@ -327,9 +330,11 @@ def serve_repository(
     with tempfile.TemporaryDirectory() as scratch:
         repository = local_copy_of_repository(repository, scratch, config.model if config.model_explicit else None, cpu)
         triton_config = triton_config_for(config, http_port, grpc_port, metrics_port, host, repository, gpu=not cpu)
-        with Triton(config=triton_config, security_config=_security()) as triton:
+        security = _security()
+        with Triton(config=triton_config, security_config=security) as triton:
             log.info("Triton serving %s on http://%s:%d and grpc://%s:%d", repository, host, http_port, host, grpc_port)
-            triton.serve()
+            models = [name for name in os.listdir(repository) if os.path.isdir(os.path.join(repository, name))]
+            run_until_stopped(triton, f"{host}:{http_port}", models, security.access_token)
 
 
 def build_arg_parser() -> argparse.ArgumentParser:
@@ -365,17 +370,52 @@ def build_arg_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def stop_on_sigterm() -> None:
-    """SIGTERM (a service manager, ``docker stop``, a test) and SIGINT stop the server the way Ctrl+C does:
-    PyTriton's ``serve`` catches the ``KeyboardInterrupt``, stops tritonserver and removes its workspace
-    (``~/.cache/pytriton/workspace_*``). Without this, SIGTERM ends Python on the spot and leaves it all behind,
-    and a server started in the background has SIGINT ignored."""
+def run_until_stopped(triton: Any, address: str, models: Sequence[str], token: str | None) -> None:
+    """Start tritonserver and serve until SIGTERM or SIGINT (a service manager, ``docker stop``, Ctrl+C, a test)
+    or until it dies; then unload the models, so the caller's ``triton.stop()`` finds nothing running.
 
-    def interrupt(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt
+    In that order because tritonserver, told to stop, first waits for its clients to hang up (a web replica's
+    keep-alive connection never does) and then exits without unloading anything: its model processes died
+    mid-way and left shared memory for Python's resource tracker to reclaim ("leaked shared_memory objects").
+    Unloading first lets requests in flight finish and every model process end cleanly; PyTriton's stop then
+    removes its workspace (``~/.cache/pytriton/workspace_*``). SIGINT is handled too: a server started in the
+    background has it ignored otherwise."""
+    stopping = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stopping.set())
+    triton.run()
+    log.info("serving; SIGTERM or Ctrl+C stops it")
+    while not stopping.is_set():
+        time.sleep(1)  # a signal cuts the sleep short
+        if not triton.is_alive():
+            log.error("tritonserver or a model process stopped on its own; shutting down")
+            return
+    log.info("stopping: unloading the models (answers in flight finish first)")
+    unload_models(address, models, token)
+    log.info("stopping tritonserver (it gives open client connections up to %d s to close)", EXIT_TIMEOUT_S)
 
-    signal.signal(signal.SIGTERM, interrupt)
-    signal.signal(signal.SIGINT, interrupt)
+
+def unload_models(address: str, models: Sequence[str], token: str | None, timeout_s: float = 120) -> None:
+    """Unload ``models`` through Triton's model-control API and wait until it is done: Triton unloads in the
+    background, and with strict readiness it says the server is ready again once no model is unloading."""
+    import tritonclient.http as httpclient
+
+    headers = {"triton-access-token": token} if token else None
+    client = httpclient.InferenceServerClient(address)
+    deadline = time.monotonic() + timeout_s
+    try:
+        for name in models:
+            client.unload_model(name, headers=headers)
+        while time.monotonic() < deadline and (
+            any(client.is_model_ready(name) for name in models) or not client.is_server_ready()
+        ):
+            time.sleep(0.2)
+        if time.monotonic() >= deadline:
+            log.warning("the models were still unloading after %.0f s", timeout_s)
+    except Exception as err:  # noqa: BLE001 - tritonserver already gone: nothing left to unload
+        log.warning("could not unload the models before stopping: %s", err)
+    finally:
+        client.close()
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -385,7 +425,6 @@ def main(argv: Sequence[str] | None = None) -> None:
     except ImportError:
         raise SystemExit(MISSING_PYTRITON) from None
     logs.setup()
-    stop_on_sigterm()
     put_libdir_on_path()
     config = config_from_namespace(args)
     ports = (args.http_port, args.grpc_port, args.metrics_port, args.host)
