@@ -1,5 +1,5 @@
 """A real headless Chromium on the real page (tiny model), as a new user meets it: light and dark mode,
-desktop and phone widths, upload errors, Enter, Clear, Stop, and the README's API snippet.
+desktop and phone widths, upload errors, Enter, Clear, Stop. (The docs' API examples: test_docs_commands.py.)
 
 Uses Debian's ``/usr/bin/chromium`` through Playwright (never ``playwright install``). One server and
 one browser for the module. Screenshots go to a temporary folder; ``VLM_SCREENSHOT_DIR=docs`` writes
@@ -627,19 +627,6 @@ def test_the_loading_page_turns_into_the_demo_when_its_triton_is_ready(browser, 
         if triton is not None:
             stop_triton(triton, triton_ports[0])
     assert "Traceback" not in log.split("Shutting down")[0], log[-3000:]
-
-
-def test_the_readme_python_snippet_runs_as_written(server: str, monkeypatch) -> None:
-    readme = (ROOT / "README.md").read_text()
-    section = readme.split("## Using the API", 1)[1]
-    snippet = re.search(r"```python\n(.*?)```", section, re.S).group(1)
-    for path in re.findall(r'handle_file\("([^"]+)"\)', snippet):
-        assert (ROOT / path).is_file(), f"the README's snippet uses {path}, which is not in the repository"
-    assert "http://127.0.0.1:7860" in snippet
-    monkeypatch.chdir(ROOT)
-    namespace: dict[str, Any] = {}
-    exec(compile(snippet.replace("http://127.0.0.1:7860", server), "README.md", "exec"), namespace)  # noqa: S102
-    assert namespace["conclusion"] and namespace["status"].startswith("Done"), namespace["status"]
 
 
 def test_the_browser_tests_left_tracked_files_alone(tracked_before) -> None:
