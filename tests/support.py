@@ -141,19 +141,31 @@ TRITON_PYTHON = "VLM_TRITON_PYTHON"
 def triton_python() -> str:
     """The Python that runs our Triton server: ``$VLM_TRITON_PYTHON`` (CI's environment with PyTriton, which
     keeps numpy below 2, while these tests run under the runtime's numpy 2), else this Python when it has
-    PyTriton; without either the test is skipped, saying how to get one (``docs/development.md``)."""
+    PyTriton and the numpy PyTriton requires; else the test is skipped, saying how to get one
+    (``docs/development.md``)."""
     chosen = os.environ.get(TRITON_PYTHON)
     if chosen:
         chosen = str(ROOT / chosen)  # a relative path is the repository's (an absolute one stays as it is)
         if not os.access(chosen, os.X_OK):
             pytest.fail(f"{TRITON_PYTHON}={chosen} is not a Python that can run")
         return chosen
-    if importlib.util.find_spec("pytriton") is not None:
+    if importlib.util.find_spec("pytriton") is not None and pytriton_requirements_met():
         return sys.executable
     pytest.skip(
         f"needs PyTriton: make its environment (python -m venv --system-site-packages .venv-triton && "
         f".venv-triton/bin/pip install -r requirements-triton.txt) and set {TRITON_PYTHON}=.venv-triton/bin/python"
     )
+
+
+def pytriton_requirements_met() -> bool:
+    """Whether this Python's numpy is one its PyTriton accepts (0.7: below 2; pip installs it next to numpy 2
+    with only a warning)."""
+    from importlib.metadata import requires, version
+
+    from packaging.requirements import Requirement
+
+    wanted = [Requirement(r) for r in requires("nvidia-pytriton") or [] if r.startswith("numpy")]
+    return all(r.specifier.contains(version("numpy"), prereleases=True) for r in wanted)
 
 
 def start_triton(
