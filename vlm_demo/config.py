@@ -22,7 +22,7 @@ TINY = "tiny"
 
 @dataclass
 class Config:
-    """Everything a user can set. ``help`` metadata doubles as the README's options table."""
+    """Everything a user can set. ``help`` and ``group`` metadata make ``--help`` and docs/configuration.md's tables."""
 
     model: str = field(
         default=DEFAULT_MODEL,

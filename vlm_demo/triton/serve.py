@@ -13,7 +13,7 @@ repository's ``model.py`` files in ``vlm_demo/triton/repo``); the names and type
 :mod:`vlm_demo.triton.contract`'s. This module binds them to PyTriton.
 
 Run ``python -m vlm_demo.triton.serve --model tiny``. The bundled ``tritonserver`` needs
-``LD_LIBRARY_PATH`` to include this Python's ``LIBDIR`` (see the README); without it the Python backend
+``LD_LIBRARY_PATH`` to include this Python's ``LIBDIR`` (see docs/triton.md); without it the Python backend
 stub loads the system libpython and fails at start-up.
 """
 
