@@ -532,8 +532,8 @@ def test_two_web_replicas_share_one_served_engine_and_one_stopping_spares_the_ot
 @pytest.mark.slow
 def test_stopped_server_gives_a_clear_error_quickly_and_leaves_nothing_behind(server):
     """Runs last: a backend connected while the server was up gets 'unreachable' once it is stopped; and the
-    stop (SIGTERM) was an orderly one: PyTriton's workspace removed, no leaked shared memory, no traceback,
-    tritonserver's expected CPU-only error lines announced beforehand."""
+    stop (SIGTERM) was an orderly one: PyTriton's workspace removed, no leaked shared memory, no traceback on
+    the way out, tritonserver's expected CPU-only error lines announced beforehand."""
     backends = [backend_for(server, "http", ENSEMBLE_MODEL), backend_for(server, "grpc", GENERATE_MODEL)]
     workspace = re.search(r"(/\S*/pytriton/workspace_\w+)/", server["log"].read_text()).group(1)
     assert os.path.isdir(workspace)
@@ -541,7 +541,10 @@ def test_stopped_server_gives_a_clear_error_quickly_and_leaves_nothing_behind(se
     log = server["log"].read_text()
     assert server["proc"].returncode == 0, log[-3000:]
     assert not os.path.exists(workspace), f"PyTriton's workspace {workspace} was left behind"
-    assert "leaked" not in log and "Traceback" not in log and "Failed to initialize NVML" not in log, log[-3000:]
+    stopping = log.split("stopping: unloading the models", 1)
+    assert len(stopping) == 2, f"SIGTERM did not start the orderly stop:\n{log[-3000:]}"
+    assert "leaked" not in stopping[1] and "Traceback" not in stopping[1], stopping[1][-3000:]
+    assert "Failed to initialize NVML" not in log, log[-3000:]
     expected = log.split('tritonserver will log "CudaDriverHelper has not been initialized"', 1)
     assert len(expected) == 2 and "E1" not in expected[0], "an E line came before the note that explains them"
     errors = {re.sub(r"^E\S+ \S+ \d+ ", "", line) for line in log.splitlines() if re.match(r"E\d{4} ", line)}
