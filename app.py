@@ -7,7 +7,6 @@ Gradio and torch are imported, so ``--help`` and a mistyped flag answer at once.
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
 
@@ -18,7 +17,9 @@ def main(argv: list[str] | None = None) -> None:
     from vlm_demo.config import load_config
 
     config = load_config(argv, description="LLaVA-CoT (Llama-3.2V-11B-cot) web demo")
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from vlm_demo import logs
+
+    logs.setup()
     from vlm_demo.models.choice import folder_problem
 
     problem = folder_problem(config.model)  # before the seconds of importing gradio and torch

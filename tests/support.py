@@ -3,6 +3,7 @@ test limits, free loopback ports, and the servers the end-to-end tests start (``
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import signal
 import socket
@@ -134,16 +135,50 @@ def ended(url: str, outcome: str) -> float:
 # ---- our Triton server ---------------------------------------------------------------------------------
 
 
+TRITON_PYTHON = "VLM_TRITON_PYTHON"
+
+
+def triton_python() -> str:
+    """The Python that runs our Triton server: ``$VLM_TRITON_PYTHON`` (CI's environment with PyTriton, which
+    keeps numpy below 2, while these tests run under the runtime's numpy 2), else this Python when it has
+    PyTriton and the numpy PyTriton requires; else the test is skipped, saying how to get one
+    (``docs/development.md``)."""
+    chosen = os.environ.get(TRITON_PYTHON)
+    if chosen:
+        chosen = str(ROOT / chosen)  # a relative path is the repository's (an absolute one stays as it is)
+        if not os.access(chosen, os.X_OK):
+            pytest.fail(f"{TRITON_PYTHON}={chosen} is not a Python that can run")
+        return chosen
+    if importlib.util.find_spec("pytriton") is not None and pytriton_requirements_met():
+        return sys.executable
+    pytest.skip(
+        f"needs PyTriton: make its environment (python -m venv --system-site-packages .venv-triton && "
+        f".venv-triton/bin/pip install -r requirements-triton.txt) and set {TRITON_PYTHON}=.venv-triton/bin/python"
+    )
+
+
+def pytriton_requirements_met() -> bool:
+    """Whether this Python's numpy is one its PyTriton accepts (0.7: below 2; pip installs it next to numpy 2
+    with only a warning)."""
+    from importlib.metadata import requires, version
+
+    from packaging.requirements import Requirement
+
+    wanted = [Requirement(r) for r in requires("nvidia-pytriton") or [] if r.startswith("numpy")]
+    return all(r.specifier.contains(version("numpy"), prereleases=True) for r in wanted)
+
+
 def start_triton(
     args: list[str], models: list[str], log_path: Path, wait_s: float = 300, ports: list[int] | None = None
 ) -> tuple[subprocess.Popen, int, int]:
-    """``python -m vlm_demo.triton.serve ARGS`` on loopback ``ports`` (HTTP, gRPC, metrics; default free ones);
-    returns once every model is ready."""
+    """``python -m vlm_demo.triton.serve ARGS`` (run by :func:`triton_python`) on loopback ``ports`` (HTTP,
+    gRPC, metrics; default free ones); returns once every model is ready."""
+    python = triton_python()
     http, grpc, metrics = ports or free_ports(3)
     # No LD_LIBRARY_PATH: the command puts this Python's LIBDIR there itself (a user need not export it).
     env = {k: v for k, v in os.environ.items() if k != "LD_LIBRARY_PATH"} | {"PYTHONPATH": str(ROOT)}
     log = open(log_path, "w")  # noqa: SIM115 - closed with the process
-    cmd = [sys.executable, "-m", "vlm_demo.triton.serve", *args,
+    cmd = [python, "-m", "vlm_demo.triton.serve", *args,
            "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics)]  # fmt: skip
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + wait_s

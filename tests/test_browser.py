@@ -1,5 +1,6 @@
 """A real headless Chromium on the real page (tiny model), as a new user meets it: light and dark mode,
-desktop and phone widths, upload errors, Enter, Clear, Stop, the API page and its snippet, and the README's.
+desktop and phone widths, upload errors, Enter, Clear, Stop, the API page and its snippet. (The docs' API
+examples: test_docs_commands.py.)
 
 Uses Debian's ``/usr/bin/chromium`` through Playwright (never ``playwright install``). One server and
 one browser for the module. Screenshots go to a temporary folder; ``VLM_SCREENSHOT_DIR=docs`` writes
@@ -710,19 +711,6 @@ def test_the_api_page_opens_from_its_link_and_its_python_snippet_runs_offline(
     exec(compile(snippet, "the API page", "exec"), namespace)  # noqa: S102
     outputs = namespace["result"]
     assert outputs[3] and outputs[5].startswith("Done"), outputs
-
-
-def test_the_readme_python_snippet_runs_as_written(server: str, monkeypatch) -> None:
-    readme = (ROOT / "README.md").read_text()
-    section = readme.split("## Using the API", 1)[1]
-    snippet = re.search(r"```python\n(.*?)```", section, re.S).group(1)
-    for path in re.findall(r'handle_file\("([^"]+)"\)', snippet):
-        assert (ROOT / path).is_file(), f"the README's snippet uses {path}, which is not in the repository"
-    assert "http://127.0.0.1:7860" in snippet
-    monkeypatch.chdir(ROOT)
-    namespace: dict[str, Any] = {}
-    exec(compile(snippet.replace("http://127.0.0.1:7860", server), "README.md", "exec"), namespace)  # noqa: S102
-    assert namespace["conclusion"] and namespace["status"].startswith("Done"), namespace["status"]
 
 
 def test_the_browser_tests_left_tracked_files_alone(tracked_before) -> None:

@@ -8,8 +8,10 @@ messages, which talk to small fake servers on loopback ports.
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import http.server
+import io
 import os
 import re
 import socket
@@ -22,10 +24,11 @@ from contextlib import contextmanager
 
 import pytest
 import requests
+from PIL import Image
 from support import ROOT, free_port, start_app, stop_app, wait_ready
 
 from vlm_demo.backends.triton import Endpoint, check_ready
-from vlm_demo.config import Config, env_name
+from vlm_demo.config import GROUPS, Config, env_name
 from vlm_demo.errors import BackendTimeoutError, BackendUnavailableError
 
 HEAVY = ("gradio", "torch", "transformers")
@@ -36,6 +39,12 @@ IMPORT_WATCH = (
     "sys.argv = ['app.py', *sys.argv[1:]]\n"
     "runpy.run_path('app.py', run_name='__main__')\n"
 )
+
+
+def data_url(colour: str) -> str:
+    buffer = io.BytesIO()
+    Image.new("RGB", (32, 32), colour).save(buffer, "PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
 
 
 def run_app(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
@@ -70,6 +79,42 @@ def test_help_is_fast_lists_every_default_and_variable_and_imports_nothing_heavy
         assert f"; env {env_name(f.name)}]" in block and "[default: " in block, (flag, block)
     assert "[default: 7860; env VLM_PORT]" in out.stdout
     assert "--dtype {auto,bfloat16,float16,float32}" in out.stdout
+    sections = [line for line in out.stdout.splitlines() if re.fullmatch(r"\S.*:", line)]
+    assert sections == ["options:", *(f"{title}:" for title in GROUPS.values()), "examples:"], sections
+    assert "tiny on a machine without a CUDA GPU" in " ".join(out.stdout.split())
+
+
+def test_a_log_file_gets_no_progress_bars_request_lines_or_shutdown_traceback_with_mcp_on(tiny_dir: str) -> None:
+    """Standard output to a file, as a service has it: no tqdm bar or percentages while loading, no httpx line
+    per request when an MCP tool calls the page's API, and SIGTERM after that call ends without a traceback
+    (uvicorn cancels the event stream Gradio's own client leaves open) or an ERROR line."""
+    import asyncio
+
+    from mcp import ClientSession
+    from mcp.client.streamable_http import streamablehttp_client
+
+    port = free_port()
+    proc = start_app(port, "--mcp-server", model=None)  # no --model: the tiny one is loaded, as a newcomer's is
+    url = f"http://127.0.0.1:{port}"
+
+    async def call() -> str:
+        async with streamablehttp_client(url + "/gradio_api/mcp/") as (read, write, _):
+            async with ClientSession(read, write) as session:
+                await session.initialize()
+                arguments = {"image": data_url("red"), "question": "What colour is it?", "max_new_tokens": 200}
+                result = await session.call_tool("ask_batch", {**arguments, "temperature": 0, "top_p": 1})
+                return result.content[0].text
+
+    try:
+        wait_ready(proc, url)
+        answer = asyncio.run(call())
+        assert "The image is red." in answer and "Done" in answer, answer[-2000:]
+    finally:
+        log = stop_app(proc)
+    assert "Traceback" not in log and "ERROR" not in log, log[-4000:]
+    assert "it/s]" not in log and "Loading weights" not in log and " % · " not in log, log[-4000:]
+    assert "httpx" not in log and "HTTP Request:" not in log, log[-4000:]
+    assert "loading tiny onto cpu" in log and "Finished server process" in log, log[-4000:]
 
 
 @pytest.mark.parametrize(

@@ -239,6 +239,20 @@ def test_prepare_counts_the_wheels_and_the_working_tree_against_the_64_mib_that_
     assert 0 < device.tree_bytes() < device.TRAVEL_CAP  # git's tracked and untracked-not-ignored files
 
 
+def test_the_working_tree_that_travels_leaves_out_what_git_ignores(tmp_path) -> None:
+    """A virtual environment in the clone (the README makes ``.venv`` there) is ignored by git and so does not
+    travel; a file git would pick up does."""
+    quiet = {"cwd": tmp_path, "check": True, "stdout": subprocess.DEVNULL}
+    subprocess.run(["git", "init", "-q"], **quiet)
+    (tmp_path / ".gitignore").write_text("/.venv/\n")
+    (tmp_path / "tracked.py").write_bytes(b"x" * 1000)
+    subprocess.run(["git", "add", "-A"], **quiet)
+    (tmp_path / "new.py").write_bytes(b"y" * 500)  # untracked, not ignored: it travels
+    (tmp_path / ".venv" / "lib").mkdir(parents=True)
+    (tmp_path / ".venv" / "lib" / "big.so").write_bytes(b"\0" * 2**20)
+    assert device.tree_bytes(str(tmp_path)) == len("/.venv/\n") + 1000 + 500
+
+
 def _download(spec: str, folder: Path, python: str | None = None) -> list[str]:
     """Real wheels from the package registry (skips when the registry cannot be reached)."""
     try:

@@ -10,8 +10,11 @@ import base64
 import dataclasses
 import io
 import json
+import os
 import re
 import socket
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -19,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 import requests
-from support import door, free_ports, running_app, start_app, start_triton, stop_app, stop_triton, wait_ready
+from support import ROOT, door, free_ports, running_app, start_app, start_triton, stop_app, stop_triton, wait_ready
 
 from vlm_demo.backends.triton import (
     Endpoint,
@@ -59,6 +62,7 @@ from vlm_demo.triton.handlers import (
     decode_infer_request,
     infer_outputs,
 )
+from vlm_demo.triton.serve import MISSING_PYTRITON
 from vlm_demo.web.render import result_status
 
 GREEDY = SamplingParams(max_new_tokens=160, temperature=0.0)
@@ -75,7 +79,13 @@ def server(tiny_dir, tmp_path_factory):
     proc, http, grpc = start_triton(
         ["--model", "tiny", "--tiny-dir", tiny_dir, "--device", "cpu"], [ENSEMBLE_MODEL, GENERATE_MODEL], log_path
     )
-    yield {"proc": proc, "port": http, "http": f"http://127.0.0.1:{http}", "grpc": f"grpc://127.0.0.1:{grpc}"}
+    yield {
+        "proc": proc,
+        "port": http,
+        "http": f"http://127.0.0.1:{http}",
+        "grpc": f"grpc://127.0.0.1:{grpc}",
+        "log": log_path,
+    }
     stop_triton(proc, http)
 
 
@@ -111,6 +121,14 @@ def test_prompt_round_trips_through_the_models_own_chat_template(worker):
     follow_up = chat_prompt("Why?", history)
     assert follow_up == worker.prompt("Why?", history)  # a follow-up too, earlier answers included
     assert conversation_from_prompt(follow_up) == ("Why?", [list(turn) for turn in history])
+
+
+def test_without_pytriton_the_server_says_what_to_install_in_one_line():
+    hide = "import runpy, sys; sys.modules['pytriton'] = None; sys.argv[1:] = ['--model', 'tiny']; "
+    run = "runpy.run_module('vlm_demo.triton.serve', run_name='__main__', alter_sys=True)"
+    done = subprocess.run([sys.executable, "-c", hide + run], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and done.stderr == MISSING_PYTRITON + "\n", done.stderr[-2000:]
+    assert "requirements-triton.txt" in MISSING_PYTRITON and "numpy below 2" in MISSING_PYTRITON
 
 
 def test_typed_errors_survive_the_wire():
@@ -512,10 +530,28 @@ def test_two_web_replicas_share_one_served_engine_and_one_stopping_spares_the_ot
 
 
 @pytest.mark.slow
-def test_stopped_server_gives_a_clear_error_quickly(server):
-    """Runs last: a backend connected while the server was up gets 'unreachable' once it is stopped."""
+def test_stopped_server_gives_a_clear_error_quickly_and_leaves_nothing_behind(server):
+    """Runs last: a backend connected while the server was up gets 'unreachable' once it is stopped; and the
+    stop (SIGTERM) was an orderly one: PyTriton's workspace removed, no leaked shared memory, no traceback on
+    the way out, tritonserver's expected CPU-only error lines announced beforehand."""
     backends = [backend_for(server, "http", ENSEMBLE_MODEL), backend_for(server, "grpc", GENERATE_MODEL)]
+    workspace = re.search(r"(/\S*/pytriton/workspace_\w+)/", server["log"].read_text()).group(1)
+    assert os.path.isdir(workspace)
     stop_triton(server["proc"], server["port"])
+    log = server["log"].read_text()
+    assert server["proc"].returncode == 0, log[-3000:]
+    assert not os.path.exists(workspace), f"PyTriton's workspace {workspace} was left behind"
+    stopping = log.split("stopping: unloading the models", 1)
+    assert len(stopping) == 2, f"SIGTERM did not start the orderly stop:\n{log[-3000:]}"
+    assert "leaked" not in stopping[1] and "Traceback" not in stopping[1], stopping[1][-3000:]
+    assert "Failed to initialize NVML" not in log, log[-3000:]
+    expected = log.split('tritonserver will log "CudaDriverHelper has not been initialized"', 1)
+    assert len(expected) == 2 and "E1" not in expected[0], "an E line came before the note that explains them"
+    errors = {re.sub(r"^E\S+ \S+ \d+ ", "", line) for line in log.splitlines() if re.match(r"E\d{4} ", line)}
+    assert errors <= {
+        'server.cc:241] "CudaDriverHelper has not been initialized."',
+        'model_repository_manager.cc:470] "Failed to set config modification time: model_config_content_name_ is empty"',
+    }, errors
     for backend in backends:
         started = time.monotonic()
         # "unreachable" once the port is closed; "not available" while tritonserver is still draining.

@@ -22,18 +22,24 @@ TINY = "tiny"
 
 @dataclass
 class Config:
-    """Everything a user can set. ``help`` metadata doubles as the README's options table."""
+    """Everything a user can set. ``help`` and ``group`` metadata make ``--help`` and docs/configuration.md's tables."""
 
     model: str = field(
         default=DEFAULT_MODEL,
-        metadata={"help": "HF model id, local folder, or 'tiny' (offline test model)."},
+        metadata={
+            "group": "engine",
+            "help": "HF model id, local folder, or 'tiny' (offline test model).",
+            "app_default": f"{DEFAULT_MODEL}, or {TINY} on a machine without a CUDA GPU",
+        },
     )
     device: str = field(
-        default="auto", metadata={"help": "auto, cpu, cuda or cuda:N", "pattern": r"auto|cpu|cuda(:\d+)?"}
+        default="auto",
+        metadata={"group": "engine", "help": "auto, cpu, cuda or cuda:N", "pattern": r"auto|cpu|cuda(:\d+)?"},
     )
     dtype: str = field(
         default="auto",
         metadata={
+            "group": "engine",
             "help": "auto (bf16 on GPU, fp32 on CPU), bfloat16, float16 or float32",
             "choices": ("auto", "bfloat16", "float16", "float32"),
         },
@@ -41,15 +47,21 @@ class Config:
     cpu_threads: int = field(
         default=1,
         metadata={
+            "group": "engine",
             "help": "torch threads when running on CPU (1 is fastest for the tiny model on a busy box).",
             "min": 1,
         },
     )
-    host: str = field(default="127.0.0.1", metadata={"help": "Bind address (also GRADIO_SERVER_NAME)."})
-    port: int = field(default=7860, metadata={"help": "Port (also GRADIO_SERVER_PORT).", "min": 0, "max": 65535})
+    host: str = field(
+        default="127.0.0.1", metadata={"group": "page", "help": "Bind address (also GRADIO_SERVER_NAME)."}
+    )
+    port: int = field(
+        default=7860, metadata={"group": "page", "help": "Port (also GRADIO_SERVER_PORT).", "min": 0, "max": 65535}
+    )
     batching: str = field(
         default="continuous",
         metadata={
+            "group": "engine",
             "help": "continuous (rows join/leave every step) or dynamic (request-level batches).",
             "choices": ("continuous", "dynamic"),
         },
@@ -57,25 +69,37 @@ class Config:
     engine_process: bool = field(
         default=True,
         metadata={
-            "help": "Run the engine in its own process, supervised and restarted if it dies (off: in the web process)."
+            "group": "engine",
+            "help": "Run the engine in its own process, supervised and restarted if it dies (off: in the web process).",
         },
     )
     max_batch_size: int = field(
         default=0,
         metadata={
+            "group": "engine",
             "help": "Most requests merged into one batch; 0 = sized from memory: on CUDA the rows of "
             "--max-new-tokens tokens that fit in the GPU memory free after loading (at most 256), 8 on CPU.",
             "min": 0,
         },
     )
     batch_window_ms: float = field(
-        default=50.0, metadata={"help": "How long a short batch waits for more requests (dynamic mode).", "min": 0}
+        default=50.0,
+        metadata={
+            "group": "engine",
+            "help": "How long a short batch waits for more requests (dynamic mode).",
+            "min": 0,
+        },
     )
-    max_queue: int = field(default=128, metadata={"help": "Waiting requests beyond this get 'server busy'.", "min": 1})
-    max_new_tokens: int = field(default=2048, metadata={"help": "Cap on tokens a request may ask for.", "min": 1})
+    max_queue: int = field(
+        default=128, metadata={"group": "engine", "help": "Waiting requests beyond this get 'server busy'.", "min": 1}
+    )
+    max_new_tokens: int = field(
+        default=2048, metadata={"group": "engine", "help": "Cap on tokens a request may ask for.", "min": 1}
+    )
     max_per_client: int = field(
         default=8,
         metadata={
+            "group": "page",
             "help": "Answers one client (an address; on /v1 the request's user field, else the address) may have "
             "waiting or running at once; more are refused at once (HTTP 429 on /v1); 0 = no cap.",
             "min": 0,
@@ -84,6 +108,7 @@ class Config:
     response_cache_mb: float = field(
         default=64.0,
         metadata={
+            "group": "page",
             "help": "MB of finished answers kept to replay a repeated deterministic request (greedy, or seeded); "
             "0 = off.",
             "min": 0,
@@ -92,6 +117,7 @@ class Config:
     image_cache_mb: float = field(
         default=2048.0,
         metadata={
+            "group": "engine",
             "help": "Continuous mode: MB of vision-tower output kept per image for repeated images, follow-up "
             "questions and Think harder's judges (counted in the KV budget, emptied before a request waits); 0 = off.",
             "min": 0,
@@ -99,11 +125,16 @@ class Config:
     )
     kv_token_budget: int = field(
         default=0,
-        metadata={"help": "Continuous mode: most cached tokens over running rows (0 = no limit).", "min": 0},
+        metadata={
+            "group": "engine",
+            "help": "Continuous mode: most cached tokens over running rows (0 = no limit).",
+            "min": 0,
+        },
     )
     kv_budget_gb: float = field(
         default=0.0,
         metadata={
+            "group": "engine",
             "help": "Continuous mode: GiB of the page pool that holds every row's keys/values and the image states of "
             "the tiles it sees, allocated once at start; 0 = on CUDA the memory free after loading minus a reserve, "
             "on CPU room for every row at full length.",
@@ -113,6 +144,7 @@ class Config:
     decode_attention: str = field(
         default="auto",
         metadata={
+            "group": "engine",
             "help": "Continuous mode's decode attention over the page pool: flash (FlashAttention's paged kernel, "
             "CUDA, 16-bit), reference (torch operations, any device) or auto (flash where it passes a probe at start).",
             "choices": ("auto", "flash", "reference"),
@@ -120,73 +152,112 @@ class Config:
     )
     prefill_batch_size: int = field(
         default=8,
-        metadata={"help": "Continuous mode: most newcomers prefilled together in one forward pass.", "min": 1},
+        metadata={
+            "group": "engine",
+            "help": "Continuous mode: most newcomers prefilled together in one forward pass.",
+            "min": 1,
+        },
     )
     structured_stages: bool = field(
         default=True,
         metadata={
+            "group": "engine",
             "help": "Keep LLaVA-CoT's four stages while decoding (tags forced or redrawn where sampling would break "
-            "them; a reserve keeps room for the CONCLUSION); off for models that do not answer in the format."
+            "them; a reserve keeps room for the CONCLUSION); off for models that do not answer in the format.",
         },
     )
-    max_image_pixels: int = field(default=40_000_000, metadata={"help": "Reject larger images (bombs).", "min": 1})
-    max_question_chars: int = field(default=2000, metadata={"help": "Reject longer questions.", "min": 1})
+    max_image_pixels: int = field(
+        default=40_000_000, metadata={"group": "page", "help": "Reject larger images (bombs).", "min": 1}
+    )
+    max_question_chars: int = field(
+        default=2000, metadata={"group": "page", "help": "Reject longer questions.", "min": 1}
+    )
     forwarded_allow_ips: str = field(
         default="",
         metadata={
+            "group": "page",
             "help": "Proxies trusted to name the visitor in X-Forwarded-For (fair share counts by visitor): "
-            "comma-separated addresses or '*'; empty = uvicorn's default (127.0.0.1), '*' on Hugging Face Spaces."
+            "comma-separated addresses or '*'; empty = uvicorn's default (127.0.0.1), '*' on Hugging Face Spaces.",
         },
     )
-    share: bool = field(default=False, metadata={"help": "Ask Gradio for a public share link."})
-    auth: str = field(default="", metadata={"help": "USER:PASS for the page (recommended with --share)."})
+    share: bool = field(default=False, metadata={"group": "page", "help": "Ask Gradio for a public share link."})
+    auth: str = field(
+        default="", metadata={"group": "api", "help": "USER:PASS for the page (recommended with --share)."}
+    )
     api_key: str = field(
         default="",
         metadata={
+            "group": "api",
             "help": "Key the OpenAI-compatible API (/v1/*) requires as 'Authorization: Bearer KEY'; with --auth "
-            "and no key, /v1 is closed."
+            "and no key, /v1 is closed.",
         },
     )
     metrics_token: str = field(
         default="",
         metadata={
+            "group": "api",
             "help": "Token for /metrics and the full /health as 'Authorization: Bearer TOKEN' (for a scraper); "
-            "with it or --auth, /metrics refuses anonymous callers and anonymous /health says only ready or not."
+            "with it or --auth, /metrics refuses anonymous callers and anonymous /health says only ready or not.",
         },
     )
     api_remote_images: bool = field(
         default=False,
         metadata={
+            "group": "api",
             "help": "Let /v1/chat/completions fetch http(s) image URLs (public addresses only, size and time "
-            "limits); off: data: URLs only."
+            "limits); off: data: URLs only.",
         },
     )
     mcp_server: bool = field(
-        default=False, metadata={"help": "Also serve the ask endpoint as an MCP tool (Gradio's MCP server)."}
+        default=False,
+        metadata={"group": "api", "help": "Also serve the ask endpoint as an MCP tool (Gradio's MCP server)."},
     )
     triton_url: str = field(
-        default="", metadata={"help": "Forward to Triton instead of a local model: http://h:p or grpc://h:p."}
+        default="",
+        metadata={"group": "triton", "help": "Forward to Triton instead of a local model: http://h:p or grpc://h:p."},
     )
-    triton_model: str = field(default="llama_3_2v_11b_cot_ensemble", metadata={"help": "Triton model name."})
+    triton_model: str = field(
+        default="llama_3_2v_11b_cot_ensemble", metadata={"group": "triton", "help": "Triton model name."}
+    )
     triton_protocol: str = field(
         default="auto",
         metadata={
+            "group": "triton",
             "help": "auto (from the model metadata), infer or generate",
             "choices": ("auto", "infer", "generate"),
         },
     )
     triton_timeout: float = field(
-        default=120.0, metadata={"help": "Seconds before a Triton call gives up.", "min": 0.1}
+        default=120.0, metadata={"group": "triton", "help": "Seconds before a Triton call gives up.", "min": 0.1}
     )
     tiny_dir: str = field(
         default="",
         metadata={
+            "group": "engine",
             "help": "A folder for the tiny model, built there on first use (default: the copy shipped with the "
-            "package)."
+            "package).",
         },
     )
     model_explicit: bool = field(default=False, metadata={"cli": False})
 
+
+# ``--help``'s sections, in order: a field's ``group`` metadata names one (a new option picks one here).
+GROUPS = {
+    "page": "the page and its server",
+    "engine": "the model and the batching engine",
+    "api": "API and security",
+    "triton": "a remote Triton instead of a local model",
+}
+EXAMPLES = """examples:
+  python app.py                                   the demo on http://127.0.0.1:7860 (tiny without a GPU)
+  python app.py --model tiny --port 8080          the offline test model, another port
+  python app.py --host 0.0.0.0 --auth alice:s3cret --api-key KEY
+                                                  reachable on the network; page and /v1 need credentials
+  python app.py --triton-url grpc://HOST:8001 --triton-model vllm_model
+                                                  answers from a Triton server instead of a local model
+  VLM_MAX_BATCH_SIZE=16 python app.py             every option is also a VLM_* variable
+
+more: docs/configuration.md (every option, health, metrics, sharing)"""
 
 TRUE_WORDS = ("1", "true", "yes", "on")
 FALSE_WORDS = ("0", "false", "no", "off")
@@ -280,9 +351,11 @@ def _env_defaults(environ: dict[str, str]) -> dict[str, Any]:
     return values
 
 
-def _help(f: dataclasses.Field) -> str:
-    """The field's help plus its default and variable, so ``--help`` is the whole reference."""
+def _help(f: dataclasses.Field, app: bool) -> str:
+    """The field's help plus its default and variable, so ``--help`` is the whole reference (``app``: the
+    default as ``app.py`` applies it, e.g. the tiny model on a machine without a GPU)."""
     default = f.default if f.default != "" else "(empty)"
+    default = f.metadata.get("app_default", default) if app else default
     if isinstance(default, bool):
         default = "on" if default else "off"
     text = f"{f.metadata.get('help', '')} [default: {default}; env {env_name(f.name)}]"
@@ -292,21 +365,31 @@ def _help(f: dataclasses.Field) -> str:
 def build_parser(
     description: str, only: Sequence[str] | None = None, prog: str | None = None
 ) -> argparse.ArgumentParser:
-    """An argparse parser with one flag per config field (or just those named in ``only``).
+    """An argparse parser with one flag per config field (or just those named in ``only``: another command's
+    settings, without ``app.py``'s grouping, examples and defaults), grouped as :data:`GROUPS` says.
 
     Values are converted and checked here (type, choices, range), so a bad flag ends in one
     ``error:`` line naming it, before the caller imports anything heavy.
     """
-    parser = OneLineParser(prog=prog, description=description)
+    app = only is None
+    parser = OneLineParser(
+        prog=prog,
+        usage="%(prog)s [options]" if app else None,  # the groups below list them; 25 lines of flags helped nobody
+        description=description,
+        epilog=EXAMPLES if app else None,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sections = {name: parser.add_argument_group(title) for name, title in GROUPS.items()} if app else {}
     for f in settings():
         if only is not None and f.name not in only:
             continue
+        section = sections.get(f.metadata["group"], parser)
         if isinstance(f.default, bool):
             action: dict[str, Any] = {"action": argparse.BooleanOptionalAction}
         else:
             choices = f.metadata.get("choices")
             action = {"type": _argument_type(f), "metavar": "{" + ",".join(choices) + "}" if choices else None}
-        parser.add_argument(_flag(f.name), dest=f.name, default=None, help=_help(f), **action)
+        section.add_argument(_flag(f.name), dest=f.name, default=None, help=_help(f, app), **action)
     return parser
 
 

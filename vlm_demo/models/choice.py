@@ -15,7 +15,7 @@ from vlm_demo.config import DEFAULT_MODEL, TINY, Config
 log = logging.getLogger(__name__)
 
 REAL_MODEL_HINT = (
-    "To run the real model, use a machine with a CUDA GPU (40 GB or more for bf16, see the README) and start "
+    "To run the real model, use a machine with a CUDA GPU (40 GB or more for bf16, see docs/gpu.md) and start "
     "`python app.py --model Xkev/Llama-3.2V-11B-cot`."
 )
 
@@ -82,6 +82,6 @@ def remote_notice(served_model: str | None, url: str) -> str | None:
         return None
     hint = (
         "To run the real model, start the Triton server on a machine with a CUDA GPU (40 GB or more for bf16, "
-        f"see the README): `python -m vlm_demo.triton.serve --model {DEFAULT_MODEL}`."
+        f"see docs/gpu.md): `python -m vlm_demo.triton.serve --model {DEFAULT_MODEL}`."
     )
     return tiny_notice(f"the Triton server at {url} runs `--model tiny`", hint)

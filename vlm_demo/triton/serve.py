@@ -13,7 +13,7 @@ repository's ``model.py`` files in ``vlm_demo/triton/repo``); the names and type
 :mod:`vlm_demo.triton.contract`'s. This module binds them to PyTriton.
 
 Run ``python -m vlm_demo.triton.serve --model tiny``. The bundled ``tritonserver`` needs
-``LD_LIBRARY_PATH`` to include this Python's ``LIBDIR`` (see the README); without it the Python backend
+``LD_LIBRARY_PATH`` to include this Python's ``LIBDIR`` (see docs/triton.md); without it the Python backend
 stub loads the system libpython and fails at start-up.
 """
 
@@ -23,15 +23,17 @@ import argparse
 import asyncio
 import logging
 import os
+import signal
 import sys
 import sysconfig
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from vlm_demo import REPO_ROOT
+from vlm_demo import REPO_ROOT, logs
 from vlm_demo.config import Config, build_parser, config_from_namespace
 from vlm_demo.errors import DemoError
 from vlm_demo.schema import DEFAULT_MAX_NEW_TOKENS, Limits
@@ -43,6 +45,12 @@ if TYPE_CHECKING:
     from vlm_demo.engine.base import Engine
 
 log = logging.getLogger(__name__)
+
+EXIT_TIMEOUT_S = 5  # tritonserver's wait for clients to hang up once the models are unloaded (its default: 30)
+MISSING_PYTRITON = (
+    "python -m vlm_demo.triton.serve needs PyTriton, which this Python does not have: install "
+    "requirements-triton.txt, in a virtual environment of its own (PyTriton 0.7 needs numpy below 2; see docs/triton.md)"
+)
 
 # ---- PyTriton wiring ----------------------------------------------------------------------------------
 
@@ -168,13 +176,24 @@ def name_the_model(triton: Any, model: str) -> None:
 
 
 def triton_config_for(
-    config: Config, http_port: int, grpc_port: int, metrics_port: int, host: str, repository: str | None = None
+    config: Config,
+    http_port: int,
+    grpc_port: int,
+    metrics_port: int,
+    host: str,
+    repository: str | None = None,
+    gpu: bool = True,
 ) -> Any:
-    """PyTriton's server settings: our ports on ``host``, the response cache, a model repository if given."""
+    """PyTriton's server settings: our ports on ``host``, the response cache, a model repository if given.
+
+    Without a GPU, no GPU metrics: tritonserver would otherwise try NVML and DCGM at start-up and print an
+    ``Error: Failed to initialize NVML`` line and a DCGM warning that mean only "no GPU here"."""
     from pytriton.triton import TritonConfig
 
     return TritonConfig(
         model_repository=repository,
+        allow_gpu_metrics=gpu,
+        exit_timeout_secs=EXIT_TIMEOUT_S,
         http_address=host,
         grpc_address=host,
         http_port=http_port,
@@ -190,6 +209,19 @@ def cache_config(config: Config) -> list[str] | None:
     if config.response_cache_mb <= 0:
         return None
     return [f"local,size={int(config.response_cache_mb * 1024**2)}"]
+
+
+def explain_expected_errors(gpu: bool, in_process: bool) -> None:
+    """Say before tritonserver starts which of its ``E`` lines are expected here, so nobody hunts them down:
+    without a GPU it reports that it could not initialise CUDA, and with models bound in-process PyTriton
+    loads each one with a config of its own, which tritonserver 2.51 cannot date (once per model)."""
+    expected = []
+    if not gpu:
+        expected.append('"CudaDriverHelper has not been initialized" (no GPU here)')
+    if in_process:
+        expected.append('"Failed to set config modification time" once per model (PyTriton passes configs inline)')
+    if expected:
+        log.info("tritonserver will log %s: expected, and harmless", " and ".join(expected))
 
 
 def libdir_on_path() -> bool:
@@ -223,8 +255,11 @@ def serve(config: Config, http_port: int, grpc_port: int, metrics_port: int, hos
     from vlm_demo.engine import make_engine
 
     engine = make_engine(config)
+    gpu = str(engine.worker.device).startswith("cuda")
+    explain_expected_errors(gpu, in_process=True)
+    security = _security()
     triton = Triton(
-        config=triton_config_for(config, http_port, grpc_port, metrics_port, host), security_config=_security()
+        config=triton_config_for(config, http_port, grpc_port, metrics_port, host, gpu=gpu), security_config=security
     )
     try:
         bind_models(triton, engine, config)  # before the server starts: the models load with their parameters
@@ -237,7 +272,7 @@ def serve(config: Config, http_port: int, grpc_port: int, metrics_port: int, hos
             host,
             grpc_port,
         )
-        triton.serve()  # starts tritonserver, loads the bound models, blocks until SIGTERM/SIGINT
+        run_until_stopped(triton, f"{host}:{http_port}", [ENSEMBLE_MODEL, GENERATE_MODEL], security.access_token)
     finally:
         triton.stop()
         engine.shutdown()
@@ -291,12 +326,15 @@ def serve_repository(
     cpu = not torch.cuda.is_available()
     if cpu:
         log.warning("no GPU: running the repository's KIND_GPU instances on the CPU")
+    explain_expected_errors(not cpu, in_process=False)
     with tempfile.TemporaryDirectory() as scratch:
         repository = local_copy_of_repository(repository, scratch, config.model if config.model_explicit else None, cpu)
-        triton_config = triton_config_for(config, http_port, grpc_port, metrics_port, host, repository)
-        with Triton(config=triton_config, security_config=_security()) as triton:
+        triton_config = triton_config_for(config, http_port, grpc_port, metrics_port, host, repository, gpu=not cpu)
+        security = _security()
+        with Triton(config=triton_config, security_config=security) as triton:
             log.info("Triton serving %s on http://%s:%d and grpc://%s:%d", repository, host, http_port, host, grpc_port)
-            triton.serve()
+            models = [name for name in os.listdir(repository) if os.path.isdir(os.path.join(repository, name))]
+            run_until_stopped(triton, f"{host}:{http_port}", models, security.access_token)
 
 
 def build_arg_parser() -> argparse.ArgumentParser:
@@ -332,9 +370,61 @@ def build_arg_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def run_until_stopped(triton: Any, address: str, models: Sequence[str], token: str | None) -> None:
+    """Start tritonserver and serve until SIGTERM or SIGINT (a service manager, ``docker stop``, Ctrl+C, a test)
+    or until it dies; then unload the models, so the caller's ``triton.stop()`` finds nothing running.
+
+    In that order because tritonserver, told to stop, first waits for its clients to hang up (a web replica's
+    keep-alive connection never does) and then exits without unloading anything: its model processes died
+    mid-way and left shared memory for Python's resource tracker to reclaim ("leaked shared_memory objects").
+    Unloading first lets requests in flight finish and every model process end cleanly; PyTriton's stop then
+    removes its workspace (``~/.cache/pytriton/workspace_*``). SIGINT is handled too: a server started in the
+    background has it ignored otherwise."""
+    stopping = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stopping.set())
+    triton.run()
+    log.info("serving; SIGTERM or Ctrl+C stops it")
+    while not stopping.is_set():
+        time.sleep(1)  # a signal cuts the sleep short
+        if not triton.is_alive():
+            log.error("tritonserver or a model process stopped on its own; shutting down")
+            return
+    log.info("stopping: unloading the models (answers in flight finish first)")
+    unload_models(address, models, token)
+    log.info("stopping tritonserver (it gives open client connections up to %d s to close)", EXIT_TIMEOUT_S)
+
+
+def unload_models(address: str, models: Sequence[str], token: str | None, timeout_s: float = 120) -> None:
+    """Unload ``models`` through Triton's model-control API and wait until it is done: Triton unloads in the
+    background, and with strict readiness it says the server is ready again once no model is unloading."""
+    import tritonclient.http as httpclient
+
+    headers = {"triton-access-token": token} if token else None
+    client = httpclient.InferenceServerClient(address)
+    deadline = time.monotonic() + timeout_s
+    try:
+        for name in models:
+            client.unload_model(name, headers=headers)
+        while time.monotonic() < deadline and (
+            any(client.is_model_ready(name) for name in models) or not client.is_server_ready()
+        ):
+            time.sleep(0.2)
+        if time.monotonic() >= deadline:
+            log.warning("the models were still unloading after %.0f s", timeout_s)
+    except Exception as err:  # noqa: BLE001 - tritonserver already gone: nothing left to unload
+        log.warning("could not unload the models before stopping: %s", err)
+    finally:
+        client.close()
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     args = build_arg_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        import pytriton  # noqa: F401 - only to say in one line that it is missing
+    except ImportError:
+        raise SystemExit(MISSING_PYTRITON) from None
+    logs.setup()
     put_libdir_on_path()
     config = config_from_namespace(args)
     ports = (args.http_port, args.grpc_port, args.metrics_port, args.host)

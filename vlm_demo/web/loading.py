@@ -23,6 +23,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 
+from vlm_demo import logs
 from vlm_demo.schema import LoadProgress
 from vlm_demo.web.openai_wire import SERVER, error_body
 from vlm_demo.web.operator import OperatorDoor
@@ -30,7 +31,8 @@ from vlm_demo.web.operator import OperatorDoor
 log = logging.getLogger(__name__)
 
 STATIC_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "static")
-LOG_EVERY_S = 10.0  # the console hears about a long phase this often
+LOG_EVERY_S = 10.0  # a terminal hears about a long phase this often
+LOG_QUIETLY_EVERY_S = 60.0  # and a log file this often
 
 Scope = dict[str, Any]
 ASGIApp = Callable[[Scope, Callable[[], Awaitable[dict]], Callable[[dict], Awaitable[None]]], Awaitable[None]]
@@ -51,9 +53,11 @@ class LoadingState:
             self.progress = progress
             phase, at = self._logged
             now = time.monotonic()
-            if progress.phase != phase or now - at >= LOG_EVERY_S:
+            watched = logs.interactive()  # a log file gets each phase once, then a line a minute, no percentages
+            if progress.phase != phase or now - at >= (LOG_EVERY_S if watched else LOG_QUIETLY_EVERY_S):
                 self._logged = (progress.phase, now)
-                log.info("start-up: %s", describe(progress, now - self.started))
+                shown = progress if watched else LoadProgress(progress.phase)
+                log.info("start-up: %s", describe(shown, now - self.started))
 
     def report(self) -> dict[str, Any]:
         with self._lock:

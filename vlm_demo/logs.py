@@ -1,0 +1,46 @@
+"""How our commands log: one line format, and a log file without a terminal's decorations.
+
+A progress bar, or a line per percent, is for a person watching a terminal; in a log file (a service, a
+container, CI) it is noise. So when standard error is not a terminal the libraries' progress bars are off
+(``HF_HUB_DISABLE_PROGRESS_BARS``, read by huggingface_hub and transformers, and inherited by the engine
+process and Triton's model processes), libraries that log a line per HTTP request (httpx, which Gradio's MCP
+tools use to call the server itself) speak only for warnings, and an ordinary stop leaves no traceback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import sys
+
+FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+CHATTY = ("httpx", "httpcore", "mcp.server.lowlevel.server", "mcp.server.streamable_http")  # a line per request
+
+
+def interactive() -> bool:
+    """Whether a person is watching: standard error is a terminal."""
+    return sys.stderr.isatty()
+
+
+def setup() -> None:
+    """Call first, before transformers or Gradio are imported (the variable is read at import)."""
+    if not interactive():
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    logging.basicConfig(level=logging.INFO, format=FORMAT)
+    for name in CHATTY:
+        logging.getLogger(name).setLevel(logging.WARNING)
+    logging.getLogger("uvicorn.error").addFilter(ordinary_shutdown)
+
+
+def ordinary_shutdown(record: logging.LogRecord) -> bool:
+    """uvicorn's words for a stop that went as designed: after the grace period it cancels the connections
+    still open (an answer still streaming, or an event stream nobody closes, such as the heartbeat of Gradio's
+    own client behind an MCP tool call). Its "Cancel N running task(s)" line is information, not an error, and
+    the "Exception in ASGI application" traceback of each cancelled connection says nothing more: dropped."""
+    error = record.exc_info[1] if record.exc_info else None
+    if isinstance(error, asyncio.CancelledError) and "shutdown" in str(error):
+        return False
+    if record.levelno == logging.ERROR and "graceful shutdown exceeded" in record.getMessage():
+        record.levelno, record.levelname = logging.INFO, "INFO"
+    return True
