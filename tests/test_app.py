@@ -127,6 +127,37 @@ def test_metrics_endpoint_is_prometheus_text(server: str) -> None:
         assert f"# TYPE {name.removesuffix('_total')}" in reply.text
 
 
+@pytest.mark.slow
+def test_the_engine_moves_no_rows_cache_and_reads_only_live_bytes(server: str, tmp_path: Path) -> None:
+    """A burst of answers that join and leave all the time (unique noisy pictures of one to four tiles, short
+    and long answers) through the running app: the page pool's counters on /metrics show no key/value bytes
+    moved for anyone's join or leave, and decode attention reading little more than the rows' own tokens."""
+    before = {name: metric(server, f"vlm_{name}_total") for name in ("kv_copied_bytes", "kv_written_bytes")}
+    read_before = metric(server, "vlm_attention_read_bytes_total")
+    live_before = metric(server, "vlm_attention_live_bytes_total")
+    sizes = [(20, 20), (300, 40), (40, 300), (64, 64), (700, 60), (33, 47), (128, 96), (90, 500)]
+    questions = ["Colour?", "Describe this picture in detail.", "What colour is this image?", "what do you see"]
+    jobs = []
+    for i in range(24):
+        (w, h), colour = sizes[i % len(sizes)], ("red", "green", "blue", "yellow", "white", "black")[i % 6]
+        path = save(solid_image(colour, w, h, noise=9, seed=100 + i), tmp_path / f"{i}.png")
+        jobs.append((path, questions[i % len(questions)], 40 + 37 * (i % 7)))
+
+    def ask(job: tuple[str, str, int]) -> str:
+        client = Client(server, verbose=False)
+        return client.predict(handle_file(job[0]), job[1], job[2], 0.0, 1.0, api_name="/ask")[4]
+
+    with ThreadPoolExecutor(12) as pool:
+        answers = list(pool.map(ask, jobs))
+    assert all("<SUMMARY>" in a for a in answers)
+    written = metric(server, "vlm_kv_written_bytes_total") - before["kv_written_bytes"]
+    copied = metric(server, "vlm_kv_copied_bytes_total") - before["kv_copied_bytes"]
+    read = metric(server, "vlm_attention_read_bytes_total") - read_before
+    live = metric(server, "vlm_attention_live_bytes_total") - live_before
+    assert written > 0 and copied <= 2 * written, (copied, written)
+    assert live > 0 and read <= 1.2 * live, (read, live)
+
+
 def test_ask_streams_the_four_stages(client: Client, held_out) -> None:
     colour, path, _ = held_out[0]
     # A long answer (~240 tokens: "detail"), so even a fast machine sends several updates while it streams.
