@@ -7,11 +7,11 @@ over its pages (its new token included) and to the image-state tokens of the til
 Two kernels, one contract (``Layout`` in, ``[rows, heads × head dim]`` out):
 
 - ``reference``: torch operations any device runs (the CPU's path, and the GPU's when the fast kernel is
-  missing). Keys and values are gathered block by block — a text page, or an image tile — and the
-  softmax runs per block then combines per row by log-sum-exp (split-KV, as flash-decoding does), so
-  a row's result does not depend on its neighbours and the number of operations does not depend on
-  the number of rows. It reads whole text pages (at most ``page_tokens - 1`` tokens of slack per row)
-  and exactly the tiles' tokens.
+  missing). Keys and values are gathered block by block — a text page, or an image tile — so it reads
+  whole text pages (at most ``page_tokens - 1`` tokens of slack per row) and exactly the tiles' tokens.
+  Up to ``DENSE_ROWS`` rows, every row's query meets all the step's gathered keys in one product, the
+  other rows' keys masked out (six operations a layer); past that, whose cost grows with rows × tokens,
+  the softmax runs per block and combines per row by its maximum (split-KV, as flash-decoding does).
 - ``flash``: FlashAttention's paged variable-length kernel from torch itself
   (``aten._flash_attention_forward`` with a block table and per-row key counts), on CUDA in 16-bit
   floats; it reads exactly each row's live tokens in place. It is used only when this torch has it
@@ -31,6 +31,8 @@ import torch
 from vlm_demo.engine.pages import PagePool
 
 log = logging.getLogger(__name__)
+
+DENSE_ROWS = 16  # up to this many rows the reference attention takes one masked product (few operations)
 
 
 @dataclass
@@ -52,6 +54,27 @@ class Layout:
     max_text: int  # the table's columns × page tokens (a static bound for the fast kernel)
     max_image: int
     query_starts: torch.Tensor | None = None  # [rows + 1] int32: 0, 1, 2 … (one query per row, the fast kernel's)
+    text_bias: torch.Tensor | None = None  # [rows, blocks × page tokens]: 0 on a row's own tokens, -inf elsewhere
+    image_bias: torch.Tensor | None = None  # [rows, tiles × patches]
+
+
+def owner_bias(
+    owners: torch.Tensor, rows: int, tokens: int, valid: torch.Tensor | None, dtype: torch.dtype
+) -> torch.Tensor:
+    """The additive mask of the dense reference: row ``r`` sees the tokens of the blocks it owns (and that are
+    valid), nothing else. Built once per step, shared by every layer."""
+    own = owners[None, :, None] == torch.arange(rows, device=owners.device)[:, None, None]
+    keep = own & valid[None] if valid is not None else own.expand(rows, owners.shape[0], tokens)
+    bias = torch.zeros(keep.shape, dtype=dtype, device=owners.device).masked_fill_(~keep, float("-inf"))
+    return bias.reshape(rows, -1)
+
+
+def masked_product(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor,
+                   scale: float) -> torch.Tensor:  # fmt: skip
+    """``[rows, kv heads, group, dim]`` queries against every gathered key ``[tokens, kv heads, dim]`` at once,
+    ``bias`` keeping each row to its own: the exact softmax over the row's tokens (the others weigh 0)."""
+    scores = torch.add(bias[:, None, None, :], torch.matmul(query, keys.permute(1, 2, 0)), alpha=scale)
+    return torch.matmul(torch.softmax(scores, dim=-1), values.transpose(0, 1))
 
 
 def split_softmax(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, rows: torch.Tensor,
@@ -106,6 +129,8 @@ class PagedAttention:
             return self._flash(query, keys, values, layout.text_table, layout.text_lengths, layout.max_text,
                                layout.query_starts)  # fmt: skip
         gathered_k, gathered_v = keys.index_select(0, layout.text_pages), values.index_select(0, layout.text_pages)
+        if layout.text_bias is not None:
+            return self._dense(query, gathered_k, gathered_v, layout.text_bias)
         return self._reference(query, gathered_k, gathered_v, layout.text_rows, layout.text_valid, layout.rows)
 
     def cross_attention(self, layer: int, query: torch.Tensor, layout: Layout) -> torch.Tensor:
@@ -115,7 +140,16 @@ class PagedAttention:
             return self._flash(query, keys, values, layout.image_table, layout.image_lengths, layout.max_image,
                                layout.query_starts)  # fmt: skip
         where = (layout.tile_pages, layout.tile_offsets)
+        if layout.image_bias is not None:
+            return self._dense(query, keys[where], values[where], layout.image_bias)
         return self._reference(query, keys[where], values[where], layout.tile_rows, None, layout.rows)
+
+    def _dense(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        count, dim = query.shape[0], self.shape.head_dim
+        q = query.view(count, self.shape.kv_heads, self.group, dim)
+        out = masked_product(q, keys.reshape(-1, self.shape.kv_heads, dim), values.reshape(-1, self.shape.kv_heads, dim),
+                             bias, self.scale)  # fmt: skip
+        return out.reshape(count, self.heads * dim).to(query.dtype)
 
     def _reference(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, rows: torch.Tensor,
                    valid: torch.Tensor | None, count: int) -> torch.Tensor:  # fmt: skip

@@ -157,7 +157,7 @@ class TextDecodeStep:
         value = qkv[:, heads * dim :].view(rows, self.kv_heads, dim)
         self.pool.write(layer.index, (step.write_pages, step.write_offsets), qk[:, self.heads :], value)
         out = self.attention.self_attention(layer.index, qk[:, : self.heads], step.layout)
-        hidden = torch.addmm(hidden, out, attn.o_proj.weight.t())
+        hidden = _add_projected(hidden, attn.o_proj, out)
         return self._mlp(layer, hidden)
 
     def _cross(self, layer: Layer, hidden: torch.Tensor, step: StepInputs) -> torch.Tensor:
@@ -166,7 +166,7 @@ class TextDecodeStep:
         x = self._norm(module.input_layernorm, hidden)
         query = self._norm(attn.q_norm, attn.q_proj(x).view(rows, self.heads, self.head_dim))
         out = self.attention.cross_attention(layer.index, query, step.layout)
-        hidden = torch.addmm(hidden, out, attn.o_proj.weight.t(), alpha=layer.gates[0])
+        hidden = _add_projected(hidden, attn.o_proj, out, layer.gates[0])
         return self._mlp(layer, hidden, step.row_mask)
 
     def _mlp(self, layer: Layer, hidden: torch.Tensor, row_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -180,8 +180,16 @@ class TextDecodeStep:
             gate, up = mlp.gate_proj(x), mlp.up_proj(x)
         inner = F.silu(gate) * up
         if row_mask is None:
-            return torch.addmm(hidden, inner, mlp.down_proj.weight.t())
+            return _add_projected(hidden, mlp.down_proj, inner)
         return torch.addcmul(hidden, mlp.down_proj(inner), row_mask[:, None], value=layer.gates[1])
+
+
+def _add_projected(hidden: torch.Tensor, linear: torch.nn.Linear, x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """``hidden + scale · linear(x)``: one ``addmm`` for a plain weight; a quantized layer runs its own module."""
+    weight = linear.weight
+    if linear.bias is None and type(weight.data) is torch.Tensor:
+        return torch.addmm(hidden, x, weight.t(), alpha=scale)
+    return hidden + scale * linear(x) if scale != 1.0 else hidden + linear(x)
 
 
 def _number(value: torch.Tensor) -> float:

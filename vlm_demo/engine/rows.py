@@ -20,7 +20,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from vlm_demo.engine.attention import Layout, PagedAttention
+from vlm_demo.engine.attention import DENSE_ROWS, Layout, PagedAttention, owner_bias
 from vlm_demo.engine.pages import PagePool
 from vlm_demo.engine.request import Request
 from vlm_demo.engine.sampler import RowSampling
@@ -394,10 +394,13 @@ class RunningRows:
         self.read_bytes += read_text * s.text_bytes_per_token + read_image * s.image_bytes_per_token
         self.live_bytes += live_text * s.text_bytes_per_token + live_image * s.image_bytes_per_token
         self.written_bytes += n * s.text_bytes_per_token
-        image_table, image_lengths, tile_pages, tile_offsets, tile_rows, row_mask = images
+        image_table, image_lengths, tile_pages, tile_offsets, tile_rows, row_mask, _ = images
+        dense = self.attention.kernel == "reference" and n <= DENSE_ROWS
         layout = Layout(
             n, text_table.int(), text_lengths.int(), image_table, image_lengths, text_pages, text_rows, text_valid,
             tile_pages, tile_offsets, tile_rows, width * page, image_table.shape[1] * s.image_page_tokens, starts,
+            owner_bias(text_rows, n, page, text_valid, self.dtype) if dense else None,
+            images[6] if dense else None,
         )  # fmt: skip
         assert self.next_tokens is not None
         return StepInputs(self.next_tokens, positions, w_pages, w_offsets, row_mask, layout)
@@ -432,7 +435,8 @@ class RunningRows:
         ]
         sent = self.staging.send(parts, persist=True)  # these outlive the step
         table_t, lengths_t, pages_t, offsets_t, rows_t, mask_t = sent
-        self._images = (table_t.int(), lengths_t.int(), pages_t, offsets_t, rows_t, mask_t.to(self.dtype))
+        bias = owner_bias(rows_t, n, s.patches, None, self.dtype) if n <= DENSE_ROWS else None
+        self._images = (table_t.int(), lengths_t.int(), pages_t, offsets_t, rows_t, mask_t.to(self.dtype), bias)
         return self._images
 
     def advance(self, tokens: torch.Tensor) -> None:

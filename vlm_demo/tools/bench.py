@@ -398,6 +398,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--page-question", default="Describe this picture in detail.", help="what page visitors ask")
     p.add_argument("--page-tokens", type=int, default=300, help="max new tokens page visitors ask for")
+    p.add_argument(
+        "--count-kernels",
+        action="store_true",
+        help="print, as JSON, the kernels one decode step launches at the real 11B depth (tools/kernels.py)",
+    )
     p.add_argument("--json", dest="json_path", default="", help="write the runs as a JSON list")
     p.add_argument("--plot", dest="plot_path", default="", help="write a PNG of throughput and p95 latency")
     return p
@@ -510,6 +515,11 @@ def main(argv: list[str] | None = None) -> list[RunResult]:
             max_batch_size=Config().max_batch_size,  # the app's default (0: the engine sizes it)
         )
         args = parser.parse_args(argv)
+    if args.count_kernels:
+        from vlm_demo.tools import kernels
+
+        print(json.dumps(kernels.report(), indent=2))
+        return []
     if args.page_load:
         from vlm_demo.tools import page_load
 

@@ -1,0 +1,156 @@
+"""How many kernels one decode step launches: ``python -m vlm_demo.tools.bench --count-kernels``.
+
+On a GPU every operation of a decode step is a kernel launched from Python (5–10 µs of host time each),
+so at small batch sizes their number, not the arithmetic, sets the speed. This counts them at the real
+11B structure — 40 text layers, cross-attention at 3, 8, …, 38, 32 query and 8 key/value heads — at
+narrow widths (head dim 8, random weights; the number of operations does not depend on the widths):
+
+- ``kernels_per_decode_step``: the engine's decode step as it runs on CUDA, with FlashAttention's paged
+  kernel: the real step code dispatched on shape-only (``meta``) tensors, since that kernel has no CPU
+  implementation;
+- ``cpu``: the same step as it runs on a CPU, with the reference attention (its torch operations);
+- ``stock_forward``: the text model's own forward with a ``DynamicCache`` (what ``generate`` runs), for
+  comparison.
+
+Counted at the dispatcher (a ``TorchDispatchMode``): *kernels* are operations that produce a new tensor —
+views and in-place operations (whose outputs alias an input) are not counted, as in the measurement this
+replaces; *aten_ops* are all operations; *in_place* (cache writes, accumulations) are listed apart.
+Sampling (two or three operations) is not part of the step.
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+REAL_CROSS_LAYERS = (3, 8, 13, 18, 23, 28, 33, 38)
+ROWS = (1, 8)
+
+
+@dataclass
+class Counts:
+    kernels: int = 0
+    in_place: int = 0
+    aten_ops: int = 0
+    by_op: collections.Counter = field(default_factory=collections.Counter)
+
+
+class Counter(TorchDispatchMode):
+    """Counts the operations dispatched while it is active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts = Counts()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        counts = self.counts
+        counts.aten_ops += 1
+        aliasing = [r.alias_info for r in func._schema.returns if r.alias_info is not None]
+        if not aliasing:
+            counts.kernels += 1
+            counts.by_op[str(func.overloadpacket.__name__)] += 1
+        elif any(a.is_write for a in aliasing):
+            counts.in_place += 1
+        return out
+
+
+def count(run: Any) -> Counts:
+    with torch.inference_mode(), Counter() as counter:
+        run()
+    return counter.counts
+
+
+def narrow_model(device: str) -> Any:
+    from vlm_demo.models import realshape
+
+    config = realshape.narrow_config(hidden=256, layers=40, cross_layers=REAL_CROSS_LAYERS)
+    return realshape.build_model(config, torch.float32, device, attn_implementation="sdpa")
+
+
+def _rows(decoder: Any, rows: int, device: torch.device) -> Any:
+    """``rows`` running rows over the decoder's pool, each with a few tokens and a one-tile picture."""
+    from vlm_demo.engine.request import Request
+    from vlm_demo.engine.rows import Placement, Row, RunningRows
+    from vlm_demo.schema import SamplingParams
+
+    running = RunningRows(decoder.pool, decoder.attention, device, torch.float32)
+    shape = decoder.pool.shape
+    per_image = shape.image_pages(shape.patches)
+    for i in range(rows):
+        request = Request(image=None, question="", params=SamplingParams(8, 0.0))
+        images = list(range(rows + i * per_image, rows + (i + 1) * per_image))
+        running.rows.append(Row(request, None, place=Placement([i], 5 + i, images, 1, True)))  # type: ignore[arg-type]
+    running.next_tokens = torch.zeros(rows, dtype=torch.long, device=device)
+    return running
+
+
+def engine_step(model: Any, rows: int, kernel: str) -> Counts:
+    """One decode step of ``rows`` rows as the engine runs it (``kernel``: the decode attention's)."""
+    from vlm_demo.engine.decode_step import TextDecodeStep, layer_devices
+
+    device = next(iter(layer_devices(model).values()))
+    shape_pages = 8 + rows * 80
+    decoder = TextDecodeStep.over_pool(model, torch.float32, shape_pages, kernel="reference")
+    decoder.attention.kernel = kernel  # on meta the fast kernel runs shapes only: no probe to pass
+    running = _rows(decoder, rows, device)
+    with torch.inference_mode():
+        inputs = running.step_inputs()
+    return count(lambda: decoder(inputs))
+
+
+def stock_step(model: Any, rows: int) -> Counts:
+    """One decode step of the text model's own forward with a ``DynamicCache`` of 5 tokens and one tile."""
+    from transformers.cache_utils import DynamicCache
+
+    text = model.model.language_model
+    config = text.config
+    heads, dim = config.num_key_value_heads, config.hidden_size // config.num_attention_heads
+    vision = model.config.vision_config
+    patches = (vision.image_size // vision.patch_size) ** 2 + 1
+    layers = []
+    for index in range(config.num_hidden_layers):
+        length = patches if index in config.cross_attention_layers else 5
+        layers.append((torch.randn(rows, heads, length, dim), torch.randn(rows, heads, length, dim)))
+    cache = DynamicCache(ddp_cache_data=layers)
+    inputs = torch.zeros(rows, 1, dtype=torch.long)
+    positions = torch.full((rows, 1), 5)
+    cross = torch.zeros(rows, 1, 1, patches)
+    row_mask = torch.ones(rows, 1, 1, 1)
+
+    def run() -> None:
+        hidden = text(input_ids=inputs, position_ids=positions, cross_attention_mask=cross,
+                      full_text_row_masked_out_mask=row_mask, cache=cache, use_cache=True).last_hidden_state  # fmt: skip
+        model.lm_head(hidden[:, -1]).float()
+
+    return count(run)
+
+
+def report() -> dict[str, Any]:
+    """The counts as ``bench --count-kernels`` prints them (JSON)."""
+    cpu_model = narrow_model("cpu")
+    meta_model = narrow_model("meta")
+    cuda = {n: engine_step(meta_model, n, "flash") for n in ROWS}
+    cpu = {n: engine_step(cpu_model, n, "reference") for n in ROWS}
+    stock = {n: stock_step(narrow_model("cpu"), n) for n in ROWS}
+
+    def figures(counts: dict[int, Counts]) -> dict[str, Any]:
+        return {
+            "kernels_per_decode_step": {str(n): c.kernels for n, c in counts.items()},
+            "aten_ops_per_decode_step": {str(n): c.aten_ops for n, c in counts.items()},
+            "in_place_per_decode_step": {str(n): c.in_place for n, c in counts.items()},
+        }
+
+    return {
+        **figures(cuda),
+        "decode_attention": "flash",
+        "counted_on": "meta (the CUDA step's operations, shapes only)",
+        "by_op": dict(cuda[ROWS[0]].by_op.most_common()),
+        "cpu": {**figures(cpu), "decode_attention": "reference", "by_op": dict(cpu[ROWS[0]].by_op.most_common())},
+        "stock_forward": figures(stock),
+        "structure": {"text_layers": 40, "cross_attention_layers": list(REAL_CROSS_LAYERS), "heads": 32, "kv_heads": 8},
+    }
