@@ -88,6 +88,15 @@ def activation_reserve(total: int) -> int:
     return max(4 * GiB, total // 20)
 
 
+def read_by_decode(name: str) -> bool:
+    """Whether a decode step reads the parameter called ``name``: the text decoder and the LM head do; the
+    vision tower and its projector (they run at prefill), the input embedding table (one row per token) and
+    the cross-attention key/value projections and their norm (the image's keys and values are cached) do not."""
+    if "vision_model." in name or "multi_modal_projector" in name or "embed_tokens" in name:
+        return False
+    return not (".cross_attn." in name and any(part in name for part in (".k_proj.", ".v_proj.", ".k_norm.")))
+
+
 def row_bytes(kv: KVShape, new_tokens: int) -> int:
     """One row's cache at its longest: a prompt and ``new_tokens`` answer tokens, slack and image states."""
     return kv.batch_bytes(1, new_tokens + PROMPT_TOKENS)

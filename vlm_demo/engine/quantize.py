@@ -131,9 +131,10 @@ def quantize_model(model: torch.nn.Module, kind: str) -> torch.nn.Module:
     if kind == "none":
         return model
     cuda = next(model.parameters()).device.type == "cuda"
-    from torchao.quantization import FqnToConfig, quantize_
+    from torchao.quantization import quantize_
 
-    quantize_(model, FqnToConfig(layer_configs(model, kind, cuda)), filter_fn=None)
+    for name, config in layer_configs(model, kind, cuda).items():  # layer by layer, as the loader does
+        quantize_(model.get_submodule(name.removesuffix(".weight")), config, filter_fn=lambda module, fqn: True)
     return model
 
 
