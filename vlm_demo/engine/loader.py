@@ -21,8 +21,8 @@ import torch
 from transformers import AutoConfig, AutoProcessor, MllamaForConditionalGeneration
 
 import vlm_demo.engine.placement as placement
+import vlm_demo.engine.quantize as quantization
 from vlm_demo.config import Config
-from vlm_demo.engine import quantize as quantization
 from vlm_demo.engine.memory import AUTO_ROWS, AUTO_TOKENS, KVShape, most_precise_that_fits
 from vlm_demo.engine.worker import Worker
 from vlm_demo.errors import ModelLoadError

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from vlm_demo.engine import quantize
+import vlm_demo.engine.quantize as quantize
 from vlm_demo.errors import ModelLoadError
 
 GiB = 1024**3

@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
+import vlm_demo.engine.quantize as quantize
 from vlm_demo.config import Config
-from vlm_demo.engine import quantize
 from vlm_demo.engine.memory import (
     AUTO_TOKENS,
     PROMPT_TOKENS,

@@ -56,7 +56,17 @@ log = logging.getLogger("vlm_demo.tools.gpucheck")
 
 GB = 1e9
 LEVELS = (1, 8, 32)
-PACKAGES = ("torch", "torchao", "transformers", "accelerate", "tokenizers", "huggingface_hub", "safetensors", "numpy", "pillow")
+PACKAGES = (
+    "torch",
+    "torchao",
+    "transformers",
+    "accelerate",
+    "tokenizers",
+    "huggingface_hub",
+    "safetensors",
+    "numpy",
+    "pillow",
+)
 PINNED = ("transformers",)  # must equal requirements.txt: the engine uses its cache and model internals
 WATCHDOG_EXIT = 3
 DEADLINE_S = 360.0  # the watchdog: report written, run ended (the device runner kills 20 s later)
