@@ -280,6 +280,14 @@ def test_auto_picks_the_most_precise_format_that_leaves_room_for_8_rows(name, ca
     assert loader.choose_quantize("int4", config, "cuda", gpus, torch.bfloat16) == "int4"  # asked: as asked
 
 
+def test_auto_on_a_gpu_nothing_fits_says_so_in_one_line() -> None:
+    from vlm_demo.engine.placement import Gpu
+
+    t4 = [Gpu(0, "Tesla T4", int(14.5 * GiB), 15 * GiB, (7, 5))]  # int8 leaves no room; no int4 kernel
+    with pytest.raises(ModelLoadError, match=r"--quantize auto: nothing GPU 0 \(Tesla T4.*int8 weights take 11.0 GiB"):
+        loader.choose_quantize("auto", realshape.full_config(), "cuda", t4, torch.bfloat16)
+
+
 # ---- the option --------------------------------------------------------------------------------------------------
 
 

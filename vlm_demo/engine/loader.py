@@ -149,6 +149,13 @@ def choose_quantize(kind: str, config: Any, device: str, gpus: list[placement.Gp
     meta = placement.meta_model(config)
     weights = {k: quantization.weight_bytes(meta, dtype, k, cuda=True) for k in kinds}
     chosen, rows = most_precise_that_fits(weights, KVShape.of(config, dtype), gpu.free, gpu.total)
+    if rows == 0:
+        smallest = min(weights.values())
+        raise ModelLoadError(
+            f"--quantize auto: nothing GPU {gpu.index} ({gpu.name}, {gpu.free / placement.GiB:.1f} GiB free) runs "
+            f"leaves room for one answer: even {min(weights, key=weights.__getitem__)} weights take "
+            f"{smallest / placement.GiB:.1f} GiB; use a bigger GPU (python -m vlm_demo.tools.fit --gpu-memory SIZE)."
+        )
     log.info(
         "--quantize auto: %s weights (%.1f GiB) on GPU %d (%s, %.1f GiB free) leave room for %d rows of %d tokens%s",
         chosen,
@@ -158,7 +165,7 @@ def choose_quantize(kind: str, config: Any, device: str, gpus: list[placement.Gp
         gpu.free / placement.GiB,
         rows,
         AUTO_TOKENS,
-        "" if rows >= AUTO_ROWS else f" (fewer than {AUTO_ROWS}: nothing this GPU runs leaves more)",
+        "" if rows >= AUTO_ROWS else f" (fewer than {AUTO_ROWS}: no format this GPU runs leaves more)",
     )
     return chosen
 
