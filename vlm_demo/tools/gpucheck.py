@@ -465,6 +465,10 @@ def weight_formats(stages: Stages, worker: Any, processor: Any, model: str) -> N
     for kind in ("fp8", "int8"):
         name = f"weights: {kind}"
         refused = problem(kind, True, capability, report["gpu"], worker.dtype)
+        torch.cuda.empty_cache()
+        free = torch.cuda.mem_get_info(device)[0]
+        if not refused and free < 1.2 * report["weight_bytes"]:  # rebuilt in bf16 next to the model under test
+            refused = f"{free / GB:.1f} GB free: the model is rebuilt in bf16 before it is quantized (needs ~{1.2 * report['weight_bytes'] / GB:.0f} GB)"
         if refused:
             stages.skip(name, refused)
             continue
