@@ -167,6 +167,27 @@ def test_a_stage_starts_only_with_the_time_it_needs_left(tmp_path) -> None:
     assert json.loads((tmp_path / "r.json").read_text())["skipped"] == report["skipped"]  # written at once
 
 
+def test_on_a_gpu_without_fp8_the_weight_format_stage_skips_fp8_with_the_loaders_reason(tmp_path, monkeypatch) -> None:
+    """The stage's choices on an A10G (a faked compute capability and memory: fault injection, this box has no
+    GPU); the measurements themselves are the CPU-tested functions above, recorded here instead of run."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 6))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (60 * 10**9, 80 * 10**9))
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    measured = []
+    monkeypatch.setattr(gpu_measure, "format_figures", lambda worker, ref: measured.append("bf16") or {"greedy": [[1]]})
+    monkeypatch.setattr(gpu_measure, "quantized_figures", lambda *args: measured.append(args[3]) or {"errors": 0})
+    report = gpucheck.Report(str(tmp_path / "r.json"))
+    report.update(gpu="NVIDIA A10G", weight_bytes=21.3e9)
+    stages = gpucheck.Stages(report, gpucheck.Clock(budget_s=300.0))
+    worker = SimpleNamespace(device=SimpleNamespace(type="cuda"), dtype=torch.bfloat16)
+    gpucheck.weight_formats(stages, worker, None, "full")
+    assert measured == ["bf16", "int8"] and set(report["weight_formats"]) == {"bf16", "int8"}
+    assert "compute capability 8.6" in report["skipped"]["weights: fp8"] and report["failed"] == []
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (20 * 10**9, 80 * 10**9))
+    gpucheck.weight_formats(stages, worker, None, "full")  # no room for a second bf16 copy: skipped, not failed
+    assert "rebuilt in bf16" in report["skipped"]["weights: int8"] and report["failed"] == []
+
+
 def test_benchmark_runs_that_would_end_past_the_budget_are_skipped() -> None:
     """Estimated at the rate of batch-1 decode (the first run of a mode) or of the mode's last level."""
     runs: list[dict] = []
