@@ -348,3 +348,30 @@ def test_the_app_with_int8_weights_answers_as_the_unquantized_model_and_says_so(
         assert 'vlm_weights_info{weights="int8"} 1.0' in requests.get(url + "/metrics", timeout=10).text
         assert requests.get(url + "/v1/models", timeout=10).json()["data"][0]["weights"] == "int8"
         assert "· int8 weights" in requests.get(url + "/config", timeout=10).text  # the page's header
+
+
+@pytest.mark.slow
+def test_the_triton_served_engine_runs_int8_weights(worker, tiny_dir, tmp_path) -> None:
+    """``python -m vlm_demo.triton.serve --quantize int8``: the served engine answers as the unquantized model,
+    plain and with Think harder (the same seeded search as a local engine over the unquantized model)."""
+    from support import start_triton, stop_triton
+
+    from vlm_demo.backends.triton import TritonBackend
+    from vlm_demo.triton.contract import ENSEMBLE_MODEL
+
+    args = ["--model", "tiny", "--tiny-dir", tiny_dir, "--device", "cpu", "--quantize", "int8"]
+    proc, http, _ = start_triton(args, [ENSEMBLE_MODEL], tmp_path / "triton.log")
+    local = ContinuousEngine(worker, Config(batching="continuous")).start()
+    try:
+        remote = TritonBackend.from_config(Config(triton_url=f"http://127.0.0.1:{http}", triton_timeout=120.0))
+        searched = SamplingParams(300, 1.0, 1.0, seed=11, reasoning=STAGE_BEAM, beams=3)
+        for params in (SamplingParams(200, 0.0), searched):
+            item = door(solid_image("green", 60, 30), "What colour is it?", params)
+            assert remote.submit(item).result(120).text == local.generate(item).text
+        assert (
+            "loaded" in (tmp_path / "triton.log").read_text()
+            and "int8 weights" in (tmp_path / "triton.log").read_text()
+        )
+    finally:
+        local.shutdown()
+        stop_triton(proc, http)
