@@ -57,7 +57,7 @@ def test_a_gpu_without_fp8_or_int4_kernels_says_so() -> None:
     assert not t4["results"]["int4"]["runs"] and not t4["results"]["int8"]["fits"] and t4["auto"] is None
 
 
-def test_sizes_bandwidths_and_bad_input() -> None:
+def test_sizes_bandwidths_and_bad_input(capsys) -> None:
     assert fit.parse_size("24GiB") == 24 * GiB and fit.parse_size("24 GB") == 24 * 10**9
     assert fit.parse_size("23028MiB") == 23028 * 1024**2 and fit.parse_size("1000") == 1000
     assert fit.parse_bandwidth("600GB/s") == fit.parse_bandwidth("600") == 600e9
@@ -71,6 +71,7 @@ def test_sizes_bandwidths_and_bad_input() -> None:
     ]:
         with pytest.raises(SystemExit):
             fit.main(argv)
+        assert said in capsys.readouterr().err, argv
     assert gpus.by_device_name("NVIDIA A100-SXM4-40GB").key == "a100-40gb"  # not the A10
     assert gpus.by_device_name("NVIDIA L40S").key == "l40s" and gpus.by_device_name("NVIDIA GH200 480GB").key == "gh200"
 
