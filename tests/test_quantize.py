@@ -375,3 +375,16 @@ def test_the_triton_served_engine_runs_int8_weights(worker, tiny_dir, tmp_path) 
     finally:
         local.shutdown()
         stop_triton(proc, http)
+
+
+def test_without_torchao_a_format_is_refused_in_one_line_and_auto_stays_unquantized(monkeypatch, tiny_dir) -> None:
+    """A machine that skipped requirements.txt (faked here: torchao is installed for the other tests)."""
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "torchao" else find_spec(name, *a)
+    )
+    with pytest.raises(ModelLoadError, match="--quantize int8 needs torchao, which is not installed"):
+        loader.load(tiny_dir, device="cpu", quantize="int8")
+    assert quantize.usable(True, (9, 0), torch.bfloat16) == ("none",)  # auto on a GPU: bf16 or nothing

@@ -131,6 +131,9 @@ def check_quantize(kind: str, device: str, gpus: list[placement.Gpu], dtype: tor
     """Refuse a format a GPU the weights may go to cannot run, before anything is read (one sentence)."""
     if kind not in quantization.CHOICES:
         raise ModelLoadError(f"--quantize {kind} is not supported; use {', '.join(quantization.CHOICES)}.")
+    cpu = quantization.problem(kind, False, None, "", dtype)  # what every device needs (torchao)
+    if cpu:
+        raise ModelLoadError(cpu)
     for gpu in gpus if device.startswith("cuda") else []:
         problem = quantization.problem(kind, True, gpu.capability, f"GPU {gpu.index} ({gpu.name})", dtype)
         if problem:

@@ -27,6 +27,7 @@ What a GPU cannot do is refused before anything loads (:func:`problem`).
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Callable
 from typing import Any
 
@@ -43,6 +44,8 @@ TEXT, VISION = "model.language_model.", "model.vision_model."
 
 def problem(kind: str, cuda: bool, capability: tuple[int, int] | None, gpu: str, dtype: torch.dtype) -> str | None:
     """Why ``kind`` cannot run on this device (one sentence, what to use instead), or ``None``."""
+    if kind in ("fp8", "int8", "int4") and importlib.util.find_spec("torchao") is None:
+        return f"--quantize {kind} needs torchao, which is not installed: pip install -r requirements.txt."
     if not cuda or kind not in ("fp8", "int4"):
         return None
     have = f"{gpu} has compute capability {capability[0]}.{capability[1]}" if capability else f"{gpu}"
@@ -59,7 +62,10 @@ def problem(kind: str, cuda: bool, capability: tuple[int, int] | None, gpu: str,
 
 
 def usable(cuda: bool, capability: tuple[int, int] | None, dtype: torch.dtype) -> tuple[str, ...]:
-    """The kinds this device runs, most precise first (the order ``auto`` tries them in)."""
+    """The kinds this device runs, most precise first (the order ``auto`` tries them in); only ``none`` without
+    torchao."""
+    if importlib.util.find_spec("torchao") is None:
+        return ("none",)
     return tuple(kind for kind in KINDS if problem(kind, cuda, capability, "", dtype) is None)
 
 
