@@ -60,8 +60,8 @@ def weight_bytes(config: Any, dtype: torch.dtype, kind: str = "none", cuda: bool
 def too_big(weights: int, where: str, free: int, dtype: torch.dtype) -> ModelLoadError:
     need = (weights + LOAD_MARGIN) / GiB
     return ModelLoadError(
-        f"The model's weights ({dtype_name(dtype)}, as --quantize stores them) need {weights / GiB:.1f} GiB but "
-        f"{where} has only {free / GiB:.1f} GiB free, and a model spilled to the CPU decodes many times slower: "
+        f"The model's weights ({dtype_name(dtype)}, as --quantize stores them) need {weights / GiB:.1f} GiB (and "
+        f"{LOAD_MARGIN / GiB:.0f} GiB more while loading) but {where} has only {free / GiB:.1f} GiB free, and a model spilled to the CPU decodes many times slower: "
         f"use a GPU with well over {need:.0f} GB, or fewer bits per weight (--quantize int8 or int4; "
         f"python -m vlm_demo.tools.fit says what fits)."
     )

@@ -1,4 +1,4 @@
-"""Weights in 8 or 4 bits, quantized as they load (torchao), so the 11B model runs on 24 GB and 16 GB GPUs.
+"""Weights in 8 or 4 bits, quantized as they load (torchao), so the 11B model runs on 24 GB GPUs.
 
 No 8-bit checkpoint of Llama-3.2V-11B-cot exists, so the bf16 weights are quantized while they load:
 transformers hands each weight to torchao on its way to the device (:func:`load_config`), so neither the
