@@ -116,8 +116,21 @@ def test_a_dry_run_on_cpu_goes_through_every_stage(tiny_dir, tmp_path, monkeypat
     assert {"build model", "batched vs single", "benchmark", "join/evict peak"} <= set(report["stage_s"])
     peak = report["peak_run"]  # the planned row limit (8 on CPU) filled, rows joining and leaving
     assert peak["planned_rows"] == peak["max_batch_size"] == peak["requests"] == 8 and peak["errors"] == 0
-    assert peak["shrunk"] is None and report["skipped"] == {}
+    assert peak["shrunk"] is None and list(report["skipped"]) == ["weight formats"]  # GPU figures: not on CPU
+    assert report["skipped"]["weight formats"].startswith("needs a CUDA GPU")
     assert report["budget_s"] == gpucheck.BUDGET_S and report["deadline_s"] == gpucheck.DEADLINE_S <= 420
+
+
+def test_each_weight_format_is_measured_alike(worker) -> None:
+    """What the GPU run records per weight format (bf16, fp8, int8), here on the tiny model on CPU: its bytes,
+    decode at batch 1 and at 32 rows, and its greedy tokens against the unquantized model's."""
+    base = gpu_measure.format_figures(worker)
+    assert base["weights"] == "fp32" and base["errors"] == 0 and base["rows"] == 32
+    assert base["batch1_tokens_per_s"] > 0 and base["rows_tokens_per_s"] > 0 and len(base["greedy"]) == 2
+    int8 = gpu_measure.quantized_figures("tiny", torch.device("cpu"), None, "int8", base["greedy"])
+    assert int8["weights"] == "int8" and int8["weight_bytes"] < 0.7 * base["weight_bytes"]
+    assert int8["decode_weight_bytes"] < base["decode_weight_bytes"] and int8["errors"] == 0
+    assert int8["first_diff_vs_bf16"] == [None, None]  # the trained tiny model keeps its greedy tokens
 
 
 def test_a_run_out_of_budget_skips_what_does_not_fit_and_says_why(tiny_dir, tmp_path, monkeypatch) -> None:
@@ -130,8 +143,9 @@ def test_a_run_out_of_budget_skips_what_does_not_fit_and_says_why(tiny_dir, tmp_
     report = json.loads(out.read_text())
     assert report["failed"] == [] and report["budget_s"] == 0 and report["memory_plan"]["max_batch_size"] == 8
     skipped = report["skipped"]
-    assert set(skipped) == {"batched vs single", "written-out step vs stock", "decode at batch 1", "join/evict peak"}
-    assert all(why.startswith("time budget: ") for why in skipped.values()), skipped
+    budget = {"batched vs single", "written-out step vs stock", "decode at batch 1", "join/evict peak"}
+    assert set(skipped) == budget | {"weight formats"}  # the weight formats: not on CPU, whatever the budget
+    assert all(skipped[name].startswith("time budget: ") for name in budget), skipped
     assert [(r["mode"], r["concurrency"]) for r in report["runs"]] == [
         ("unbatched", 1),
         ("continuous", 1),
@@ -151,6 +165,27 @@ def test_a_stage_starts_only_with_the_time_it_needs_left(tmp_path) -> None:
     assert stages.run("required", lambda: "ran") == "ran"  # no need_s: runs whatever is left
     assert list(report["skipped"]) == ["too long"] and report["skipped"]["too long"].startswith("time budget: needs")
     assert json.loads((tmp_path / "r.json").read_text())["skipped"] == report["skipped"]  # written at once
+
+
+def test_on_a_gpu_without_fp8_the_weight_format_stage_skips_fp8_with_the_loaders_reason(tmp_path, monkeypatch) -> None:
+    """The stage's choices on an A10G (a faked compute capability and memory: fault injection, this box has no
+    GPU); the measurements themselves are the CPU-tested functions above, recorded here instead of run."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 6))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (60 * 10**9, 80 * 10**9))
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    measured = []
+    monkeypatch.setattr(gpu_measure, "format_figures", lambda worker, ref: measured.append("bf16") or {"greedy": [[1]]})
+    monkeypatch.setattr(gpu_measure, "quantized_figures", lambda *args: measured.append(args[3]) or {"errors": 0})
+    report = gpucheck.Report(str(tmp_path / "r.json"))
+    report.update(gpu="NVIDIA A10G", weight_bytes=21.3e9)
+    stages = gpucheck.Stages(report, gpucheck.Clock(budget_s=300.0))
+    worker = SimpleNamespace(device=SimpleNamespace(type="cuda"), dtype=torch.bfloat16)
+    gpucheck.weight_formats(stages, worker, None, "full")
+    assert measured == ["bf16", "int8"] and set(report["weight_formats"]) == {"bf16", "int8"}
+    assert "compute capability 8.6" in report["skipped"]["weights: fp8"] and report["failed"] == []
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (20 * 10**9, 80 * 10**9))
+    gpucheck.weight_formats(stages, worker, None, "full")  # no room for a second bf16 copy: skipped, not failed
+    assert "rebuilt in bf16" in report["skipped"]["weights: int8"] and report["failed"] == []
 
 
 def test_benchmark_runs_that_would_end_past_the_budget_are_skipped() -> None:
@@ -327,6 +362,7 @@ def test_the_device_runner_installs_the_carried_wheels_and_runs_the_check(tiny_d
     the report and the log in the output folder."""
     files = _download(f"transformers=={PINNED_TRANSFORMERS}", tmp_path / "carry")
     assert [Path(f).name.split("-")[0] for f in files] == ["transformers"]
+    assert "torchao==" + gpucheck.pinned_versions()["torchao"] in device.wanted_wheels()  # --quantize travels too
     out = tmp_path / "out"
     argv = ["--dir", str(tmp_path / "carry"), "gpucheck", "--out", str(out), "--deadline-s", "240"]
     argv += ["--", "--device", "cpu", "--model", "tiny", "--levels", "2", "--requests", "2"]

@@ -61,11 +61,11 @@ def test_an_h100_batches_over_a_hundred_rows() -> None:
 
 
 def test_an_a10_does_not_fit_bf16_usefully_and_says_what_to_do() -> None:
-    with pytest.raises(ModelLoadError, match="8-bit/4-bit") as info:
+    with pytest.raises(ModelLoadError, match="--quantize int8 or int4") as info:
         load_kwargs("cuda", WEIGHTS, [A10], torch.bfloat16)  # 21.3 GB of weights + CUDA's own on 22 GiB
     assert "19.9 GiB" in str(info.value) and "A10" in str(info.value)
     # Even with the weights squeezed in, the cache would have no room: the plan refuses too.
-    with pytest.raises(ModelLoadError, match="not enough for even one answer"):
+    with pytest.raises(ModelLoadError, match="not enough for even one answer.*--quantize int8 or int4"):
         plan(KV, Config(), cuda=True, free=int(1.5 * GiB), total=A10.total)
 
 

@@ -44,6 +44,16 @@ class Config:
             "choices": ("auto", "bfloat16", "float16", "float32"),
         },
     )
+    quantize: str = field(
+        default="auto",
+        metadata={
+            "group": "engine",
+            "help": "The language model's linear weights as loaded: none (the model dtype), fp8 (GPUs of compute "
+            "capability 8.9+), int8 or int4 (torchao, quantized while loading); auto = on CUDA the most precise that "
+            "leaves room for 8 rows of 1,024 tokens, none on CPU. See docs/quantization.md.",
+            "choices": ("none", "fp8", "int8", "int4", "auto"),
+        },
+    )
     cpu_threads: int = field(
         default=1,
         metadata={
@@ -434,5 +444,10 @@ def validate(config: Config) -> None:
         problems.append("--auth must look like USER:PASS")
     if config.mcp_server and config.auth:  # its tool calls reach the page's queue without the page's password
         problems.append("--mcp-server cannot be combined with --auth (Gradio's MCP tool calls would all be refused)")
+    if config.triton_url and config.quantize not in ("auto", "none"):  # the remote side holds the weights
+        problems.append(
+            "--quantize applies to a local model; with --triton-url set it where the model is served "
+            "(python -m vlm_demo.triton.serve --quantize ...)"
+        )
     if problems:
         raise ConfigError("invalid configuration: " + "; ".join(problems))

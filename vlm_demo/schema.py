@@ -166,6 +166,7 @@ class EngineStats:
     kv_bytes_per_token: int
     kv_bytes_per_row: int
     memory_plan: str  # where the numbers came from
+    weights: str = ""  # how the language model's linear weights are stored: fp8, int8, int4, or the dtype (bf16)
     cached_token_slots: int = 0  # continuous mode: KV columns held, padding included
     cached_bytes: int = 0
     row_limit: int = 0  # continuous mode: rows allowed now (lowered after an out-of-memory step)

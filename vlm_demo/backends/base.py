@@ -40,6 +40,11 @@ class Health:
     response_cache_hits: int = 0  # the web process's response cache (backends/cache.py), when it is on
     response_cache_misses: int = 0
 
+    @property
+    def weights(self) -> str:
+        """How the served model's weights are stored ("fp8", "int8", "bf16"…), "" where it is not known (Triton)."""
+        return self.engine.weights if self.engine is not None else ""
+
     def details(self) -> dict[str, Any]:
         """Everything but ``ready`` and ``queue_depth``, flat (``/health``'s ``details``)."""
         out: dict[str, Any] = dataclasses.asdict(self.engine) if self.engine is not None else {}

@@ -32,6 +32,7 @@ from vlm_demo.config import Config
 from vlm_demo.engine.faults import from_env as failpoints_from_env
 from vlm_demo.engine.ipc import Ended, Step
 from vlm_demo.engine.memory import MemoryPlan, plan_for
+from vlm_demo.engine.quantize import weights_label
 from vlm_demo.engine.request import Request, make_request
 from vlm_demo.engine.scheduler import Scheduler
 from vlm_demo.engine.streams import EngineStream, StreamTable
@@ -114,6 +115,7 @@ class Engine:
         self.config = config or Config(batching=self.batching)
         self.memory: MemoryPlan = plan_for(worker, self.config)  # in the engine process, after the weights load
         self.max_batch_size = self.memory.max_batch_size
+        self.weights = weights_label(worker.model)  # "fp8", "int8", "int4" or the dtype: /health, /metrics, the page
         self.scheduler = Scheduler(self.max_batch_size, self.config.batch_window_ms / 1000.0, self.config.max_queue)
         if self.config.structured_stages:
             _ = worker.grammar  # every token's text, built now (~0.5 s at 128k tokens) rather than at the first answer
@@ -277,6 +279,7 @@ class Engine:
             kv_bytes_per_row=plan.kv.bytes_per_row,
             kv_bytes_per_tile=plan.kv.bytes_per_tile,
             memory_plan=plan.source,
+            weights=self.weights,
             vision_encodes=self.worker.vision_encodes,
         )
 

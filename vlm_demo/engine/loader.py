@@ -1,10 +1,10 @@
 """Loading a model into a :class:`~vlm_demo.engine.worker.Worker`: where it comes from and where it goes.
 
 Everything is checked before any weights are read, so a wrong setting fails in a second with one
-sentence (:class:`~vlm_demo.errors.ModelLoadError`): a missing folder, an unreachable hub id,
-``--device cuda`` without CUDA, a checkpoint that is not Mllama, a model the GPU cannot hold
-(:mod:`~vlm_demo.engine.placement` decides where the weights go on CUDA). Running the model is the
-worker's business.
+sentence (:class:`~vlm_demo.errors.ModelLoadError`): ``--device cuda`` without CUDA, a ``--quantize``
+format the GPU cannot run (FP8 on an A10G), a missing folder, an unreachable hub id, a checkpoint that is
+not Mllama, a model the GPU cannot hold (:mod:`~vlm_demo.engine.placement` decides where the weights go on
+CUDA, :mod:`~vlm_demo.engine.quantize` how they are stored). Running the model is the worker's business.
 """
 
 from __future__ import annotations
@@ -21,7 +21,9 @@ import torch
 from transformers import AutoConfig, AutoProcessor, MllamaForConditionalGeneration
 
 import vlm_demo.engine.placement as placement
+import vlm_demo.engine.quantize as quantization
 from vlm_demo.config import Config
+from vlm_demo.engine.memory import AUTO_ROWS, AUTO_TOKENS, KVShape, most_precise_that_fits
 from vlm_demo.engine.worker import Worker
 from vlm_demo.errors import ModelLoadError
 from vlm_demo.models.choice import folder_problem, looks_like_path
@@ -111,7 +113,64 @@ LOAD_TIMES = os.path.join(os.path.expanduser("~"), ".cache", "vlm_demo", "load_s
 
 def load_worker(config: Config, progress: Progress | None = None) -> Worker:
     """The worker for ``config``'s model, device and dtype (``--model tiny`` builds the test model)."""
-    return load(config.model, config.device, config.dtype, config.tiny_dir, config.cpu_threads, progress)
+    return load(
+        config.model, config.device, config.dtype, config.tiny_dir, config.cpu_threads, progress, config.quantize
+    )
+
+
+def target_gpus(device: str) -> list[placement.Gpu]:
+    """The GPUs the weights may go to: ``cuda:N``'s one, or every visible GPU for ``cuda``."""
+    gpus = placement.visible_gpus()
+    if device == "cuda":
+        return gpus
+    index = int(device.split(":", 1)[1])
+    return [g for g in gpus if g.index == index]
+
+
+def check_quantize(kind: str, device: str, gpus: list[placement.Gpu], dtype: torch.dtype) -> None:
+    """Refuse a format a GPU the weights may go to cannot run, before anything is read (one sentence)."""
+    if kind not in quantization.CHOICES:
+        raise ModelLoadError(f"--quantize {kind} is not supported; use {', '.join(quantization.CHOICES)}.")
+    cpu = quantization.problem(kind, False, None, "", dtype)  # what every device needs (torchao)
+    if cpu:
+        raise ModelLoadError(cpu)
+    for gpu in gpus if device.startswith("cuda") else []:
+        problem = quantization.problem(kind, True, gpu.capability, f"GPU {gpu.index} ({gpu.name})", dtype)
+        if problem:
+            raise ModelLoadError(problem)
+
+
+def choose_quantize(kind: str, config: Any, device: str, gpus: list[placement.Gpu], dtype: torch.dtype) -> str:
+    """``auto``: none on CPU (no memory to save); on CUDA the most precise format the GPU runs that leaves room
+    for ``AUTO_ROWS`` rows of ``AUTO_TOKENS`` tokens on the GPU with the most free memory."""
+    if kind != "auto":
+        return kind
+    if not device.startswith("cuda") or not gpus:
+        return "none"
+    gpu = max(gpus, key=lambda g: g.free)
+    kinds = quantization.usable(True, gpu.capability, dtype)
+    meta = placement.meta_model(config)
+    weights = {k: quantization.weight_bytes(meta, dtype, k, cuda=True) for k in kinds}
+    chosen, rows = most_precise_that_fits(weights, KVShape.of(config, dtype), gpu.free, gpu.total)
+    if rows == 0:
+        smallest = min(weights.values())
+        raise ModelLoadError(
+            f"--quantize auto: nothing GPU {gpu.index} ({gpu.name}, {gpu.free / placement.GiB:.1f} GiB free) runs "
+            f"leaves room for one answer: even {min(weights, key=weights.__getitem__)} weights take "
+            f"{smallest / placement.GiB:.1f} GiB; use a bigger GPU (python -m vlm_demo.tools.fit --gpu-memory SIZE)."
+        )
+    log.info(
+        "--quantize auto: %s weights (%.1f GiB) on GPU %d (%s, %.1f GiB free) leave room for %d rows of %d tokens%s",
+        chosen,
+        weights[chosen] / placement.GiB,
+        gpu.index,
+        gpu.name,
+        gpu.free / placement.GiB,
+        rows,
+        AUTO_TOKENS,
+        "" if rows >= AUTO_ROWS else f" (fewer than {AUTO_ROWS}: no format this GPU runs leaves more)",
+    )
+    return chosen
 
 
 def last_load_seconds(model: str, device: str) -> float | None:
@@ -173,28 +232,39 @@ def load(
     tiny_dir: str | None = None,
     cpu_threads: int = 1,
     progress: Progress | None = None,
+    quantize: str = "none",
 ) -> Worker:
-    """Load weights and processor from a hub id or folder (``tiny`` builds the test model).
+    """Load weights and processor from a hub id or folder (``tiny`` builds the test model), the language
+    model's linear layers quantized as ``quantize`` says (:mod:`~vlm_demo.engine.quantize`).
 
-    Raises :class:`ModelLoadError` (one sentence, no traceback needed) for a missing folder, an
-    unreachable hub id, ``--device cuda`` without CUDA, a checkpoint that is not Mllama, or a
-    model that does not fit the GPU.
+    Raises :class:`ModelLoadError` (one sentence, no traceback needed) for ``--device cuda`` without CUDA,
+    a format the GPU cannot run, a missing folder, an unreachable hub id, a checkpoint that is not Mllama,
+    or a model that does not fit the GPU.
     """
+    dev = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, dev)
+    cuda = dev.startswith("cuda")
+    gpus = target_gpus(dev) if cuda else []
+    check_quantize(quantize, dev, gpus, torch_dtype)
     if progress is not None:
         progress(LoadProgress("preparing the tiny test model" if model == "tiny" else f"finding {model}"))
     path = resolve_model_path(model, tiny_dir)
-    dev = resolve_device(device)
-    torch_dtype = resolve_dtype(dtype, dev)
     config = load_model_config(path, model)
+    kind = choose_quantize(quantize, config, dev, gpus, torch_dtype)
     if dev == "cpu" and cpu_threads > 0:
         # Small matmuls gain nothing from threads, and OpenMP threads that spin-wait for a
         # descheduled sibling make every step many times slower on a shared machine.
         torch.set_num_threads(cpu_threads)
     kwargs: dict[str, Any] = {"dtype": torch_dtype}
-    if dev.startswith("cuda"):
-        weights = placement.weight_bytes(config, torch_dtype)
+    if cuda:
+        weights = placement.weight_bytes(config, torch_dtype, kind)
         kwargs.update(placement.load_kwargs(dev, weights, placement.visible_gpus(), torch_dtype))
-    ticker = _Ticker(progress, f"loading {model} onto {dev}", last_load_seconds(model, dev))
+    if kind != "none":
+        kwargs["quantization_config"] = quantization.load_config(placement.meta_model(config), kind, cuda)
+        if not cuda and kind == "fp8":
+            log.info("--quantize fp8 on CPU: FP8 weights, activations in %s (dynamic FP8 needs a GPU)", torch_dtype)
+    where = f"{dev}" if kind == "none" else f"{dev} as {kind} weights"
+    ticker = _Ticker(progress, f"loading {model} onto {where}", last_load_seconds(model, where))
     try:
         net = MllamaForConditionalGeneration.from_pretrained(path, config=config, **kwargs)
         processor = AutoProcessor.from_pretrained(path)
@@ -206,12 +276,13 @@ def load(
         raise hub_error(model, exc) from exc
     finally:
         seconds = ticker.stop()
-    if dev.startswith("cuda"):
+    if cuda:
         placement.check_on_gpus(net)
     else:
         net.to(dev)
     net.eval()
-    where = sorted({str(p.device) for p in net.parameters()})
-    log.info("loaded %s on %s (%s) in %.1f s", model, ", ".join(where), torch_dtype, seconds)
-    _remember_load_seconds(model, dev, seconds)
+    places = sorted({str(p.device) for p in net.parameters()})
+    weights_as = quantization.weights_label(net)
+    log.info("loaded %s on %s (%s, %s weights) in %.1f s", model, ", ".join(places), torch_dtype, weights_as, seconds)
+    _remember_load_seconds(model, where, seconds)
     return Worker(net, processor, model)

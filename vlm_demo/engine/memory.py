@@ -8,11 +8,13 @@ token budget does, misses the second part, which dominates short answers.
 
 The plan is made where the model is loaded (the engine process) and published in
 ``Engine.stats()``: on CUDA the byte budget is the memory free after loading minus a reserve for
-activations; the continuous engine allocates it once as its page pool (``pool_pages``), less the
-image-state cache's share, and admits rows by the pages they really take. The default batch size
-is the number of rows of ``max_new_tokens`` tokens with a one-tile picture that budget holds (the
-most it can hold; four-tile pictures fill the pages sooner). On CPU there is no budget and the
-batch size defaults to a small number.
+activations; the continuous engine allocates it once as its page pool (``pool_pages``), which also
+keeps the image-state cache in pages rows do not need, and admits rows by the pages they really take.
+The default batch size is the number of rows of ``max_new_tokens`` tokens with a one-tile picture that
+budget holds (the most it can hold; four-tile pictures fill the pages sooner). On CPU there is no budget
+and the batch size defaults to a small number. The same arithmetic runs before loading, on the bytes
+each ``--quantize`` choice would leave free, counting four-tile rows (what one answer may need): ``auto``
+picks by it (:func:`most_precise_that_fits`) and ``python -m vlm_demo.tools.fit`` prints it for any GPU.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import torch
 
 from vlm_demo.config import Config
 from vlm_demo.engine.pages import PageShape
+from vlm_demo.engine.placement import LOAD_MARGIN
 from vlm_demo.engine.worker import Worker
 from vlm_demo.errors import ModelLoadError
 
@@ -35,6 +38,7 @@ CPU_BATCH_SIZE = 8  # default on CPU: Python overhead, not memory, limits a CPU 
 MAX_AUTO_BATCH_SIZE = 256  # past this the host-side work per step (streaming 256 rows) dominates
 PROMPT_TOKENS = 128  # a question and the chat template, for sizing rows
 MIN_ROWS = 4  # fewer rows than this at full length: warn, the GPU is too small for serving
+AUTO_ROWS, AUTO_TOKENS = 8, 1024  # --quantize auto: the most precise weights that leave room for this many rows
 
 
 @dataclass(frozen=True)
@@ -97,6 +101,39 @@ def activation_reserve(total: int) -> int:
     return max(4 * GiB, total // 20)
 
 
+def read_by_decode(name: str) -> bool:
+    """Whether a decode step reads the parameter called ``name``: the text decoder and the LM head do; the
+    vision tower and its projector (they run at prefill), the input embedding table (one row per token) and
+    the cross-attention key/value projections and their norm (the image's keys and values are cached) do not."""
+    if "vision_model." in name or "multi_modal_projector" in name or "embed_tokens" in name:
+        return False
+    return not (".cross_attn." in name and any(part in name for part in (".k_proj.", ".v_proj.", ".k_norm.")))
+
+
+def row_bytes(kv: KVShape, new_tokens: int) -> int:
+    """One row's cache at its longest: a prompt and ``new_tokens`` answer tokens and a four-tile picture."""
+    return kv.batch_bytes(1, new_tokens + PROMPT_TOKENS)
+
+
+def rows_that_fit(kv: KVShape, free: int, total: int, new_tokens: int) -> int:
+    """Rows of ``new_tokens`` tokens the cache budget holds when ``free`` bytes of a ``total``-byte GPU are
+    free after loading (the working reserve kept out), uncapped; 0 when not even one."""
+    return max(0, (free - activation_reserve(total)) // row_bytes(kv, new_tokens))
+
+
+def most_precise_that_fits(weights: dict[str, int], kv: KVShape, free: int, total: int) -> tuple[str, int]:
+    """``--quantize auto``: of ``weights`` (each choice's weight bytes, most precise first), the first that
+    loads into ``free`` bytes and then leaves room for ``AUTO_ROWS`` rows of ``AUTO_TOKENS`` tokens; when
+    none does, the one that leaves the most rows. Returns the choice and its rows (0: nothing fits)."""
+    rows = {
+        kind: rows_that_fit(kv, free - size, total, AUTO_TOKENS) if size + LOAD_MARGIN <= free else 0
+        for kind, size in weights.items()
+    }
+    enough = [kind for kind in weights if rows[kind] >= AUTO_ROWS]
+    best = enough[0] if enough else max(rows, key=lambda kind: rows[kind])
+    return best, rows[best]
+
+
 def plan(
     kv: KVShape,
     config: Config,
@@ -107,8 +144,8 @@ def plan(
     """The plan for a model whose cache has shape ``kv``: from ``config`` where it says, else from
     ``free`` GPU memory (bytes, measured after loading) on CUDA, else CPU defaults."""
     row_tokens = config.max_new_tokens + PROMPT_TOKENS
-    row_bytes = kv.batch_bytes(1, row_tokens)  # a four-tile picture: the most one answer can need
-    small_row = kv.batch_bytes(1, row_tokens, tiles=1) if kv.bytes_per_tile else row_bytes
+    one_row = row_bytes(kv, config.max_new_tokens)  # a four-tile picture: the most one answer can need
+    small_row = kv.batch_bytes(1, row_tokens, tiles=1) if kv.bytes_per_tile else one_row
     if config.kv_budget_gb > 0:
         budget, source = int(config.kv_budget_gb * GiB), "--kv-budget-gb"
     elif cuda:
@@ -116,23 +153,24 @@ def plan(
         source = (
             f"{free / GiB:.1f} GiB free on the GPU after loading, {activation_reserve(total) / GiB:.1f} GiB reserved"
         )
-        if budget < row_bytes:
+        if rows_that_fit(kv, free, total, config.max_new_tokens) < 1:
             raise ModelLoadError(
                 f"After loading, the GPU has {free / GiB:.1f} GiB free, not enough for even one answer of "
-                f"{config.max_new_tokens} tokens ({row_bytes / GiB:.2f} GiB of cache) next to "
-                f"{activation_reserve(total) / GiB:.1f} GiB of working memory: use a GPU with 40 GB or more, "
-                f"8-bit/4-bit quantised weights (not built into this demo), or a lower --max-new-tokens."
+                f"{config.max_new_tokens} tokens ({one_row / GiB:.2f} GiB of cache) next to "
+                f"{activation_reserve(total) / GiB:.1f} GiB of working memory: use a bigger GPU, fewer bits per "
+                f"weight (--quantize int8 or int4; python -m vlm_demo.tools.fit says what fits), or a lower "
+                f"--max-new-tokens."
             )
     else:
         budget, source = 0, "CPU: no budget"
     if config.max_batch_size > 0:
         rows = config.max_batch_size
-        if budget and rows * row_bytes > budget:
+        if budget and rows * one_row > budget:
             log.warning(
                 "--max-batch-size %d: only %d rows of %d tokens fit in the %.1f GiB KV budget; continuous mode "
                 "admits by the budget, dynamic batches of long answers may run out of memory and be split",
                 rows,
-                budget // row_bytes,
+                budget // one_row,
                 row_tokens,
                 budget / GiB,
             )
@@ -140,14 +178,14 @@ def plan(
         rows = max(1, min(MAX_AUTO_BATCH_SIZE, budget // small_row))
         source += (
             f"; {budget // small_row} rows of {row_tokens} tokens fit with one-tile pictures, "
-            f"{budget // row_bytes} with four"
+            f"{budget // one_row} with four"
         )
     else:
         rows = CPU_BATCH_SIZE
-    if cuda and budget and budget // row_bytes < MIN_ROWS:
+    if cuda and budget and budget // one_row < MIN_ROWS:
         log.warning(
             "only %d rows of %d tokens fit in %.1f GiB: this GPU is too small to serve a batch usefully",
-            budget // row_bytes,
+            budget // one_row,
             row_tokens,
             budget / GiB,
         )

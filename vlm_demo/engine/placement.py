@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+import vlm_demo.engine.quantize as quantize
 from vlm_demo.errors import ModelLoadError
 
 GiB = 1024**3
@@ -31,37 +32,38 @@ class Gpu:
     name: str
     free: int
     total: int
+    capability: tuple[int, int] | None = None  # (major, minor): which quantized formats it runs
 
 
 def visible_gpus() -> list[Gpu]:
     gpus = []
     for index in range(torch.cuda.device_count()):
         free, total = torch.cuda.mem_get_info(index)
-        gpus.append(Gpu(index, torch.cuda.get_device_name(index), free, total))
+        name, capability = torch.cuda.get_device_name(index), torch.cuda.get_device_capability(index)
+        gpus.append(Gpu(index, name, free, total, tuple(capability)))  # type: ignore[arg-type]
     return gpus
 
 
-def parameter_count(config: Any) -> int:
-    """Parameters of an Mllama architecture, counted on the meta device (no memory, a fraction of a second)."""
+def meta_model(config: Any) -> torch.nn.Module:
+    """An Mllama architecture on the meta device: every shape, no memory, a fraction of a second."""
     from transformers import MllamaForConditionalGeneration
 
     with torch.device("meta"):
-        model = MllamaForConditionalGeneration(config)
-    return sum(p.numel() for p in model.parameters())
+        return MllamaForConditionalGeneration(config)
 
 
-def weight_bytes(config: Any, dtype: torch.dtype) -> int:
-    """The model's weight size in ``dtype``, from its architecture."""
-    return parameter_count(config) * dtype.itemsize
+def weight_bytes(config: Any, dtype: torch.dtype, kind: str = "none", cuda: bool = True) -> int:
+    """The model's weight size in ``dtype``, its linear layers as ``kind`` stores them, from its architecture."""
+    return quantize.weight_bytes(meta_model(config), dtype, kind, cuda)
 
 
 def too_big(weights: int, where: str, free: int, dtype: torch.dtype) -> ModelLoadError:
     need = (weights + LOAD_MARGIN) / GiB
     return ModelLoadError(
-        f"The model's {dtype_name(dtype)} weights need {weights / GiB:.1f} GiB but {where} has only "
-        f"{free / GiB:.1f} GiB free, and a model spilled to the CPU decodes many times slower: use a GPU "
-        f"with well over {need:.0f} GB (40 GB or more leaves room for a useful batch; an A100/H100 80 GB or "
-        f"an L40S 48 GB), or 8-bit/4-bit quantised weights (bitsandbytes; not built into this demo)."
+        f"The model's weights ({dtype_name(dtype)}, as --quantize stores them) need {weights / GiB:.1f} GiB (and "
+        f"{LOAD_MARGIN / GiB:.0f} GiB more while loading) but {where} has only {free / GiB:.1f} GiB free, and a model spilled to the CPU decodes many times slower: "
+        f"use a GPU with well over {need:.0f} GB, or fewer bits per weight (--quantize int8 or int4; "
+        f"python -m vlm_demo.tools.fit says what fits)."
     )
 
 
@@ -103,7 +105,7 @@ def check_on_gpus(model: torch.nn.Module) -> None:
     for name, param in model.named_parameters():
         if param.device.type != "cuda":
             kind = "the CPU or disk (offloaded)" if param.device.type == "meta" else param.device.type
-            elsewhere[kind] = elsewhere.get(kind, 0) + param.numel() * param.element_size()
+            elsewhere[kind] = elsewhere.get(kind, 0) + quantize.stored_bytes(param)
             first = first or name
     if elsewhere:
         spread = ", ".join(f"{size / GiB:.2f} GiB on {kind}" for kind, size in elsewhere.items())

@@ -4,7 +4,7 @@ The device's image has its own Python (3.12), torch (2.11, CUDA 13) and an older
 ours, and cannot install anything from the network. So:
 
 - here: ``python -m vlm_demo.tools.device prepare`` downloads the wheels it lacks (the pinned
-  transformers, and the tokenizers, regex and pillow builds we test with, for its Python) into
+  transformers and torchao, and the tokenizers, regex and pillow builds we test with, for its Python) into
   ``.device/wheels``, ignored by git, and checks that they and the working tree fit the 64 MiB that
   travel to the device (the device tool's ``carry=[".device/wheels"]``: only the wheels travel);
 - there: ``python3 -m vlm_demo.tools.device gpucheck --out $OUT`` installs them into ``.device/site``
@@ -37,12 +37,13 @@ CARRY = ".device/wheels"  # the device tool's carry list is [CARRY]: this folder
 TRAVEL_CAP = 64 * 1024**2  # what travels to the device: the working tree and the carried paths together
 DEVICE_PYTHON = "3.12"
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")
-CARRIED = ("transformers", "tokenizers", "regex", "pillow")  # transformers' pin, and what it checks at import
+# transformers and torchao as pinned (the image has neither at our versions), and what transformers checks at import
+CARRIED = ("transformers", "torchao", "tokenizers", "regex", "pillow")
 KILL_GRACE_S = 20.0  # after gpucheck's deadline: its watchdog's backstop fires at 15 s, this kill at 20
 
 
 def wanted_wheels() -> list[str]:
-    """``name==version`` for each carried package: transformers as pinned, the rest as installed here."""
+    """``name==version`` for each carried package: as pinned in requirements.txt, else as installed here."""
     pins = pinned_versions()
     specs = []
     for name in CARRIED:

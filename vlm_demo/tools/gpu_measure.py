@@ -16,7 +16,9 @@ tiny model, the GPU run with the narrow real-shape model in fp32 and the full 11
   time left;
 - :func:`peak_run`: the planned row limit filled, rows joining and leaving, to see the join/evict peak
   next to the memory plan (:func:`peak_rows_that_fit`: fewer rows when time is short);
-- :func:`load_saved`: the real loading path (``engine.loader.load``) on a saved model folder.
+- :func:`load_saved`: the real loading path (``engine.loader.load``) on a saved model folder;
+- :func:`format_figures` / :func:`quantized_figures`: one weight format (bf16, fp8, int8) measured the same
+  way: its bytes, decode at 1 and ``QUANTIZED_ROWS`` rows, the peak memory, its greedy tokens against bf16's.
 """
 
 from __future__ import annotations
@@ -39,13 +41,15 @@ from vlm_demo.engine import make_engine
 from vlm_demo.engine.base import Engine
 from vlm_demo.engine.decode_step import TextDecodeStep, page_shape
 from vlm_demo.engine.loader import load
-from vlm_demo.engine.memory import KVShape, activation_reserve, plan_for
+from vlm_demo.engine.memory import KVShape, activation_reserve, plan_for, read_by_decode
+from vlm_demo.engine.quantize import quantize_model, stored_bytes, weights_label
 from vlm_demo.engine.request import make_request
 from vlm_demo.engine.rows import Row, RunningRows
 from vlm_demo.engine.sampler import RowSampling
 from vlm_demo.engine.worker import Worker
 from vlm_demo.models import realshape
 from vlm_demo.schema import Limits, SamplingParams, ValidRequest, validate_request
+from vlm_demo.tools.gpus import by_device_name
 
 log = logging.getLogger(__name__)
 
@@ -57,29 +61,8 @@ REQUEST_TIMEOUT_S = 120.0  # no single request of the check may wait longer
 JOIN_WAIT_S = 60.0  # the first row of the join check must have written its tokens by then
 RUN_OVERHEAD_S = 5.0  # a benchmark run's engine start and warm-up request, on top of its answers
 PEAK_TOKENS = (32, 96)  # forced answer lengths in the join/evict peak run, log-uniform
+QUANTIZED_ROWS = 32  # the weight formats' throughput run: one wave of this many answers at once
 SAMPLED = SamplingParams(max_new_tokens=0, temperature=0.8, top_p=0.9, seed=1234)  # length set per check
-
-# Peak memory bandwidth from the vendors' spec sheets (bytes/s); the first name contained in the
-# device name wins, so specific names come before general ones.
-SPEC_BANDWIDTH: list[tuple[str, float]] = [
-    ("GH200", 4.0e12),
-    ("H200", 4.8e12),
-    ("H100 NVL", 3.9e12),
-    ("H100 PCIe", 2.0e12),
-    ("H100", 3.35e12),
-    ("B200", 8.0e12),
-    ("A100-SXM4-80GB", 2.039e12),
-    ("A100 80GB PCIe", 1.935e12),
-    ("A100", 1.555e12),
-    ("L40S", 0.864e12),
-    ("L40", 0.864e12),
-    ("A10G", 0.6e12),
-    ("A10", 0.6e12),
-    ("L4", 0.3e12),
-    ("RTX 6000 Ada", 0.96e12),
-    ("RTX A6000", 0.768e12),
-    ("RTX 4090", 1.008e12),
-]
 
 # (width, height) -> 1, 2, 3 and 4 tiles of 560 px; prompts of different lengths.
 CASES = [
@@ -91,8 +74,9 @@ CASES = [
 
 
 def spec_bandwidth(device_name: str) -> float | None:
-    """Peak bandwidth (bytes/s) of a known GPU, by name; None if unknown."""
-    return next((bw for key, bw in SPEC_BANDWIDTH if key in device_name), None)
+    """Peak bandwidth (bytes/s) of a known GPU (:mod:`vlm_demo.tools.gpus`), by its device name; None if unknown."""
+    spec = by_device_name(device_name)
+    return spec.bandwidth if spec else None
 
 
 def measure_bandwidth(device: torch.device, size: int = 2 * 1024**3, repeats: int = 10) -> float:
@@ -112,17 +96,9 @@ def measure_bandwidth(device: torch.device, size: int = 2 * 1024**3, repeats: in
 
 
 def decode_weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of weights one decode step reads: the text decoder and the LM head. Not the vision tower or
-    its projector (they run at prefill), not the input embedding table (one row per token), not the
-    cross-attention key/value projections and their norm (the image's keys and values are cached)."""
-    total = 0
-    for name, param in model.named_parameters():
-        if "vision_model." in name or "multi_modal_projector" in name or "embed_tokens" in name:
-            continue
-        if ".cross_attn." in name and any(part in name for part in (".k_proj.", ".v_proj.", ".k_norm.")):
-            continue
-        total += param.numel() * param.element_size()
-    return total
+    """Bytes of weights one decode step reads (:func:`~vlm_demo.engine.memory.read_by_decode`), as stored
+    (a quantized weight's values and scales)."""
+    return sum(stored_bytes(param) for name, param in model.named_parameters() if read_by_decode(name))
 
 
 def decode_read_bytes(model: torch.nn.Module, kv: KVShape, context: int = 0) -> int:
@@ -197,6 +173,17 @@ def _alone(worker: Worker, items: list[ValidRequest]) -> list[list[int]]:
         engine.shutdown()
 
 
+def generate_alone(worker: Worker, requests: list[ValidRequest], tokens: int) -> list[list[int]]:
+    """Each request's greedy tokens alone, through plain ``model.generate`` (the reference)."""
+    refs = []
+    for valid in requests:
+        inputs = worker.to_device(worker.prepare(valid.image, valid.question))
+        with torch.inference_mode():
+            out = worker.model.generate(**inputs, generation_config=worker.generation_config(tokens))
+        refs.append(out[0, inputs["input_ids"].shape[1] :].tolist())
+    return refs
+
+
 def batched_vs_single(worker: Worker, tokens: int) -> Comparison:
     """Every case alone (greedy, through plain ``model.generate``) and a seeded sampled row alone, then all
     together: through the dynamic engine in one batch, and through the continuous engine with a first row
@@ -206,12 +193,7 @@ def batched_vs_single(worker: Worker, tokens: int) -> Comparison:
     requests = jobs(greedy)
     long_first = dataclasses.replace(requests[0], params=dataclasses.replace(greedy, max_new_tokens=4 * tokens))
     sampled = dataclasses.replace(requests[2], params=dataclasses.replace(SAMPLED, max_new_tokens=tokens))
-    refs = []
-    for valid in requests:
-        inputs = worker.to_device(worker.prepare(valid.image, valid.question))
-        with torch.inference_mode():
-            out = worker.model.generate(**inputs, generation_config=worker.generation_config(tokens))
-        refs.append(out[0, inputs["input_ids"].shape[1] :].tolist())
+    refs = generate_alone(worker, requests, tokens)
     first_ref, sampled_ref = _alone(worker, [long_first, sampled])
     result = Comparison()
     for mode in ("dynamic", "continuous"):
@@ -410,7 +392,7 @@ def peak_run(worker: Worker, rows: int, answer_tokens: tuple[int, int] = PEAK_TO
     plan = plan_for(worker, Config(batching="continuous", max_batch_size=rows))
     items = workload(rows, seed=7, lengths=answer_tokens, sizes=[(560, 560)])
     result = load_run(worker, "continuous", rows, items, rows, window_ms=0.0)
-    weights = sum(p.numel() * p.element_size() for p in worker.model.parameters())
+    weights = sum(stored_bytes(p) for p in worker.model.parameters())
     if worker.device.type == "cuda":
         total = torch.cuda.get_device_properties(worker.device).total_memory
         result.update(
@@ -462,17 +444,62 @@ def ratios(results: list[dict[str, Any]]) -> dict[int, dict[str, float]]:
     return out
 
 
+# ---- weight formats ---------------------------------------------------------------------------------------
+
+
+def format_figures(worker: Worker, reference: list[list[int]] | None = None, tokens: int = 16) -> dict[str, Any]:
+    """One weight format of the model under test, measured as every other is: its weights' bytes (all, and what
+    a decode step reads), decode tokens/s at batch 1 and with ``QUANTIZED_ROWS`` rows (continuous batching, one
+    wave of answers), that run's peak memory, and its greedy tokens on two cases; with ``reference`` (bf16's
+    tokens) the first token where each case differs from it (None: the same ``tokens`` tokens)."""
+    greedy = generate_alone(worker, jobs(SamplingParams(max_new_tokens=tokens, temperature=0.0))[:2], tokens)
+    batch1 = batch1_decode(worker)
+    run = load_run(worker, "continuous", QUANTIZED_ROWS, workload(QUANTIZED_ROWS, seed=5), QUANTIZED_ROWS)
+    figures = {
+        "weights": weights_label(worker.model),
+        "weight_bytes": sum(stored_bytes(p) for p in worker.model.parameters()),
+        "decode_weight_bytes": decode_weight_bytes(worker.model),
+        "batch1_tokens_per_s": batch1,
+        "rows": QUANTIZED_ROWS,
+        "rows_tokens_per_s": run["tokens_per_s"],
+        "errors": run["errors"],
+        "peak_memory_bytes": run["peak_memory_bytes"],
+        "greedy": greedy,
+    }
+    if reference is not None:
+        figures["first_diff_vs_bf16"] = [first_difference(g, r) for g, r in zip(greedy, reference, strict=True)]
+    return figures
+
+
+def quantized_figures(
+    model: str, device: torch.device, processor: Any, kind: str, reference: list[list[int]]
+) -> dict[str, Any]:
+    """:func:`format_figures` for the model under test rebuilt (same seed: the same weights) and quantized to
+    ``kind`` in place; its memory is returned once measured."""
+    worker = build_worker(model, device, processor, quantize=kind)
+    try:
+        return format_figures(worker, reference)
+    finally:
+        del worker
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
 # ---- building and loading ---------------------------------------------------------------------------------
 
 
-def build_worker(model: str, device: torch.device, processor: Any, dtype: torch.dtype | None = None) -> Worker:
+def build_worker(
+    model: str, device: torch.device, processor: Any, dtype: torch.dtype | None = None, quantize: str = "none"
+) -> Worker:
     """The model under test: the full 11B architecture or the narrow one with random weights (bf16
-    on a GPU, fp32 on CPU, unless ``dtype`` says), or the tiny test model (a dry run on CPU)."""
+    on a GPU, fp32 on CPU, unless ``dtype`` says), or the tiny test model (a dry run on CPU); its language
+    model's linear weights stored as ``quantize`` says."""
     if model == "tiny":
-        return load("tiny", device=str(device))
+        return load("tiny", device=str(device), quantize=quantize)
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     config = realshape.full_config() if model == "full" else realshape.narrow_config()
-    return Worker(realshape.build_model(config, dtype, device), processor, f"{model}-random")
+    built = quantize_model(realshape.build_model(config, dtype, device), quantize)
+    return Worker(built, processor, f"{model}-random")
 
 
 def load_saved(worker: Worker, device: str, tokens: int = 8) -> dict[str, Any]:

@@ -13,7 +13,10 @@ random bf16 weights directly on the GPU and measures, in order (:mod:`vlm_demo.t
    required: bf16 kernels depend on the batch shape), the written-out decode step vs the stock forward;
 4. speed: decode tokens/s at batch 1 next to the bound from the bytes a decode step reads; unbatched,
    dynamic and continuous batching at concurrency 1, 8 and 32, each run isolated, with its peak memory;
-   the planned row limit filled (rows joining and leaving) to check the join/evict peak.
+5. weight formats: the same model with fp8 (compute capability 8.9+) and int8 weights next to bf16,
+   measured alike: weight bytes, decode tokens/s at 1 and 32 rows, peak memory, greedy tokens against
+   bf16's (skipped, with the reason, on CPU);
+6. the planned row limit filled (rows joining and leaving) to check the join/evict peak.
 
 Device time is scarce (15 minutes a session, 10 a command, and a rerun must fit), so the run keeps to
 a time budget and loses nothing it measured. No optional stage or benchmark run starts unless its
@@ -53,7 +56,17 @@ log = logging.getLogger("vlm_demo.tools.gpucheck")
 
 GB = 1e9
 LEVELS = (1, 8, 32)
-PACKAGES = ("torch", "transformers", "accelerate", "tokenizers", "huggingface_hub", "safetensors", "numpy", "pillow")
+PACKAGES = (
+    "torch",
+    "torchao",
+    "transformers",
+    "accelerate",
+    "tokenizers",
+    "huggingface_hub",
+    "safetensors",
+    "numpy",
+    "pillow",
+)
 PINNED = ("transformers",)  # must equal requirements.txt: the engine uses its cache and model internals
 WATCHDOG_EXIT = 3
 DEADLINE_S = 360.0  # the watchdog: report written, run ended (the device runner kills 20 s later)
@@ -71,6 +84,8 @@ NEED_S = {
     "written-out step vs stock": 10.0,
     "bandwidth": 5.0,
     "decode at batch 1": 15.0,
+    "weights: bf16": 30.0,  # greedy tokens, batch-1 decode, one wave of 32 answers
+    "weights: quantized": 50.0,  # the same, plus building the model again and quantizing it
 }
 FULL_MODEL_S = 150.0
 
@@ -318,6 +333,7 @@ def run(args: argparse.Namespace, report: Report, device: Any, clock: Clock) -> 
     if worker is not None:
         levels = tuple(int(x) for x in args.levels.split(",") if x.strip())
         speed(stages, worker, levels, args.requests)
+        weight_formats(stages, worker, processor, args.model)
         peak(stages, worker, args.peak_rows, max(levels, default=1))
     return finish(report, clock)
 
@@ -363,6 +379,7 @@ def narrow_checks(stages: Stages, device: Any, processor: Any, tokens: int) -> N
 def model_checks(stages: Stages, device: Any, processor: Any, args: argparse.Namespace) -> Any:
     """3. The model under test (the full 11B architecture, random bf16 weights, built on the GPU): its
     placement, the memory plan, batched vs single, the written-out step; returns its worker (None: no build)."""
+    from vlm_demo.engine.quantize import stored_bytes
     from vlm_demo.tools import gpu_measure as measure
 
     report, cuda = stages.report, device.type == "cuda"
@@ -375,7 +392,7 @@ def model_checks(stages: Stages, device: Any, processor: Any, args: argparse.Nam
         stages.run("weights on the GPU", check_on_gpus, worker.model)
     report.update(
         parameters=sum(p.numel() for p in worker.model.parameters()),
-        weight_bytes=sum(p.numel() * p.element_size() for p in worker.model.parameters()),
+        weight_bytes=sum(stored_bytes(p) for p in worker.model.parameters()),
         dtype=str(worker.dtype),
         decode_reads=measure.bytes_read_per_token(worker),
     )
@@ -423,6 +440,45 @@ def speed(stages: Stages, worker: Any, levels: tuple[int, ...], requests: int) -
     failed_runs = [f"{r['mode']}@{r['concurrency']}: {r['error']}" for r in runs if "error" in r]
     if failed_runs:
         stages.fail("benchmark runs failed: " + "; ".join(failed_runs))
+
+
+def weight_formats(stages: Stages, worker: Any, processor: Any, model: str) -> None:
+    """5. bf16 (the model under test), then fp8 where the GPU has it and int8, each measured alike; a format the
+    GPU cannot run is skipped with the loader's own reason. CPU: skipped (these are GPU figures)."""
+    import torch
+
+    from vlm_demo.engine.quantize import problem
+    from vlm_demo.tools import gpu_measure as measure
+
+    report, device = stages.report, worker.device
+    if device.type != "cuda":
+        why = "needs a CUDA GPU: decode speed and memory per weight format are GPU figures (tests/test_quantize.py "
+        stages.skip("weight formats", why + "checks every format's answers on CPU)")
+        return
+    formats = report["weight_formats"] = {}
+    name = "weights: bf16"
+    base = formats["bf16"] = stages.run(name, measure.format_figures, worker, None, need_s=NEED_S[name])
+    if base is None:
+        return
+    capability = torch.cuda.get_device_capability(device)
+    for kind in ("fp8", "int8"):
+        name = f"weights: {kind}"
+        refused = problem(kind, True, capability, report["gpu"], worker.dtype)
+        torch.cuda.empty_cache()
+        free = torch.cuda.mem_get_info(device)[0]
+        if not refused and free < 1.2 * report["weight_bytes"]:  # rebuilt in bf16 next to the model under test
+            refused = f"{free / GB:.1f} GB free: the model is rebuilt in bf16 before it is quantized (needs ~{1.2 * report['weight_bytes'] / GB:.0f} GB)"
+        if refused:
+            stages.skip(name, refused)
+            continue
+        need_s = NEED_S["weights: quantized"]
+        figures = stages.run(
+            name, measure.quantized_figures, model, device, processor, kind, base["greedy"], need_s=need_s
+        )
+        formats[kind] = figures
+        if figures is not None and figures["errors"]:
+            stages.fail(f"{name}: {figures['errors']} of the {measure.QUANTIZED_ROWS} answers failed")
+        report.write()
 
 
 def peak(stages: Stages, worker: Any, rows: int, benchmarked: int) -> None:
@@ -519,6 +575,14 @@ def print_report(report: dict[str, Any]) -> None:
         )
     for level, entry in report.get("ratios", {}).items():
         print(f"concurrency {level}: " + ", ".join(f"{k} {v:.2f}x" for k, v in entry.items()))
+    for kind, figures in (report.get("weight_formats") or {}).items():
+        if figures:
+            print(
+                f"{kind} weights: {figures['weight_bytes'] / GB:.2f} GB; decode {_num(figures['batch1_tokens_per_s'], '.1f')} "
+                f"tokens/s at batch 1, {_num(figures['rows_tokens_per_s'], '.1f')} at {figures['rows']} rows; peak "
+                f"{(figures['peak_memory_bytes'] or 0) / GB:.1f} GB; first token differing from bf16's greedy: "
+                f"{figures.get('first_diff_vs_bf16', '(the reference)')}"
+            )
     if report.get("peak_run"):
         peak = report["peak_run"]
         print(f"join/evict peak: {peak}")

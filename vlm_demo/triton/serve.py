@@ -310,7 +310,8 @@ def serve_repository(
 
     It serves a copy (:func:`local_copy_of_repository`): an explicit ``--model`` replaces the ``model``
     parameters, and without a GPU the instances run on the CPU. The Python-backend stubs inherit this
-    environment: ``PYTHONPATH`` gets this package, and an explicit ``--model`` is also ``VLM_MODEL``.
+    environment: ``PYTHONPATH`` gets this package, an explicit ``--model`` is also ``VLM_MODEL`` and a
+    ``--quantize`` other than auto ``VLM_QUANTIZE``.
     """
     import tempfile
 
@@ -323,6 +324,8 @@ def serve_repository(
         os.environ["VLM_MODEL"] = config.model
     if config.tiny_dir:
         os.environ["VLM_TINY_DIR"] = config.tiny_dir
+    if config.quantize != "auto":  # the stubs' engines load the weights: quantized as asked here
+        os.environ["VLM_QUANTIZE"] = config.quantize
     cpu = not torch.cuda.is_available()
     if cpu:
         log.warning("no GPU: running the repository's KIND_GPU instances on the CPU")
@@ -345,6 +348,7 @@ def build_arg_parser() -> argparse.ArgumentParser:
             "model",
             "device",
             "dtype",
+            "quantize",
             "max_batch_size",
             "batch_window_ms",
             "max_queue",

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from vlm_demo.stream import Stream
 
@@ -93,13 +93,37 @@ class _CacheCollector:
             yield CounterMetricFamily(name, text, value=value(counts))
 
 
+class _WeightsCollector:
+    """``vlm_weights_info{weights="int8"} 1``: how the served model's weights are stored, read at each scrape
+    (nothing while unknown: a remote Triton model)."""
+
+    def __init__(self, read: Callable[[], str]) -> None:
+        self.read = read
+
+    def collect(self) -> Iterator[Metric]:
+        try:
+            weights = self.read()
+        except Exception as err:  # a scrape must not fail because the backend is briefly unreachable
+            log.warning("weights unavailable: %r", err)
+            weights = ""
+        info = GaugeMetricFamily(
+            "vlm_weights_info", "How the model's weights are stored: fp8, int8, int4 or the dtype.", labels=["weights"]
+        )
+        if weights:
+            info.add_metric([weights], 1)
+        yield info
+
+
 class Metrics:
     """The ``vlm_*`` metrics; also a backend listener (``on_batch`` / ``on_request_done``)."""
 
     content_type = CONTENT_TYPE_LATEST
 
     def __init__(
-        self, queue_depth: Callable[[], int] | None = None, caches: Callable[[], CacheCounts] | None = None
+        self,
+        queue_depth: Callable[[], int] | None = None,
+        caches: Callable[[], CacheCounts] | None = None,
+        weights: Callable[[], str] | None = None,
     ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.requests = Counter(
@@ -125,6 +149,7 @@ class Metrics:
         if queue_depth is not None:
             self.queue_depth.set_function(lambda: _safe(queue_depth))
         self.registry.register(_CacheCollector(caches or CacheCounts))
+        self.registry.register(_WeightsCollector(weights or str))
 
     # ---- backend listener ---------------------------------------------------------------------
     def on_batch(self, size: int) -> None:

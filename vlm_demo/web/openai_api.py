@@ -241,7 +241,7 @@ class OpenAIAPI:
             self._authorize(request)
         except APIError as err:
             return self._refuse(err)
-        return JSONResponse({"object": "list", "data": [model_card(self.model, self.created)]})
+        return JSONResponse({"object": "list", "data": [model_card(self.model, self.created, self._weights())]})
 
     async def model_info(self, model_id: str, request: Request) -> Response:
         try:
@@ -249,7 +249,12 @@ class OpenAIAPI:
             self._check_model(model_id, "model")
         except APIError as err:
             return self._refuse(err)
-        return JSONResponse(model_card(self.model, self.created))
+        return JSONResponse(model_card(self.model, self.created, self._weights()))
+
+    def _weights(self) -> str:
+        """How the weights are stored, from the local engine's stats (a remote backend's health is a network call,
+        not for the event loop, and does not say)."""
+        return "" if self.backend.remote else self.backend.health().weights
 
     async def unknown(self, path: str, request: Request) -> Response:
         try:

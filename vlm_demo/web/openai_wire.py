@@ -183,6 +183,7 @@ def deltas(reasoning: str, content: str) -> list[dict[str, Any]]:
     return out
 
 
-def model_card(model: str, created: int) -> dict[str, Any]:
-    """One entry of ``GET /v1/models``."""
-    return {"id": model, "object": "model", "created": created, "owned_by": "vlm-demo"}
+def model_card(model: str, created: int, weights: str = "") -> dict[str, Any]:
+    """One entry of ``GET /v1/models``; ``weights`` (how they are stored: "fp8", "int8", "bf16"…) when known."""
+    card = {"id": model, "object": "model", "created": created, "owned_by": "vlm-demo"}
+    return {**card, "weights": weights} if weights else card

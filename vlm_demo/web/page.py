@@ -178,12 +178,14 @@ class DemoUI:
 
     # ---- the page -----------------------------------------------------------------------------------
     def build(self) -> gr.Blocks:
+        weights = self.backend.health().weights  # "int8" etc.: said next to the model's name
         with Page(title="LLaVA-CoT demo") as demo:
             gr.Markdown(
                 "# LLaVA-CoT · Llama-3.2V-11B-cot\n"
                 "Upload an image and ask about it. The model thinks in four stages, shown live as it writes: "
                 "**SUMMARY** (its plan) → **CAPTION** (what it sees) → **REASONING** → **CONCLUSION** (the answer).  \n"
-                f"Model: `{self.backend.model}` · backend: `{self.backend.name}`",
+                f"Model: `{self.backend.model}` · backend: `{self.backend.name}`"
+                + (f" · {weights} weights" if weights else ""),
                 elem_id="header",
             )
             gr.Markdown(self.notice or "", elem_id="banner", visible=bool(self.notice))

@@ -68,7 +68,11 @@ def create_app(
     batch = batch or config.max_batch_size or REMOTE_BATCH_SIZE
     if batch != config.max_batch_size:
         config = dataclasses.replace(config, max_batch_size=batch)
-    metrics = Metrics(queue_depth=lambda: backend.health().queue_depth, caches=lambda: cache_counts(backend))
+    metrics = Metrics(
+        queue_depth=lambda: backend.health().queue_depth,
+        caches=lambda: cache_counts(backend),
+        weights=lambda: backend.health().weights,
+    )
     backend.add_listener(metrics)
     ui = DemoUI(backend, config, metrics, notice)
     demo = ui.build()
