@@ -116,8 +116,9 @@ def test_a_dry_run_on_cpu_goes_through_every_stage(tiny_dir, tmp_path, monkeypat
     assert {"build model", "batched vs single", "benchmark", "join/evict peak"} <= set(report["stage_s"])
     peak = report["peak_run"]  # the planned row limit (8 on CPU) filled, rows joining and leaving
     assert peak["planned_rows"] == peak["max_batch_size"] == peak["requests"] == 8 and peak["errors"] == 0
-    assert peak["shrunk"] is None and list(report["skipped"]) == ["weight formats"]  # GPU figures: not on CPU
+    assert peak["shrunk"] is None and list(report["skipped"]) == ["decode graphs", "weight formats"]  # GPU figures
     assert report["skipped"]["weight formats"].startswith("needs a CUDA GPU")
+    assert report["skipped"]["decode graphs"].startswith("needs CUDA: capture and replay are CUDA's")
     assert report["budget_s"] == gpucheck.BUDGET_S and report["deadline_s"] == gpucheck.DEADLINE_S <= 420
 
 

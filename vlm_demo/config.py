@@ -160,6 +160,16 @@ class Config:
             "choices": ("auto", "flash", "reference"),
         },
     )
+    cuda_graphs: str = field(
+        default="auto",
+        metadata={
+            "group": "engine",
+            "help": "Continuous mode: replay the decode step from CUDA graphs captured at start, one per bucket of rows "
+            "(one launch per step instead of hundreds; a little GPU memory per bucket): on, off, or auto (on with "
+            "CUDA and FlashAttention's paged kernel).",
+            "choices": ("auto", "on", "off"),
+        },
+    )
     prefill_batch_size: int = field(
         default=8,
         metadata={

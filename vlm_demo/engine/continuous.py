@@ -29,6 +29,7 @@ from vlm_demo.config import Config
 from vlm_demo.engine.base import Engine, error_for, is_fatal_device_error, is_out_of_memory, release
 from vlm_demo.engine.beam import StageBeam
 from vlm_demo.engine.decode_step import TextDecodeStep, page_shape
+from vlm_demo.engine.graphs import decode_graphs
 from vlm_demo.engine.image_cache import ImageStates
 from vlm_demo.engine.ipc import Step
 from vlm_demo.engine.joining import Joiner
@@ -52,6 +53,7 @@ class ContinuousEngine(Engine):
         pages = self.memory.pool_pages(page_shape(worker.model, worker.dtype))
         self.decoder = TextDecodeStep.over_pool(worker.model, worker.dtype, pages, self.config.decode_attention)
         self.rows = RunningRows(self.decoder.pool, self.decoder.attention, worker.device, worker.dtype)
+        self.graphs = decode_graphs(self.decoder, self.max_batch_size, self.config, worker)
         self.joiner = Joiner(worker, self.rows, self.config.structured_stages)
         self.row_limit: int | None = None  # lowered after an out-of-memory step; None: max_batch_size
         self.good_steps = self.steps_run = self.prefills_run = self.recoveries = self.preemptions = 0
@@ -73,7 +75,9 @@ class ContinuousEngine(Engine):
         images = self.images.stats() if self.images is not None else {}
         counts = {"steps_run": self.steps_run, "prefills_run": self.prefills_run, "preemptions": self.preemptions}
         searches = len(self.beams)
-        return dataclasses.replace(super().stats(), **self.rows.stats(), **images, **counts,
+        graphs = {"decode_attention": self.decoder.attention.kernel, "cuda_graphs": len(self.graphs.graphs),
+                  "graph_pool_bytes": self.graphs.pool_bytes}  # fmt: skip
+        return dataclasses.replace(super().stats(), **self.rows.stats(), **images, **counts, **graphs,
                                    row_limit=self.rows_allowed, beam_searches=searches)  # fmt: skip
 
     # ---- one step ----------------------------------------------------------------------------
@@ -201,9 +205,9 @@ class ContinuousEngine(Engine):
         step's tokens rendered as text while it runs, then the one host read, the stage structure and each
         row's new token taken (a row that ended at its stop text was in this step too; it leaves now)."""
         rows = list(self.rows.rows)
-        inputs = self.rows.step_inputs()
+        inputs = self.rows.step_inputs(self.graphs.pad_to(len(rows)))
         self._failpoint("forward")
-        logits = self.worker.decode(self.decoder, inputs)
+        logits = self.worker.decode(self.graphs, inputs)[: len(rows)]
         tokens = self.rows.sampling.sample(logits)  # type: ignore[union-attr]
         self._failpoint("advance")
         self.rows.advance(tokens)

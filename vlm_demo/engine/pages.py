@@ -105,6 +105,7 @@ class PagePool:
             self._carve(torch.device(device), layers)
         self._refs = [0] * pages
         self._free = list(range(pages - 1, -1, -1))  # pop() hands out low page numbers first
+        self._null: list[int] | None = None
 
     def _carve(self, device: torch.device, layers: list[int]) -> None:
         """One buffer for this device's layers; each layer's keys and values are strided views of it."""
@@ -119,6 +120,16 @@ class PagePool:
                 size, stride = (self.pages, tokens, s.kv_heads, s.head_dim), (page, per_token, s.head_dim, 1)
                 self.keys[layer] = buffer.as_strided(size, stride, 2 * j * tokens * per_token)
                 self.values[layer] = buffer.as_strided(size, stride, (2 * j + 1) * tokens * per_token)
+
+    def null_pages(self) -> list[int]:
+        """A text page, then the image pages of one tile, that no row ever owns: where the inert rows that pad a
+        step to its CUDA graph's size write and read (taken from the pool the first time they are asked for)."""
+        if self._null is None:
+            taken = self.take(1 + self.shape.image_pages(self.shape.patches))
+            if taken is None:
+                raise RuntimeError("the page pool has no room for the null pages CUDA graphs pad with")
+            self._null = taken
+        return self._null
 
     @property
     def free_pages(self) -> int:

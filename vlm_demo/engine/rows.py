@@ -355,11 +355,13 @@ class RunningRows:
         page = self.shape.page_tokens
         return sum(1 for row in self.rows if row.place is not None and row.place.length == page * len(row.place.pages))
 
-    def step_inputs(self) -> StepInputs:
+    def step_inputs(self, pad_to: int | None = None) -> StepInputs:
         """The next step's inputs: every row writes its next token at position ``length`` (taking a page
-        when it opens one; the plan made sure enough are free) and attends to ``length + 1`` tokens."""
+        when it opens one; the plan made sure enough are free) and attends to ``length + 1`` tokens. With
+        ``pad_to``, inert rows follow up to that many (a CUDA graph's size): they write into the pool's null
+        pages and read only those."""
         s, page = self.shape, self.shape.page_tokens
-        places = [row.place for row in self.rows]
+        places: list[Any] = [row.place for row in self.rows]
         for row in self.rows:
             if row.streamer is not None:
                 row.written = len(row.streamer.ids)  # the step writes its next input: its newest token
@@ -370,6 +372,11 @@ class RunningRows:
                 if taken is None:
                     raise RuntimeError("no free page for the next token (the plan should have made room)")
                 place.pages += taken
+        real = len(places)
+        real_seen = [p.length + 1 for p in places]
+        if pad_to is not None and pad_to > real:
+            null = self.pool.null_pages()
+            places += [Placement(null[:1], 0, null[1:], 1, False) for _ in range(pad_to - real)]
         n = len(places)
         lengths = np.fromiter((p.length for p in places), dtype=np.int64, count=n)
         width = max(len(p.pages) for p in places)
@@ -388,12 +395,11 @@ class RunningRows:
         positions, w_pages, w_offsets, text_table, text_lengths, text_pages, text_rows, valid_counts, starts = ints
         starts = starts.int()
         text_valid = torch.arange(page, device=self.device)[None, :] < valid_counts[:, None]
-        read_text, read_image = self.attention.read_tokens(seen.tolist(), [p.tiles * s.patches for p in places])
-        live_text = int(seen.sum())
-        live_image = sum(p.tiles * s.patches for p in places)
+        tiles = [p.tiles * s.patches for p in places[:real]]
+        read_text, read_image = self.attention.read_tokens(real_seen, tiles)
         self.read_bytes += read_text * s.text_bytes_per_token + read_image * s.image_bytes_per_token
-        self.live_bytes += live_text * s.text_bytes_per_token + live_image * s.image_bytes_per_token
-        self.written_bytes += n * s.text_bytes_per_token
+        self.live_bytes += sum(real_seen) * s.text_bytes_per_token + sum(tiles) * s.image_bytes_per_token
+        self.written_bytes += real * s.text_bytes_per_token
         image_table, image_lengths, tile_pages, tile_offsets, tile_rows, row_mask, _ = images
         dense = self.attention.kernel == "reference" and n <= DENSE_ROWS
         layout = Layout(
@@ -403,11 +409,14 @@ class RunningRows:
             images[6] if dense else None,
         )  # fmt: skip
         assert self.next_tokens is not None
-        return StepInputs(self.next_tokens, positions, w_pages, w_offsets, row_mask, layout)
+        tokens = self.next_tokens
+        if n > real:
+            tokens = torch.cat([tokens, tokens.new_zeros(n - real)])
+        return StepInputs(tokens, positions, w_pages, w_offsets, row_mask, layout)
 
     def _image_layout(self, places: list[Any]) -> tuple[torch.Tensor, ...]:
         """The image part of the layout and the rows' MLP masks (rebuilt when rows join or leave)."""
-        if self._images is not None:
+        if self._images is not None and self._images[0].shape[0] == len(places):
             return self._images
         s = self.shape
         n = len(places)

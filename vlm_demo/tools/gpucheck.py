@@ -84,6 +84,7 @@ NEED_S = {
     "written-out step vs stock": 10.0,
     "bandwidth": 5.0,
     "decode at batch 1": 15.0,
+    "decode graphs": 60.0,  # capture 13 buckets, time eager and replayed steps at 1-128 rows, one profiled step
     "weights: bf16": 30.0,  # greedy tokens, batch-1 decode, one wave of 32 answers
     "weights: quantized": 50.0,  # the same, plus building the model again and quantizing it
 }
@@ -333,6 +334,7 @@ def run(args: argparse.Namespace, report: Report, device: Any, clock: Clock) -> 
     if worker is not None:
         levels = tuple(int(x) for x in args.levels.split(",") if x.strip())
         speed(stages, worker, levels, args.requests)
+        decode_graphs(stages, worker)
         weight_formats(stages, worker, processor, args.model)
         peak(stages, worker, args.peak_rows, max(levels, default=1))
     return finish(report, clock)
@@ -440,6 +442,19 @@ def speed(stages: Stages, worker: Any, levels: tuple[int, ...], requests: int) -
     failed_runs = [f"{r['mode']}@{r['concurrency']}: {r['error']}" for r in runs if "error" in r]
     if failed_runs:
         stages.fail("benchmark runs failed: " + "; ".join(failed_runs))
+
+
+def decode_graphs(stages: Stages, worker: Any) -> None:
+    """5. The decode step eagerly and from CUDA graphs at 1, 8, 32 and 128 rows, the graphs' capture time and
+    memory, and which attention kernels a step ran. CPU: skipped (capture and replay are CUDA's)."""
+    from vlm_demo.tools import gpu_measure as measure
+
+    name = "decode graphs"
+    if worker.device.type != "cuda":
+        why = "needs CUDA: capture and replay are CUDA's (tests/test_graphs.py runs the same static-buffer step on CPU)"
+        stages.skip(name, why)
+        return
+    stages.report["decode_graphs"] = stages.run(name, measure.graph_figures, worker, need_s=NEED_S[name])
 
 
 def weight_formats(stages: Stages, worker: Any, processor: Any, model: str) -> None:

@@ -72,19 +72,22 @@ def narrow_model(device: str) -> Any:
     return realshape.build_model(config, torch.float32, device, attn_implementation="sdpa")
 
 
-def _rows(decoder: Any, rows: int, device: torch.device) -> Any:
-    """``rows`` running rows over the decoder's pool, each with a few tokens and a one-tile picture."""
+def synthetic_rows(decoder: Any, rows: int, device: torch.device, length: int = 5, dtype: Any = torch.float32) -> Any:
+    """``rows`` running rows over the decoder's pool, each ``length`` tokens in and a one-tile picture (whatever the
+    pages hold: for counting and timing steps, not for answers)."""
     from vlm_demo.engine.request import Request
     from vlm_demo.engine.rows import Placement, Row, RunningRows
     from vlm_demo.schema import SamplingParams
 
-    running = RunningRows(decoder.pool, decoder.attention, device, torch.float32)
+    running = RunningRows(decoder.pool, decoder.attention, device, dtype)
     shape = decoder.pool.shape
-    per_image = shape.image_pages(shape.patches)
-    for i in range(rows):
+    for _ in range(rows):
         request = Request(image=None, question="", params=SamplingParams(8, 0.0))
-        images = list(range(rows + i * per_image, rows + (i + 1) * per_image))
-        running.rows.append(Row(request, None, place=Placement([i], 5 + i, images, 1, True)))  # type: ignore[arg-type]
+        pages = decoder.pool.take(shape.text_pages(length + 1) + shape.image_pages(shape.patches))
+        assert pages is not None, "the pool is too small for these rows"
+        text = shape.text_pages(length + 1)
+        place = Placement(pages[:text], length, pages[text:], 1, True)
+        running.rows.append(Row(request, None, place=place))  # type: ignore[arg-type]
     running.next_tokens = torch.zeros(rows, dtype=torch.long, device=device)
     return running
 
@@ -94,10 +97,9 @@ def engine_step(model: Any, rows: int, kernel: str) -> Counts:
     from vlm_demo.engine.decode_step import TextDecodeStep, layer_devices
 
     device = next(iter(layer_devices(model).values()))
-    shape_pages = 8 + rows * 80
-    decoder = TextDecodeStep.over_pool(model, torch.float32, shape_pages, kernel="reference")
+    decoder = TextDecodeStep.over_pool(model, torch.float32, 8 + rows * 80, kernel="reference")
     decoder.attention.kernel = kernel  # on meta the fast kernel runs shapes only: no probe to pass
-    running = _rows(decoder, rows, device)
+    running = synthetic_rows(decoder, rows, device)
     with torch.inference_mode():
         inputs = running.step_inputs()
     return count(lambda: decoder(inputs))
