@@ -54,7 +54,9 @@ def test_padded_static_steps_give_each_row_its_unpadded_logits(worker, dense, mo
     padded_step = TextDecodeStep.over_pool(worker.model, worker.dtype, pages=400)
     plain = RunningRows(plain_step.pool, plain_step.attention, worker.device, worker.dtype)
     padded = RunningRows(padded_step.pool, padded_step.attention, worker.device, worker.dtype)
-    graphs = DecodeGraphs(padded_step, max_rows=8, text_width=16, image_width=4, device=worker.device, dtype=worker.dtype)
+    graphs = DecodeGraphs(
+        padded_step, max_rows=8, text_width=16, image_width=4, device=worker.device, dtype=worker.dtype
+    )
     for rows in (plain, padded):
         join(worker, rows, JOBS[:3])
     null = padded_step.pool.null_pages()
