@@ -9,7 +9,7 @@ from vlm_demo.engine.batch_state import Row, RunningBatch, SlackLayer
 from vlm_demo.engine.request import Request
 from vlm_demo.engine.sampler import RowSampling
 from vlm_demo.models.tiny import solid_image
-from vlm_demo.schema import SamplingParams
+from vlm_demo.request import SamplingParams
 
 
 def running_batch(worker, jobs, group: int = 1) -> RunningBatch:

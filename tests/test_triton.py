@@ -43,7 +43,9 @@ from vlm_demo.errors import (
     UnsupportedError,
 )
 from vlm_demo.models.tiny import LONG_QUESTIONS, solid_image
-from vlm_demo.schema import GenerationResult, Limits, SamplingParams, Turn
+from vlm_demo.prompt import Turn
+from vlm_demo.request import Limits, SamplingParams
+from vlm_demo.results import GenerationResult
 from vlm_demo.triton import contract
 from vlm_demo.triton.contract import (
     ENSEMBLE_MODEL,

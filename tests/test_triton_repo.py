@@ -24,7 +24,7 @@ from vlm_demo.engine.base import Engine as BaseEngine
 from vlm_demo.engine.dynamic import DynamicEngine
 from vlm_demo.errors import InvalidRequestError
 from vlm_demo.models.tiny import solid_image
-from vlm_demo.schema import SamplingParams
+from vlm_demo.request import SamplingParams
 from vlm_demo.triton.contract import ENSEMBLE_MODEL, GENERATE_MODEL, chat_prompt, error_from_text
 from vlm_demo.triton.serve import local_copy_of_repository
 

@@ -14,9 +14,11 @@ from support import ROOT
 
 from vlm_demo.backends.base import Features, Health
 from vlm_demo.config import Config
-from vlm_demo.schema import GenerationResult, ValidRequest
+from vlm_demo.request import ValidRequest
+from vlm_demo.results import GenerationResult
 from vlm_demo.stream import OutputStream
 from vlm_demo.web import contract
+from vlm_demo.web.answers import Answers
 from vlm_demo.web.metrics import Metrics
 from vlm_demo.web.page import DemoUI
 
@@ -80,7 +82,7 @@ class ScriptedBackend:
 
 @pytest.fixture(scope="module")
 def page() -> DemoUI:
-    return DemoUI(ScriptedBackend(), Config(max_batch_size=4), Metrics(), notice="tiny model")  # type: ignore[arg-type]
+    return DemoUI(Answers(ScriptedBackend(), Config(max_batch_size=4), Metrics()), notice="tiny model")  # type: ignore[arg-type]
 
 
 @pytest.fixture(scope="module")
@@ -176,7 +178,7 @@ def test_a_bad_request_on_the_page_is_one_status_line_not_an_error(page: DemoUI)
 def test_a_stage_cut_or_stopped_is_marked_so_never_done() -> None:
     """✓ means the stage was written to its end; one the budget cut short or one still open at Stop or an
     error is marked ✂ cut / ■ stopped, in the strip and (through its data attributes) on the panel."""
-    from vlm_demo.schema import GenerationResult
+    from vlm_demo.results import GenerationResult
     from vlm_demo.web.render import render
 
     partial = "<SUMMARY>s</SUMMARY><CAPTION>c</CAPTION><REASONING>part 8 is red, part"
@@ -198,7 +200,7 @@ def test_a_stage_cut_or_stopped_is_marked_so_never_done() -> None:
 
 
 def test_think_harders_view_says_stopped_after_stop() -> None:
-    from vlm_demo.schema import BeamView, StageChoice
+    from vlm_demo.results import BeamView, StageChoice
     from vlm_demo.web.render import render
 
     view = BeamView((StageChoice("summary", ("a", "b")),), "writing", 2)
@@ -208,7 +210,7 @@ def test_think_harders_view_says_stopped_after_stop() -> None:
 
 
 def test_the_status_counts_tokens_and_seconds_while_it_streams_and_uses_plurals() -> None:
-    from vlm_demo.schema import BeamView, GenerationResult, StageChoice
+    from vlm_demo.results import BeamView, GenerationResult, StageChoice
     from vlm_demo.web.render import progress, render
 
     assert progress("", ahead=3, elapsed=2.7).status == "Waiting for the model… 3 ahead of you · 2 s"
@@ -228,7 +230,7 @@ def test_think_harder_is_offered_only_where_the_backend_can_run_it() -> None:
 
     backend = ScriptedBackend()
     backend.features = Features(stage_beam=False)
-    blocks = DemoUI(backend, Config(max_batch_size=4), Metrics()).build().blocks.values()  # type: ignore[arg-type]
+    blocks = DemoUI(Answers(backend, Config(max_batch_size=4), Metrics())).build().blocks.values()  # type: ignore[arg-type]
     by_id = {b.elem_id: b for b in blocks if getattr(b, "elem_id", None)}
     assert by_id["think"].visible is False and by_id["beams"].interactive is False
     error = gr_error(UnsupportedError("Think harder needs continuous batching; this server runs --batching dynamic."))

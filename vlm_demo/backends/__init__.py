@@ -7,7 +7,7 @@ from collections.abc import Callable
 from vlm_demo.backends.base import Backend, Stream
 from vlm_demo.config import Config
 from vlm_demo.models.choice import folder_problem
-from vlm_demo.schema import LoadProgress
+from vlm_demo.results import LoadProgress
 
 __all__ = ["Backend", "Stream", "make_backend"]
 

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from vlm_demo.errors import DemoError
-from vlm_demo.schema import EngineStats, GenerationResult, ValidRequest
+from vlm_demo.request import ValidRequest
+from vlm_demo.results import EngineStats, GenerationResult
 from vlm_demo.stream import Listener, Stream
 
 __all__ = ["Backend", "Health", "Listener", "RemoteStatus", "Stream"]

@@ -21,7 +21,8 @@ from collections import OrderedDict
 
 from vlm_demo.backends.base import Backend, Features, Health
 from vlm_demo.errors import DemoError
-from vlm_demo.schema import NORMAL, GenerationResult, ValidRequest
+from vlm_demo.request import NORMAL, ValidRequest
+from vlm_demo.results import GenerationResult
 from vlm_demo.stream import Listener, OutputStream, Stream
 
 Key = tuple[object, ...]

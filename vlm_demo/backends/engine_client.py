@@ -3,7 +3,7 @@
 The web process keeps the page, the door and the HTTP server; the engine process
 (:mod:`vlm_demo.engine.process`) keeps the model. This module is the thin client and the supervisor:
 
-- ``submit`` sends a :class:`~vlm_demo.schema.ValidRequest` over a pipe and returns a handle whose
+- ``submit`` sends a :class:`~vlm_demo.request.ValidRequest` over a pipe and returns a handle whose
   text arrives with the engine's per-step messages; ``cancel`` ends the handle at once and tells the
   engine, which drops the row at its next step.
 - One thread reads the pipe and watches the process. If the engine process dies (out-of-memory kill,
@@ -35,7 +35,8 @@ from vlm_demo.errors import (
     QueueFullError,
     RequestCancelledError,
 )
-from vlm_demo.schema import BeamView, ClientSlots, EngineStats, GenerationResult, LoadProgress, ValidRequest
+from vlm_demo.request import ClientSlots, ValidRequest
+from vlm_demo.results import BeamView, EngineStats, GenerationResult, LoadProgress
 from vlm_demo.stream import Listener, OutputStream, Stream, run_all
 
 log = logging.getLogger(__name__)
@@ -130,7 +131,7 @@ class EngineProcessBackend:
     # ---- Backend interface ----
     def submit(self, request: ValidRequest) -> RemoteStream:
         if not isinstance(request, ValidRequest):
-            raise TypeError(f"the engine takes a ValidRequest (vlm_demo.schema.validate_request), not {type(request)}")
+            raise TypeError(f"the engine takes a ValidRequest (vlm_demo.request.validate_request), not {type(request)}")
         if self._closing:
             raise EngineStoppedError("The server is shutting down; please try again shortly.")
         if not self._ready.is_set():

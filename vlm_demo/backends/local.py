@@ -10,7 +10,8 @@ from vlm_demo.engine import make_engine
 from vlm_demo.engine.base import Engine
 from vlm_demo.engine.request import Request
 from vlm_demo.errors import DemoError
-from vlm_demo.schema import GenerationResult, LoadProgress, ValidRequest
+from vlm_demo.request import ValidRequest
+from vlm_demo.results import GenerationResult, LoadProgress
 from vlm_demo.stream import Listener
 
 

@@ -50,7 +50,9 @@ from vlm_demo.errors import (
     UnsupportedError,
 )
 from vlm_demo.models.choice import remote_notice
-from vlm_demo.schema import STAGE_BEAM, ClientSlots, GenerationResult, LoadProgress, SamplingParams, Turn, ValidRequest
+from vlm_demo.prompt import Turn
+from vlm_demo.request import STAGE_BEAM, ClientSlots, SamplingParams, ValidRequest
+from vlm_demo.results import GenerationResult, LoadProgress
 from vlm_demo.stream import Listener, OutputStream, run_all
 from vlm_demo.triton import contract
 from vlm_demo.triton.contract import chat_prompt, error_from_text

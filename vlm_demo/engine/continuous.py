@@ -41,7 +41,8 @@ from vlm_demo.engine.sampler import RowSampling
 from vlm_demo.engine.streamer import RowStreamer, commit_tokens
 from vlm_demo.engine.worker import Worker
 from vlm_demo.errors import DemoError
-from vlm_demo.schema import STAGE_BEAM, EngineStats
+from vlm_demo.request import STAGE_BEAM
+from vlm_demo.results import EngineStats
 
 log = logging.getLogger(__name__)
 

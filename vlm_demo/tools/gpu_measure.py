@@ -45,7 +45,7 @@ from vlm_demo.engine.request import make_request
 from vlm_demo.engine.sampler import RowSampling
 from vlm_demo.engine.worker import Worker
 from vlm_demo.models import realshape
-from vlm_demo.schema import Limits, SamplingParams, ValidRequest, validate_request
+from vlm_demo.request import Limits, SamplingParams, ValidRequest, validate_request
 
 log = logging.getLogger(__name__)
 

@@ -34,7 +34,7 @@ import numpy as np
 from vlm_demo import REPO_ROOT
 from vlm_demo.config import Config, build_parser, config_from_namespace
 from vlm_demo.errors import DemoError
-from vlm_demo.schema import DEFAULT_MAX_NEW_TOKENS, Limits
+from vlm_demo.request import DEFAULT_MAX_NEW_TOKENS, Limits
 from vlm_demo.triton import contract
 from vlm_demo.triton.contract import ENSEMBLE_MODEL, GENERATE_MODEL, SAMPLING_INPUTS, error_text
 from vlm_demo.triton.handlers import EnsembleHandler, decode_generate_request, generate_responses

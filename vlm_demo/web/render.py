@@ -11,23 +11,9 @@ import html
 
 from vlm_demo.cot import STAGES, Stages, parse_stages
 from vlm_demo.errors import DemoError
-from vlm_demo.schema import BeamView, GenerationResult, StageChoice, Turn
+from vlm_demo.prompt import Turn
+from vlm_demo.results import BeamView, GenerationResult, StageChoice
 from vlm_demo.web.contract import Outputs
-
-# The title of an error by its code, as the page and API clients see it.
-ERROR_TITLES = {
-    "invalid_request": "Invalid input",
-    "unsupported": "Not available on this server",
-    "server_busy": "Server busy",
-    "too_many_requests": "Too many answers in progress",
-    "out_of_memory": "Out of GPU memory",
-    "cancelled": "Stopped",
-    "engine_stopped": "Model restarting",
-    "backend_unavailable": "Backend unavailable",
-    "backend_timeout": "Backend timeout",
-    "generation_failed": "Generation failed",
-}
-
 
 MARKS = {"active": " ●", "done": " ✓", "cut": " ✂ cut", "stopped": " ■ stopped", "todo": ""}
 

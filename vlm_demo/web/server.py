@@ -1,5 +1,5 @@
-"""The web server: FastAPI with ``/health``, ``/metrics`` and the OpenAI-compatible ``/v1``, the Gradio page
-mounted at ``/``, uvicorn.
+"""The web server: FastAPI with ``/health``, ``/metrics``, the OpenAI-compatible ``/v1`` and (``--mcp-server``)
+the MCP tool, the Gradio page mounted at ``/``, all over one answer service; uvicorn.
 
 One serving path for every mode: even with ``--share`` we run our own uvicorn app (so ``/health``
 and ``/metrics`` always exist) and open Gradio's share tunnel to it ourselves; offline that fails
@@ -8,6 +8,7 @@ with a warning and the server keeps serving locally.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import logging
@@ -15,7 +16,7 @@ import secrets
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import gradio as gr
@@ -28,8 +29,10 @@ from vlm_demo.backends import Backend, make_backend
 from vlm_demo.backends.base import Health
 from vlm_demo.config import Config
 from vlm_demo.images import DEFAULT_MAX_BYTES
-from vlm_demo.schema import LoadProgress
-from vlm_demo.web.loading import LoadingState, Switch, loading_app
+from vlm_demo.results import LoadProgress
+from vlm_demo.web.answers import Answers
+from vlm_demo.web.asgi import Switch
+from vlm_demo.web.loading import LoadingState, loading_app
 from vlm_demo.web.metrics import CacheCounts, Metrics
 from vlm_demo.web.openai_api import OpenAIAPI
 from vlm_demo.web.operator import OperatorDoor
@@ -70,12 +73,26 @@ def create_app(
         config = dataclasses.replace(config, max_batch_size=batch)
     metrics = Metrics(queue_depth=lambda: backend.health().queue_depth, caches=lambda: cache_counts(backend))
     backend.add_listener(metrics)
-    ui = DemoUI(backend, config, metrics, notice)
-    demo = ui.build()
+    answers = Answers(backend, config, metrics)  # every door's answers: the page's, /v1's and MCP's
+    demo = DemoUI(answers, notice).build()
 
-    app = FastAPI(title="LLaVA-CoT demo", docs_url=None, redoc_url=None)
+    mcp = None
+    if config.mcp_server:
+        from vlm_demo.web.mcp_tool import MCPDoor  # the mcp SDK loads only where it serves
+
+        mcp = MCPDoor(answers, config)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        async with mcp.running() if mcp is not None else contextlib.nullcontext():
+            yield
+
+    app = FastAPI(title="LLaVA-CoT demo", docs_url=None, redoc_url=None, lifespan=lifespan)
     served = config.triton_model if config.triton_url else backend.model  # Triton's name, not "name @ url"
-    app.include_router(OpenAIAPI(ui.handlers, config, served).router())  # before the mount, which takes "/"
+    app.include_router(OpenAIAPI(answers, config, served).router())  # before the mount, which takes "/"
+    if mcp is not None:
+        for path in mcp.paths:
+            app.router.add_route(path, mcp, include_in_schema=False)
 
     door = OperatorDoor(config)
 
@@ -120,7 +137,7 @@ def create_app(
         run_history=False,
         ssr_mode=False,
         show_error=True,
-        mcp_server=config.mcp_server,
+        mcp_server=False,  # ours (web/mcp_tool.py): one described tool, not the page's endpoints
     )
     return DemoApp(app, demo, backend, metrics, config, notice, health)
 
