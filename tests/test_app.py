@@ -409,7 +409,7 @@ def test_calls_dribbled_in_slowly_hold_no_one_else_back(server: str) -> None:
     from urllib.parse import urlparse
 
     from vlm_demo.tools import page_load
-    from vlm_demo.web.loading import ARRIVALS_AT_ONCE, JOIN_MAX_BYTES
+    from vlm_demo.web.asgi import ARRIVALS_AT_ONCE, JOIN_MAX_BYTES
 
     address = urlparse(server)
     stalled = []

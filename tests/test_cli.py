@@ -24,7 +24,7 @@ import pytest
 import requests
 from support import ROOT, free_port, start_app, stop_app, wait_ready
 
-from vlm_demo.backends.triton import Endpoint, check_ready
+from vlm_demo.backends.triton.remote import Endpoint, check_ready
 from vlm_demo.config import Config, env_name
 from vlm_demo.errors import BackendTimeoutError, BackendUnavailableError
 

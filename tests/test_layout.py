@@ -99,7 +99,8 @@ def test_the_triton_wire_contract_has_one_home() -> None:
     the client, the PyTriton server, the handlers and both repository models."""
     known = modules()
     users = [
-        "vlm_demo.backends.triton",
+        "vlm_demo.backends.triton.infer",
+        "vlm_demo.backends.triton.generate",
         "vlm_demo.triton.serve",
         "vlm_demo.triton.handlers",
         "vlm_demo.triton.repo.llama_3_2v_11b_cot_ensemble.1.model",

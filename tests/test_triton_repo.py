@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 from support import door, start_triton, stop_triton
 
-from vlm_demo.backends.triton import TritonBackend, encode_image
+from vlm_demo.backends.triton.backend import TritonBackend
+from vlm_demo.backends.triton.generate import encode_image
 from vlm_demo.config import Config
 from vlm_demo.engine.base import Engine as BaseEngine
 from vlm_demo.engine.dynamic import DynamicEngine

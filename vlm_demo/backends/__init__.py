@@ -32,7 +32,7 @@ def make_backend(config: Config, progress: Callable[[LoadProgress], None] | None
 
 def _make_backend(config: Config, progress: Callable[[LoadProgress], None] | None) -> Backend:
     if config.triton_url:
-        from vlm_demo.backends.triton import TritonBackend
+        from vlm_demo.backends.triton.backend import TritonBackend
 
         if progress is not None:
             progress(LoadProgress(f"connecting to Triton at {config.triton_url}"))
