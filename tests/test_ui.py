@@ -14,7 +14,7 @@ from support import ROOT
 
 from vlm_demo.backends.base import Features, Health
 from vlm_demo.config import Config
-from vlm_demo.request import ValidRequest
+from vlm_demo.request import DEFAULTS, KNOBS, ValidRequest
 from vlm_demo.results import GenerationResult
 from vlm_demo.stream import OutputStream
 from vlm_demo.web import contract
@@ -128,6 +128,18 @@ def test_the_controls_offer_only_what_the_server_accepts(page: DemoUI) -> None:
     assert question.lines == 1 and question.max_lines > 1, "Enter must ask (Gradio: lines=1); Shift+Enter adds lines"
     assert "Shift+Enter" in question.info
     assert {"clear", "upload_error", "ask", "stop", "examples", "examples_tiny"} <= by_id.keys()
+    cap = page.config.max_new_tokens
+    for name, knob in KNOBS.items():  # each control is its sampling field's knob, as the server checks it
+        if not knob.label:
+            assert name not in by_id, name
+            continue
+        control = by_id[name]
+        assert control.label == knob.label and control.value == DEFAULTS[name], name
+        if knob.choices:
+            assert [value for _, value in control.choices] == list(knob.values)
+        else:
+            low, high = knob.bounds(cap)
+            assert (control.minimum, control.maximum, control.step) == (knob.page_low or low, high, knob.step)
 
 
 async def _ask_page(page: DemoUI, *steps) -> list[tuple]:

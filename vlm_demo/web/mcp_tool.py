@@ -149,6 +149,11 @@ def answer_text(result: GenerationResult) -> tuple[str, dict[str, Any]]:
     return "\n\n".join(lines), data
 
 
+def refusal(error: DemoError) -> types.CallToolResult:
+    """A refusal or failure as an MCP error: the error's title, then what to do."""
+    return types.CallToolResult(content=[types.TextContent(type="text", text=f"{error.title}: {error}")], isError=True)
+
+
 class MCPDoor:
     """The MCP server (the SDK's low-level server and its streamable-HTTP session manager) bound to the
     answer service: an ASGI endpoint for each of :attr:`paths`, run by the app's lifespan (:meth:`running`)."""
@@ -187,9 +192,7 @@ class MCPDoor:
                     pass
             text, data = answer_text(stream.result(0))
         except DemoError as err:
-            return types.CallToolResult(
-                content=[types.TextContent(type="text", text=f"{err.title}: {err}")], isError=True
-            )
+            return refusal(err)
         return types.CallToolResult(content=[types.TextContent(type="text", text=text)], structuredContent=data)
 
     def _admit(self, arguments: dict[str, Any]) -> ValidRequest:
