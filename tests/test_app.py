@@ -116,7 +116,7 @@ def test_health_reports_the_contract_keys(server: str) -> None:
     assert reply.status_code == 200
     assert {"status", "backend", "model", "ready", "queue_depth"} <= body.keys()
     assert body["status"] == "ok" and body["ready"] is True
-    assert body["backend"] == "local" and body["model"] == "tiny"
+    assert body["backend"] == "engine-process" and body["model"] == "tiny"
     assert isinstance(body["queue_depth"], int)
 
 

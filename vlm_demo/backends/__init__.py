@@ -4,12 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from vlm_demo.backends.base import Backend, Stream
+from vlm_demo.backends.base import Backend
 from vlm_demo.config import Config
-from vlm_demo.models.choice import folder_problem
 from vlm_demo.results import LoadProgress
-
-__all__ = ["Backend", "Stream", "make_backend"]
 
 
 def make_backend(config: Config, progress: Callable[[LoadProgress], None] | None = None) -> Backend:
@@ -19,9 +16,6 @@ def make_backend(config: Config, progress: Callable[[LoadProgress], None] | None
 
     Raises ``SystemExit`` with one sentence when the model cannot be loaded at all.
     """
-    problem = folder_problem(config.model)  # at once, before an engine process starts to find out
-    if problem:
-        raise SystemExit(f"Cannot start the model: {problem}")
     backend = _make_backend(config, progress)
     if config.response_cache_mb > 0:
         from vlm_demo.backends.cache import CachingBackend

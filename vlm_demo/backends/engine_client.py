@@ -93,7 +93,7 @@ def _describe_exit(code: int | None) -> str:
 class EngineProcessBackend:
     """Starts, feeds and supervises the engine process."""
 
-    name = "local"
+    name = "engine-process"
     remote = False
 
     def __init__(self, config: Config, progress: Callable[[LoadProgress], None] | None = None) -> None:

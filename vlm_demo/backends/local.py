@@ -18,7 +18,7 @@ from vlm_demo.stream import Listener
 class LocalBackend:
     """Adapts an :class:`~vlm_demo.engine.base.Engine` to the :class:`~vlm_demo.backends.base.Backend` interface."""
 
-    name = "local"
+    name = "in-process"
     remote = False
 
     def __init__(self, engine: Engine, model: str, notice: str | None = None) -> None:

@@ -31,11 +31,12 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
-from vlm_demo.backends.base import Backend, Stream
+from vlm_demo.backends.base import Backend
 from vlm_demo.config import Config
 from vlm_demo.errors import BackendTimeoutError, DemoError, GenerationError
 from vlm_demo.request import ClientSlots, Limits, ValidRequest
 from vlm_demo.results import BeamView, GenerationResult
+from vlm_demo.stream import Stream
 from vlm_demo.web.metrics import Metrics
 
 log = logging.getLogger(__name__)

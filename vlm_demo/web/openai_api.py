@@ -37,11 +37,11 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from vlm_demo.backends.base import Stream
 from vlm_demo.config import Config
 from vlm_demo.cot import split_thinking
 from vlm_demo.errors import INVALID, SERVER, DemoError, InvalidRequestError, RequestCancelledError
 from vlm_demo.request import KNOBS, STAGE_BEAM, ValidRequest, choice, sampling_from, validate_question, validate_request
+from vlm_demo.stream import Stream
 from vlm_demo.web.answers import API, Answers, client_id
 from vlm_demo.web.openai_wire import (
     DONE,

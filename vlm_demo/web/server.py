@@ -25,8 +25,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from vlm_demo import ASSETS_DIR
-from vlm_demo.backends import Backend, make_backend
-from vlm_demo.backends.base import Health
+from vlm_demo.backends import make_backend
+from vlm_demo.backends.base import Backend, Health
 from vlm_demo.config import Config
 from vlm_demo.images import DEFAULT_MAX_BYTES
 from vlm_demo.results import LoadProgress
