@@ -14,7 +14,9 @@ only translates its own wire format; what is common is written once:
 
   * the page: on a timer, at most 20 updates a second per answer and about :data:`PAGE_UPDATES_PER_S` over all
     live page answers (a Gradio update costs the web process ~0.8 ms), so many visitors cost a bounded
-    share of a core;
+    share of a core; and slower still while the event loop runs late (:class:`LoopLag`): when the web
+    process cannot keep up (a busy machine, a burst of new visitors), page updates give way first, so
+    ``/health``, new visitors and ``/v1`` are served in time;
   * ``/v1``: woken by each piece of new text, so each engine step's text goes out as soon as it is there
     (several pieces that arrive while the loop is busy go out together);
   * MCP: the tool returns the whole answer, so only the end (and a once-a-second check) wakes it.
@@ -45,6 +47,7 @@ TOKEN_TIMEOUT_S = 300.0  # longest silence tolerated from the backend before giv
 PAGE_UPDATES_PER_S = 400.0  # page updates a second over all live page answers: about a third of a core
 MIN_PAGE_INTERVAL_S = 0.05  # at most ~20 page updates a second per answer; humans see no faster
 MAX_PAGE_INTERVAL_S = 1.0  # however many answers stream, each visitor sees its text move every second
+LAG_TARGET_S = 0.05  # timers this late on the event loop double the page's update interval
 LOOK_EVERY_S = 1.0  # a door woken by text or the end still looks this often (silence, a caller gone)
 GONE_CHECK_S = 1.0  # how often a caller's connection is checked
 
@@ -52,20 +55,23 @@ GONE_CHECK_S = 1.0  # how often a caller's connection is checked
 @dataclass(frozen=True)
 class Pacing:
     """How a door follows its answers: woken by new text, or on a timer that depends on how many of the
-    door's answers are live."""
+    door's answers are live and on how late the event loop runs (seconds)."""
 
     name: str
     on_text: bool
-    interval: Callable[[int], float]
+    interval: Callable[[int, float], float]
 
 
-PAGE = Pacing(
-    "page",
-    on_text=False,
-    interval=lambda live: min(MAX_PAGE_INTERVAL_S, max(MIN_PAGE_INTERVAL_S, live / PAGE_UPDATES_PER_S)),
-)
-API = Pacing("api", on_text=True, interval=lambda live: LOOK_EVERY_S)
-MCP = Pacing("mcp", on_text=False, interval=lambda live: LOOK_EVERY_S)
+def page_interval(live: int, lag: float) -> float:
+    """Seconds between one visitor's page updates: 50 ms, longer when many page answers stream at once, and
+    longer again while the loop runs late; never more than a second."""
+    budget = max(MIN_PAGE_INTERVAL_S, live / PAGE_UPDATES_PER_S)
+    return min(MAX_PAGE_INTERVAL_S, budget * (1 + lag / LAG_TARGET_S))
+
+
+PAGE = Pacing("page", on_text=False, interval=page_interval)
+API = Pacing("api", on_text=True, interval=lambda live, lag: LOOK_EVERY_S)
+MCP = Pacing("mcp", on_text=False, interval=lambda live, lag: LOOK_EVERY_S)
 
 
 def client_id(address: str | None, session: str | None = None, user: str | None = None) -> str:
@@ -97,12 +103,24 @@ class Moment:
     elapsed: float  # seconds since it started
 
 
+class LoopLag:
+    """How late the event loop runs its timers (a moving average over the followers' timers): the web
+    process's own measure of how far behind it is. Read and written on the loop only."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+    def observe(self, late: float) -> None:
+        self.seconds += 0.05 * (max(0.0, late) - self.seconds)
+
+
 class _Waker:
     """Wakes one follower's loop from the producer's thread, at most once per look (text can arrive a token
     at a time from many rows: one wake-up covers all that arrived since the last look)."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, lag: LoopLag) -> None:
         self.loop = loop
+        self.lag = lag
         self.event = asyncio.Event()
         self.pending = False
 
@@ -120,12 +138,18 @@ class _Waker:
         self.pending = False
 
     async def wait(self, timeout: float) -> None:
-        """Until woken or ``timeout`` seconds pass (a timer, not a task: cheap at hundreds of answers)."""
-        timer = self.loop.call_later(timeout, self.event.set)
+        """Until woken or ``timeout`` seconds pass (a timer, not a task: cheap at hundreds of answers); a
+        timer that rings says how late the loop runs."""
+        due = self.loop.time() + timeout
+        timer = self.loop.call_later(timeout, self._ring, due)
         try:
             await self.event.wait()
         finally:
             timer.cancel()
+
+    def _ring(self, due: float) -> None:
+        self.lag.observe(self.loop.time() - due)
+        self.event.set()
 
 
 class Answers:
@@ -140,6 +164,7 @@ class Answers:
         self._lock = threading.Lock()
         self._sessions: dict[str, set[Stream]] = {}  # a page visitor's live answers (Stop cancels them)
         self._live: dict[str, int] = {}  # live answers per door
+        self.lag = LoopLag()
 
     # ---- starting ----------------------------------------------------------------------------------
     async def start(self, admit: Callable[[], ValidRequest], client: str) -> Stream:
@@ -206,7 +231,7 @@ class Answers:
         cancelled), or :class:`~vlm_demo.errors.BackendTimeoutError` after :data:`TOKEN_TIMEOUT_S` of silence.
         The answer is cancelled when the follower stops early (a closed tab, a caller ``gone``), so its model
         row is freed; ``session`` makes it one of that visitor's answers for :meth:`cancel`."""
-        waker = _Waker(asyncio.get_running_loop())
+        waker = _Waker(asyncio.get_running_loop(), self.lag)
         stream.add_done_callback(waker)
         if pacing.on_text:
             stream.add_text_callback(waker)
@@ -233,7 +258,7 @@ class Answers:
                         stream.cancel()  # the next drain raises RequestCancelledError
                         continue
                 if not stream.done:
-                    await waker.wait(pacing.interval(self.live(pacing)))
+                    await waker.wait(pacing.interval(self.live(pacing), self.lag.seconds))
         finally:
             self._leave(stream, pacing, session)
             stream.cancel()  # no-op when finished
