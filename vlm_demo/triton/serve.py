@@ -130,7 +130,7 @@ def bind_models(triton: Any, engine: Engine, config: Config) -> None:
             Tensor(name=contract.IMAGE, dtype=np.uint8, shape=(-1, -1, 3)),
             Tensor(name=contract.QUESTION, dtype=bytes, shape=(1,)),
             Tensor(name=contract.HISTORY, dtype=bytes, shape=(1,), optional=True),
-            *[Tensor(name=n, dtype=_wire(t), shape=(1,), optional=True) for n, (t, _) in SAMPLING_INPUTS.items()],
+            *[Tensor(name=n, dtype=_wire(t), shape=(1,), optional=True) for n, t in SAMPLING_INPUTS.items()],
         ],
         outputs=[Tensor(name=n, dtype=_wire(t), shape=(1,)) for n, t in contract.INFER_OUTPUT_TYPES.items()],
         config=ModelConfig(

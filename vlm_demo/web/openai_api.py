@@ -1,7 +1,9 @@
 """The OpenAI-compatible API on the page's own server and port: ``/v1/chat/completions`` and ``/v1/models``.
 
-Requests go straight to the backend (``Backend.submit`` with the same :class:`~vlm_demo.request.ValidRequest`
-the page builds), not through Gradio's queue, so API clients and page visitors share the engine's batches.
+A thin adapter over the answer service (:mod:`~vlm_demo.web.answers`), beside the page, not on it: requests go
+to the backend with the same :class:`~vlm_demo.request.ValidRequest` the page builds, not through Gradio's
+queue, so API clients and page visitors share the engine's batches; a stream is woken by each piece of new
+text, so every engine step's text goes out as soon as it is there, however many visitors the page has.
 This module is the router and the translation of OpenAI's request body into our terms; what goes back on
 the wire is :mod:`~vlm_demo.web.openai_wire`'s.
 
