@@ -22,7 +22,7 @@ def main(argv: list[str] | None = None) -> None:
     logs.setup()
     from vlm_demo.models.choice import folder_problem
 
-    problem = folder_problem(config.model)  # before the seconds of importing gradio and torch
+    problem = None if config.triton_url else folder_problem(config.model)  # before gradio and torch load
     if problem:
         raise SystemExit(f"Cannot start the model: {problem}")
     from vlm_demo.web.server import serve  # imports gradio and torch: seconds

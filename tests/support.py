@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import requests
 
-from vlm_demo.schema import Limits, SamplingParams, ValidRequest, validate_request
+from vlm_demo.request import Limits, SamplingParams, ValidRequest, validate_request
 
 ROOT = Path(__file__).resolve().parents[1]
 TEST_LIMITS = Limits(max_new_tokens=10_000)  # long forced answers in the engine tests

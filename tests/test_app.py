@@ -116,7 +116,7 @@ def test_health_reports_the_contract_keys(server: str) -> None:
     assert reply.status_code == 200
     assert {"status", "backend", "model", "ready", "queue_depth"} <= body.keys()
     assert body["status"] == "ok" and body["ready"] is True
-    assert body["backend"] == "local" and body["model"] == "tiny"
+    assert body["backend"] == "engine-process" and body["model"] == "tiny"
     assert isinstance(body["queue_depth"], int)
 
 
@@ -440,7 +440,7 @@ def test_calls_dribbled_in_slowly_hold_no_one_else_back(server: str) -> None:
     from urllib.parse import urlparse
 
     from vlm_demo.tools import page_load
-    from vlm_demo.web.loading import ARRIVALS_AT_ONCE, JOIN_MAX_BYTES
+    from vlm_demo.web.asgi import ARRIVALS_AT_ONCE, JOIN_MAX_BYTES
 
     address = urlparse(server)
     stalled = []

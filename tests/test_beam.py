@@ -7,6 +7,7 @@ can check the search's decisions, not only that it runs.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import re
 import time
@@ -25,7 +26,7 @@ from vlm_demo.engine.dynamic import DynamicEngine
 from vlm_demo.errors import InvalidRequestError, RequestCancelledError, UnsupportedError
 from vlm_demo.judge import judge_question, parse_choice
 from vlm_demo.models.tiny import COLOURS, answer_for, solid_image, stage_text
-from vlm_demo.schema import STAGE_BEAM, Limits, SamplingParams, params_from_inputs
+from vlm_demo.request import STAGE_BEAM, Limits, SamplingParams, ValidRequest, sampling_from
 from vlm_demo.tools.bench import BatchCounter
 
 COLOUR_WORDS = re.compile(r"\b(" + "|".join(COLOURS) + r")\b")
@@ -33,6 +34,16 @@ COLOUR_WORDS = re.compile(r"\b(" + "|".join(COLOURS) + r")\b")
 
 def beam(k: int, seed: int, temperature: float = 1.0, max_new_tokens: int = 300, **kw) -> SamplingParams:
     return SamplingParams(max_new_tokens, temperature, 1.0, seed=seed, reasoning=STAGE_BEAM, beams=k, **kw)
+
+
+def inputs(*values: object) -> dict[str, object]:
+    """The page's sampling inputs by name, in its order."""
+    return dict(zip(("max_new_tokens", "temperature", "top_p", "reasoning", "beams"), values))
+
+
+def one_at_a_time(valid: ValidRequest) -> ValidRequest:
+    """The benchmarks' switch: the same search, one candidate and one judge call at a time."""
+    return dataclasses.replace(valid, serial_beams=True)
 
 
 def ends_on(text: str, colour: str) -> bool:
@@ -89,8 +100,8 @@ def test_parse_choice_reads_the_papers_format_and_never_raises() -> None:
 
 def test_the_door_takes_reasoning_and_beams_with_clear_errors() -> None:
     limits = Limits()
-    assert params_from_inputs(10, 0, 1, limits).reasoning == "normal"
-    params = params_from_inputs(10, 0.5, 1, limits, "Stage_Beam", "4")
+    assert sampling_from(inputs(10, 0, 1), limits).reasoning == "normal"
+    params = sampling_from(inputs(10, 0.5, 1, "Stage_Beam", "4"), limits)
     assert (params.reasoning, params.beams) == ("stage-beam", 4)
     for reasoning, beams, message in [
         ("tree-of-thought", 2, "reasoning must be one of"),
@@ -100,7 +111,7 @@ def test_the_door_takes_reasoning_and_beams_with_clear_errors() -> None:
         (3, 2, "reasoning must be one of"),
     ]:
         with pytest.raises(InvalidRequestError, match=message):
-            params_from_inputs(10, 0.5, 1, limits, reasoning, beams)
+            sampling_from(inputs(10, 0.5, 1, reasoning, beams), limits)
 
 
 def test_winners_follow_the_judges_answers_and_name_the_images_colour(worker, make_engine) -> None:
@@ -195,7 +206,7 @@ def test_batched_and_serial_searches_give_the_same_answer(worker, make_engine, m
     last_rounds = set()
     for k, seed in [(3, 1), (3, 2), (4, 5), (4, 7), (4, 8), (4, 11)]:
         batched = engine.generate(door(image, "What colour?", beam(k, seed)))
-        serial = engine.generate(door(image, "What colour?", beam(k, seed, beam_serial=True)))
+        serial = engine.generate(one_at_a_time(door(image, "What colour?", beam(k, seed))))
         assert serial.text == batched.text
         assert serial.beam == batched.beam
         assert batched.batch_size >= k and serial.batch_size == 1
@@ -295,7 +306,7 @@ def test_a_rambling_candidate_is_cut_and_does_not_hold_the_answer(worker, make_e
     before = engine.steps_run
     batched = engine.generate(door(image, question, beam(4, 1027)))
     steps = engine.steps_run - before
-    serial = engine.generate(door(image, question, beam(4, 1027, beam_serial=True)))
+    serial = engine.generate(one_at_a_time(door(image, question, beam(4, 1027))))
     assert serial.text == batched.text and serial.beam == batched.beam
     reasoning = batched.beam.stages[2]
     assert reasoning.closed.count(False) == 1, reasoning

@@ -21,7 +21,7 @@ from vlm_demo.engine.loader import load
 from vlm_demo.engine.pages import PageShape, page_tokens_for
 from vlm_demo.errors import RequestCancelledError
 from vlm_demo.models.tiny import COLOURS, solid_image
-from vlm_demo.schema import SamplingParams
+from vlm_demo.request import SamplingParams
 from vlm_demo.tools.bench import BatchCounter
 
 GREEDY = SamplingParams(max_new_tokens=200, temperature=0.0)

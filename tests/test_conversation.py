@@ -13,15 +13,8 @@ from vlm_demo.engine.continuous import ContinuousEngine
 from vlm_demo.engine.dynamic import DynamicEngine
 from vlm_demo.errors import InvalidRequestError
 from vlm_demo.models.tiny import solid_image
-from vlm_demo.schema import (
-    MAX_HISTORY_CHARS,
-    MAX_HISTORY_TURNS,
-    SamplingParams,
-    Turn,
-    chat_messages,
-    recent_turns,
-    validate_history,
-)
+from vlm_demo.prompt import MAX_HISTORY_CHARS, MAX_HISTORY_TURNS, Turn, chat_messages, recent_turns
+from vlm_demo.request import SamplingParams, validate_history
 from vlm_demo.web.conversation import Conversation
 from vlm_demo.web.render import history_html
 

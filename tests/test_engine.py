@@ -25,7 +25,7 @@ from vlm_demo.errors import (
     RequestCancelledError,
 )
 from vlm_demo.models.tiny import COLOURS, solid_image
-from vlm_demo.schema import SamplingParams
+from vlm_demo.request import SamplingParams
 
 GREEDY = SamplingParams(max_new_tokens=160, temperature=0.0)
 

@@ -18,7 +18,7 @@ from vlm_demo.engine.request import Request
 from vlm_demo.engine.scheduler import FairQueue
 from vlm_demo.errors import TooManyRequestsError
 from vlm_demo.models.tiny import solid_image
-from vlm_demo.schema import STAGE_BEAM, SamplingParams
+from vlm_demo.request import STAGE_BEAM, SamplingParams
 
 LONG = SamplingParams(max_new_tokens=400, temperature=0.0, ignore_eos=True)
 SHORT = SamplingParams(max_new_tokens=160, temperature=0.0)

@@ -25,7 +25,7 @@ from vlm_demo.engine.dynamic import DynamicEngine
 from vlm_demo.engine.faults import FailPoints, injected
 from vlm_demo.errors import EngineStoppedError, GenerationError
 from vlm_demo.models.tiny import solid_image
-from vlm_demo.schema import SamplingParams
+from vlm_demo.request import SamplingParams
 
 GREEDY = SamplingParams(max_new_tokens=160, temperature=0.0)
 STEP_POINTS = ("forward", "advance", "host_read", "evict")

@@ -16,7 +16,7 @@ from vlm_demo.engine.rows import Row, RunningRows
 from vlm_demo.engine.sampler import RowSampling
 from vlm_demo.errors import ModelLoadError
 from vlm_demo.models.tiny import COLOURS, solid_image
-from vlm_demo.schema import SamplingParams
+from vlm_demo.request import SamplingParams
 
 JOBS = [
     (solid_image("red", 300, 80), "What colour is this image? Describe it in detail."),

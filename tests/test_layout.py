@@ -71,8 +71,11 @@ def test_no_import_cycles_anywhere_in_the_package() -> None:
 
 
 def test_the_top_level_holds_only_the_door_and_the_shared_vocabulary() -> None:
+    """The door (request), what comes back (results, stream), the conversation (prompt), the errors, the
+    settings, how commands log, the stage parser and judge, images; and two old command names kept as shims."""
     plain = sorted(p.stem for p in PACKAGE.glob("*.py") if p.stem != "__init__")
-    assert len(plain) <= 10, plain
+    shared = ["config", "cot", "errors", "images", "judge", "logs", "prompt", "request", "results", "stream"]
+    assert plain == sorted([*shared, "gpucheck", "triton_serve"]), plain
     parts = sorted(p.name for p in PACKAGE.iterdir() if (p / "__init__.py").is_file())
     assert parts == ["backends", "engine", "models", "tools", "triton", "web"], parts
 
@@ -96,7 +99,8 @@ def test_the_triton_wire_contract_has_one_home() -> None:
     the client, the PyTriton server, the handlers and both repository models."""
     known = modules()
     users = [
-        "vlm_demo.backends.triton",
+        "vlm_demo.backends.triton.infer",
+        "vlm_demo.backends.triton.generate",
         "vlm_demo.triton.serve",
         "vlm_demo.triton.handlers",
         "vlm_demo.triton.repo.llama_3_2v_11b_cot_ensemble.1.model",
@@ -110,3 +114,19 @@ def test_the_triton_wire_contract_has_one_home() -> None:
             continue
         text = path.read_text()
         assert '= "llama_3_2v_11b_cot_ensemble"' not in text and "vlm_demo\\[" not in text, name
+
+
+def test_the_api_and_mcp_doors_do_not_reach_into_the_pages_handlers() -> None:
+    """``/v1`` and MCP are adapters over the answer service (``web/answers.py``), beside the page, not on it:
+    nothing they import, directly or through another module of the package, is the page's handlers."""
+    known = modules()
+    for door in ("vlm_demo.web.openai_api", "vlm_demo.web.openai_wire", "vlm_demo.web.mcp_tool"):
+        seen, todo = set(), [door]
+        while todo:
+            name = todo.pop()
+            for dep, line in imported(known[name], known):
+                assert dep != "vlm_demo.web.handlers", f"{name}:{line} imports the page's handlers (from {door})"
+                if dep not in seen:
+                    seen.add(dep)
+                    todo.append(dep)
+        assert "vlm_demo.web.answers" in seen or door == "vlm_demo.web.openai_wire", door

@@ -5,9 +5,10 @@ from __future__ import annotations
 from prometheus_client.parser import text_string_to_metric_families
 
 from vlm_demo.engine.ipc import Ended, Step
-from vlm_demo.engine.request import Request, SamplingParams
+from vlm_demo.engine.request import Request
 from vlm_demo.engine.streams import EngineStream, StreamTable
 from vlm_demo.errors import OutOfMemoryError
+from vlm_demo.request import SamplingParams
 from vlm_demo.web.metrics import TRAFFIC, CacheCounts, Metrics
 
 

@@ -339,21 +339,70 @@ def test_a_caller_past_its_cap_gets_a_429_saying_why_and_another_caller_goes_on(
         assert other.status_code == 200 and colour_of(other.json()["choices"][0]["message"]["content"]) == "green"
 
 
-def test_the_mcp_tool_answers_an_image_sent_as_a_data_url(server: str) -> None:
+async def _mcp(url: str, calls: list[dict], key: str = KEY) -> tuple[list, list]:
+    """What an agent sees through the official ``mcp`` client over streamable HTTP: the tools, and the
+    results of calling ``ask`` with each of ``calls``."""
+    import httpx
     from mcp import ClientSession
-    from mcp.client.streamable_http import streamablehttp_client
+    from mcp.client.streamable_http import streamable_http_client
 
-    async def call() -> tuple[list[str], object]:
-        async with streamablehttp_client(server + "/gradio_api/mcp/") as (read, write, _):
+    headers = {"Authorization": f"Bearer {key}"}
+    async with httpx.AsyncClient(headers=headers, timeout=httpx.Timeout(120, read=300)) as http:
+        async with streamable_http_client(url, http_client=http) as (read, write, _):
             async with ClientSession(read, write) as session:
                 await session.initialize()
-                tools = [tool.name for tool in (await session.list_tools()).tools]
-                arguments = {"image": GREEN, "question": "What colour is it?", "max_new_tokens": 300}
-                return tools, await session.call_tool("ask", {**arguments, "temperature": 0, "top_p": 1})
+                tools = (await session.list_tools()).tools
+                return tools, [await session.call_tool("ask", arguments) for arguments in calls]
 
-    tools, result = asyncio.run(call())
-    assert "ask" in tools
-    assert not result.isError and colour_of(result.content[0].text.split("<CONCLUSION>")[-1]) == "green"
+
+def test_mcp_offers_one_described_tool_whose_answer_names_the_four_stages_conclusion_first(server: str) -> None:
+    calls = [
+        {"image": GREEN, "question": "What colour is it?", "max_new_tokens": 300, "temperature": 0},
+        {"image": "data:image/png;base64,bm90IGFuIGltYWdl", "question": "What colour is it?"},  # "not an image"
+        {"image": GREEN, "question": "What colour?", "temperature": 5},
+        {"image": "file:///etc/passwd", "question": "What colour?"},
+        {"image": GREEN, "question": "What colour?", "n": 2},
+    ]
+    tools, (answer, not_image, too_hot, local_file, unknown) = asyncio.run(_mcp(server + "/mcp", calls))
+    assert [tool.name for tool in tools] == ["ask"], "the page's own endpoints (ask_page, ask_batch…) are not tools"
+    (ask,) = tools
+    assert "four stages" in ask.description and "stage-beam" in ask.description, ask.description
+    properties = ask.inputSchema["properties"]
+    assert {"image", "question", "max_new_tokens", "temperature", "top_p", "reasoning", "beams", "seed"} == set(
+        properties
+    )
+    assert all(p["description"].strip() for p in properties.values()), properties
+    assert "data URL" in properties["image"]["description"] and "http(s) URL" in properties["image"]["description"]
+    assert properties["temperature"]["maximum"] == 2 and properties["temperature"]["default"] == 0.6
+    assert "From 0 to 2. Default: 0.6." in properties["temperature"]["description"]
+    assert properties["reasoning"]["enum"] == ["normal", "stage-beam"]
+    assert ask.inputSchema["required"] == ["image", "question"]
+
+    assert not answer.isError, answer.content
+    text = answer.content[0].text
+    assert text.startswith("CONCLUSION: "), text
+    assert colour_of(text.split("\n\n")[0]) == "green", text
+    for stage in ("SUMMARY: ", "CAPTION: ", "REASONING: "):
+        assert f"\n\n{stage}" in text, text
+    assert "<SUMMARY>" not in text and "</CONCLUSION>" not in text, "tags are not an agent's business"
+    assert colour_of(answer.structuredContent["conclusion"]) == "green" and answer.structuredContent["summary"]
+
+    for result, message in [
+        (not_image, "Invalid input: "),
+        (too_hot, "Invalid input: temperature must be a number from 0 to 2."),
+        (local_file, "image must be an http(s) URL of an image file or a data: URL"),
+        (unknown, "Unknown parameter 'n'; the ask tool takes: image, question, max_new_tokens"),
+    ]:
+        assert result.isError and message in result.content[0].text, result.content
+
+
+def test_mcp_needs_the_api_key_and_answers_at_gradios_old_path_too(server: str) -> None:
+    calls = [{"image": GREEN, "question": "What colour is it?", "max_new_tokens": 300, "temperature": 0}]
+    tools, (answer,) = asyncio.run(_mcp(server + "/gradio_api/mcp/", calls))
+    assert [tool.name for tool in tools] == ["ask"] and not answer.isError
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        reply = requests.post(server + "/mcp", json={}, headers=headers, timeout=10)
+        assert reply.status_code == 401 and reply.json()["error"]["code"] == "invalid_api_key", reply.text
 
 
 def test_an_engine_death_mid_stream_ends_the_stream_with_an_error_event(server: str) -> None:

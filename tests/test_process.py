@@ -22,7 +22,7 @@ from vlm_demo.config import Config
 from vlm_demo.engine.dynamic import DynamicEngine
 from vlm_demo.errors import EngineStoppedError, RequestCancelledError
 from vlm_demo.models.tiny import solid_image
-from vlm_demo.schema import SamplingParams
+from vlm_demo.request import SamplingParams
 
 GREEDY = SamplingParams(max_new_tokens=200, temperature=0.0)
 CASES = [("red", 64, 64), ("green", 300, 40), ("blue", 33, 200), ("yellow", 120, 120), ("white", 90, 60)]
@@ -46,8 +46,8 @@ def wait_until(predicate, timeout: float, what: str) -> None:
 
 def test_importing_the_page_and_the_triton_client_does_not_import_torch() -> None:
     code = (
-        "import sys; import vlm_demo.web.page, vlm_demo.web.handlers, vlm_demo.web.server, vlm_demo.schema, "
-        "vlm_demo.backends.triton, vlm_demo.backends.engine_client; "
+        "import sys; import vlm_demo.web.page, vlm_demo.web.handlers, vlm_demo.web.server, vlm_demo.request, "
+        "vlm_demo.backends.triton.backend, vlm_demo.backends.engine_client; "
         "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)

@@ -27,7 +27,7 @@ from vlm_demo.engine.worker import Worker
 from vlm_demo.errors import ModelLoadError
 from vlm_demo.models import realshape
 from vlm_demo.models.tiny import COLOURS, solid_image
-from vlm_demo.schema import STAGE_BEAM, SamplingParams
+from vlm_demo.request import STAGE_BEAM, SamplingParams
 from vlm_demo.tools import gpu_measure
 
 GiB = 1024**3

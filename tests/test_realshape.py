@@ -27,7 +27,7 @@ from vlm_demo.engine.rows import Row, RunningRows
 from vlm_demo.engine.sampler import RowSampling
 from vlm_demo.engine.worker import Worker
 from vlm_demo.models import realshape
-from vlm_demo.schema import SamplingParams
+from vlm_demo.request import SamplingParams
 
 N = 8  # tokens per answer: enough to cross padding, cheap at a 128k vocabulary
 GREEDY = SamplingParams(max_new_tokens=N, temperature=0.0, ignore_eos=True)

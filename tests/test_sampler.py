@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from vlm_demo.engine.sampler import RowSampler, RowSampling, draw, hash32, uniforms
-from vlm_demo.schema import SamplingParams
+from vlm_demo.request import SamplingParams
 
 
 def lowbias32(x: int) -> int:

@@ -7,9 +7,10 @@ import time
 
 import pytest
 
-from vlm_demo.engine.request import Request, SamplingParams
+from vlm_demo.engine.request import Request
 from vlm_demo.engine.scheduler import Scheduler
 from vlm_demo.errors import QueueFullError
+from vlm_demo.request import SamplingParams
 
 
 def make() -> Request:

@@ -19,7 +19,7 @@ from vlm_demo.engine.structure import RESAMPLE, StageGrammar, StageTracker, conc
 from vlm_demo.models import realshape
 from vlm_demo.models.tiny import COLOURS as PALETTE
 from vlm_demo.models.tiny import solid_image
-from vlm_demo.schema import STAGE_BEAM, SamplingParams
+from vlm_demo.request import STAGE_BEAM, SamplingParams
 
 WELL_FORMED = [
     "<SUMMARY> I will find the colour. </SUMMARY>\n\n<CAPTION> The image is red. </CAPTION>\n\n"

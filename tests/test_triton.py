@@ -24,15 +24,9 @@ import pytest
 import requests
 from support import ROOT, door, free_ports, running_app, start_app, start_triton, stop_app, stop_triton, wait_ready
 
-from vlm_demo.backends.triton import (
-    Endpoint,
-    ModelInfo,
-    TritonBackend,
-    TritonStream,
-    read_counts,
-    read_event_counts,
-    to_demo_error,
-)
+from vlm_demo.backends.triton.backend import TritonBackend
+from vlm_demo.backends.triton.remote import Endpoint, ModelInfo, to_demo_error
+from vlm_demo.backends.triton.stream import TritonStream, read_counts, read_event_counts
 from vlm_demo.config import TINY, Config
 from vlm_demo.engine.dynamic import DynamicEngine
 from vlm_demo.errors import (
@@ -46,7 +40,9 @@ from vlm_demo.errors import (
     UnsupportedError,
 )
 from vlm_demo.models.tiny import LONG_QUESTIONS, solid_image
-from vlm_demo.schema import GenerationResult, Limits, SamplingParams, Turn
+from vlm_demo.prompt import Turn
+from vlm_demo.request import Limits, SamplingParams
+from vlm_demo.results import GenerationResult
 from vlm_demo.triton import contract
 from vlm_demo.triton.contract import (
     ENSEMBLE_MODEL,
@@ -183,7 +179,7 @@ class StandInResult:
 
 def finished(outputs: dict[str, np.ndarray] | None = None, event: dict | None = None, wait_s: float = 0.0) -> str:
     """The status line of an answer whose figures came as infer ``outputs`` or a generate ``event``."""
-    stream = TritonStream(5.0, lambda _: None)
+    stream = TritonStream(lambda _: None)
     time.sleep(wait_s)
     stream.push("<CONCLUSION> The image is red. </CONCLUSION>")
     if outputs is not None:

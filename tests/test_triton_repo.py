@@ -18,13 +18,14 @@ import numpy as np
 import pytest
 from support import door, start_triton, stop_triton
 
-from vlm_demo.backends.triton import TritonBackend, encode_image
+from vlm_demo.backends.triton.backend import TritonBackend
+from vlm_demo.backends.triton.generate import encode_image
 from vlm_demo.config import Config
 from vlm_demo.engine.base import Engine as BaseEngine
 from vlm_demo.engine.dynamic import DynamicEngine
 from vlm_demo.errors import InvalidRequestError
 from vlm_demo.models.tiny import solid_image
-from vlm_demo.schema import SamplingParams
+from vlm_demo.request import SamplingParams
 from vlm_demo.triton.contract import ENSEMBLE_MODEL, GENERATE_MODEL, chat_prompt, error_from_text
 from vlm_demo.triton.serve import local_copy_of_repository
 

@@ -14,9 +14,11 @@ from support import ROOT
 
 from vlm_demo.backends.base import Features, Health
 from vlm_demo.config import Config
-from vlm_demo.schema import GenerationResult, ValidRequest
+from vlm_demo.request import DEFAULTS, KNOBS, ValidRequest
+from vlm_demo.results import GenerationResult
 from vlm_demo.stream import OutputStream
 from vlm_demo.web import contract
+from vlm_demo.web.answers import Answers
 from vlm_demo.web.metrics import Metrics
 from vlm_demo.web.page import DemoUI
 
@@ -80,7 +82,7 @@ class ScriptedBackend:
 
 @pytest.fixture(scope="module")
 def page() -> DemoUI:
-    return DemoUI(ScriptedBackend(), Config(max_batch_size=4), Metrics(), notice="tiny model")  # type: ignore[arg-type]
+    return DemoUI(Answers(ScriptedBackend(), Config(max_batch_size=4), Metrics()), notice="tiny model")  # type: ignore[arg-type]
 
 
 @pytest.fixture(scope="module")
@@ -126,6 +128,18 @@ def test_the_controls_offer_only_what_the_server_accepts(page: DemoUI) -> None:
     assert question.lines == 1 and question.max_lines > 1, "Enter must ask (Gradio: lines=1); Shift+Enter adds lines"
     assert "Shift+Enter" in question.info
     assert {"clear", "upload_error", "ask", "stop", "examples", "examples_tiny"} <= by_id.keys()
+    cap = page.config.max_new_tokens
+    for name, knob in KNOBS.items():  # each control is its sampling field's knob, as the server checks it
+        if not knob.label:
+            assert name not in by_id, name
+            continue
+        control = by_id[name]
+        assert control.label == knob.label and control.value == DEFAULTS[name], name
+        if knob.choices:
+            assert [value for _, value in control.choices] == list(knob.values)
+        else:
+            low, high = knob.bounds(cap)
+            assert (control.minimum, control.maximum, control.step) == (knob.page_low or low, high, knob.step)
 
 
 async def _ask_page(page: DemoUI, *steps) -> list[tuple]:
@@ -176,7 +190,7 @@ def test_a_bad_request_on_the_page_is_one_status_line_not_an_error(page: DemoUI)
 def test_a_stage_cut_or_stopped_is_marked_so_never_done() -> None:
     """✓ means the stage was written to its end; one the budget cut short or one still open at Stop or an
     error is marked ✂ cut / ■ stopped, in the strip and (through its data attributes) on the panel."""
-    from vlm_demo.schema import GenerationResult
+    from vlm_demo.results import GenerationResult
     from vlm_demo.web.render import render
 
     partial = "<SUMMARY>s</SUMMARY><CAPTION>c</CAPTION><REASONING>part 8 is red, part"
@@ -198,7 +212,7 @@ def test_a_stage_cut_or_stopped_is_marked_so_never_done() -> None:
 
 
 def test_think_harders_view_says_stopped_after_stop() -> None:
-    from vlm_demo.schema import BeamView, StageChoice
+    from vlm_demo.results import BeamView, StageChoice
     from vlm_demo.web.render import render
 
     view = BeamView((StageChoice("summary", ("a", "b")),), "writing", 2)
@@ -208,7 +222,7 @@ def test_think_harders_view_says_stopped_after_stop() -> None:
 
 
 def test_the_status_counts_tokens_and_seconds_while_it_streams_and_uses_plurals() -> None:
-    from vlm_demo.schema import BeamView, GenerationResult, StageChoice
+    from vlm_demo.results import BeamView, GenerationResult, StageChoice
     from vlm_demo.web.render import progress, render
 
     # Waiting: whole seconds (one update a second). Streaming: tenths, so a sub-second answer's time moves too.
@@ -231,7 +245,7 @@ def test_think_harder_is_offered_only_where_the_backend_can_run_it() -> None:
 
     backend = ScriptedBackend()
     backend.features = Features(stage_beam=False)
-    blocks = DemoUI(backend, Config(max_batch_size=4), Metrics()).build().blocks.values()  # type: ignore[arg-type]
+    blocks = DemoUI(Answers(backend, Config(max_batch_size=4), Metrics())).build().blocks.values()  # type: ignore[arg-type]
     by_id = {b.elem_id: b for b in blocks if getattr(b, "elem_id", None)}
     assert by_id["think"].visible is False and by_id["beams"].interactive is False
     error = gr_error(UnsupportedError("Think harder needs continuous batching; this server runs --batching dynamic."))
@@ -261,7 +275,7 @@ def test_gradio_runs_a_handler_for_every_answer_the_engine_holds_and_idles_quiet
 
 def test_think_harder_lists_identical_candidates_once_with_their_numbers() -> None:
     """Issue 30: eight candidates, seven the same, read as 28 lines of "(same as 1)"; now one line per text."""
-    from vlm_demo.schema import BeamView, StageChoice
+    from vlm_demo.results import BeamView, StageChoice
     from vlm_demo.web.render import beams_html, numbers
 
     same, other = "The image is blue.", "The image is dark blue."
@@ -345,7 +359,8 @@ def test_an_answered_question_leaves_the_box_and_stays_above_the_panels() -> Non
 
 def test_a_think_harder_answer_through_a_remote_engine_says_its_rows_are_the_visitors() -> None:
     """A remote engine reports its batch, not a search view: the page says what it asked for, as locally."""
-    from vlm_demo.schema import GenerationResult, SamplingParams
+    from vlm_demo.request import SamplingParams
+    from vlm_demo.results import GenerationResult
     from vlm_demo.web.render import render, searched_beams
 
     answer = "<SUMMARY>s</SUMMARY><CAPTION>c</CAPTION><REASONING>r</REASONING><CONCLUSION>red</CONCLUSION>"

@@ -230,7 +230,10 @@ class Config:
     )
     mcp_server: bool = field(
         default=False,
-        metadata={"group": "api", "help": "Also serve the ask endpoint as an MCP tool (Gradio's MCP server)."},
+        metadata={
+            "group": "api",
+            "help": "Also serve an MCP tool, ask, at /mcp (streamable HTTP; with --api-key it needs the key).",
+        },
     )
     triton_url: str = field(
         default="",
@@ -452,8 +455,8 @@ def validate(config: Config) -> None:
             problems.append(f"{_flag(f.name)}: {err}")
     if config.auth and ":" not in config.auth:
         problems.append("--auth must look like USER:PASS")
-    if config.mcp_server and config.auth:  # its tool calls reach the page's queue without the page's password
-        problems.append("--mcp-server cannot be combined with --auth (Gradio's MCP tool calls would all be refused)")
+    if config.mcp_server and config.auth and not config.api_key:  # as /v1: the page's password is not an agent's
+        problems.append("--mcp-server with --auth needs --api-key: MCP clients send 'Authorization: Bearer KEY'")
     if config.triton_url and config.quantize not in ("auto", "none"):  # the remote side holds the weights
         problems.append(
             "--quantize applies to a local model; with --triton-url set it where the model is served "

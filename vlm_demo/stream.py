@@ -15,7 +15,8 @@ from collections.abc import Callable, Iterator
 from typing import Protocol
 
 from vlm_demo.errors import BackendTimeoutError, DemoError, RequestCancelledError
-from vlm_demo.schema import BeamView, GenerationResult, ValidRequest
+from vlm_demo.request import ValidRequest
+from vlm_demo.results import BeamView, GenerationResult
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +46,11 @@ class Stream(Protocol):
         ...
 
     def add_done_callback(self, fn: Callable[[Stream], None]) -> None: ...
+
+    def add_text_callback(self, fn: Callable[[], None]) -> None:
+        """Call ``fn()`` from the producer's thread each time new text arrives (it must not block): a reader
+        that wants each piece as soon as it exists is woken instead of polling."""
+        ...
 
     def result(self, timeout: float | None = None) -> GenerationResult: ...
 
@@ -81,6 +87,7 @@ class OutputStream:
         self._result: GenerationResult | None = None
         self._error: DemoError | None = None
         self._callbacks: list[Callable[[Stream], None]] = []
+        self._text_callbacks: list[Callable[[], None]] = []
         self._finish_reason: str | None = None
 
     @property
@@ -164,6 +171,10 @@ class OutputStream:
                 return
         fn(self)
 
+    def add_text_callback(self, fn: Callable[[], None]) -> None:
+        """Call ``fn()`` each time a delta arrives (from the producer's thread; exceptions are logged)."""
+        self._text_callbacks.append(fn)
+
     def fail(self, error: DemoError) -> bool:
         """End with an error (no-op if already ended); True if this call ended it."""
         return self._end(None, error)
@@ -171,6 +182,11 @@ class OutputStream:
     def _send(self, delta: str) -> None:
         if delta and not self._done.is_set():
             self._events.put(delta)
+            for fn in self._text_callbacks:
+                try:
+                    fn()
+                except Exception:  # a reader's wake-up must never break the producer
+                    log.exception("text-callback %r failed", fn)
 
     def _end(self, result: GenerationResult | None, error: DemoError | None) -> bool:
         with self._lock:
@@ -186,6 +202,31 @@ class OutputStream:
             except Exception:  # a metrics listener must never break a request
                 log.exception("done-callback %r failed", fn)
         return True
+
+
+class Listeners:
+    """The observers of one backend or engine, called in turn; one that fails is logged and the rest still
+    hear (a broken metric must never break serving). Itself a :class:`Listener`."""
+
+    def __init__(self) -> None:
+        self._listeners: list[Listener] = []
+
+    def add(self, listener: Listener) -> None:
+        self._listeners.append(listener)
+
+    def on_batch(self, size: int) -> None:
+        for listener in self._listeners:
+            try:
+                listener.on_batch(size)
+            except Exception:
+                log.exception("listener %r failed in on_batch", listener)
+
+    def on_request_done(self, request: Stream) -> None:
+        for listener in self._listeners:
+            try:
+                listener.on_request_done(request)
+            except Exception:
+                log.exception("listener %r failed in on_request_done", listener)
 
 
 def run_all(

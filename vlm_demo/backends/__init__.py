@@ -4,12 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from vlm_demo.backends.base import Backend, Stream
+from vlm_demo.backends.base import Backend
 from vlm_demo.config import Config
-from vlm_demo.models.choice import folder_problem
-from vlm_demo.schema import LoadProgress
-
-__all__ = ["Backend", "Stream", "make_backend"]
+from vlm_demo.results import LoadProgress
 
 
 def make_backend(config: Config, progress: Callable[[LoadProgress], None] | None = None) -> Backend:
@@ -19,9 +16,6 @@ def make_backend(config: Config, progress: Callable[[LoadProgress], None] | None
 
     Raises ``SystemExit`` with one sentence when the model cannot be loaded at all.
     """
-    problem = folder_problem(config.model)  # at once, before an engine process starts to find out
-    if problem:
-        raise SystemExit(f"Cannot start the model: {problem}")
     backend = _make_backend(config, progress)
     if config.response_cache_mb > 0:
         from vlm_demo.backends.cache import CachingBackend
@@ -32,7 +26,7 @@ def make_backend(config: Config, progress: Callable[[LoadProgress], None] | None
 
 def _make_backend(config: Config, progress: Callable[[LoadProgress], None] | None) -> Backend:
     if config.triton_url:
-        from vlm_demo.backends.triton import TritonBackend
+        from vlm_demo.backends.triton.backend import TritonBackend
 
         if progress is not None:
             progress(LoadProgress(f"connecting to Triton at {config.triton_url}"))

@@ -7,10 +7,9 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from vlm_demo.errors import DemoError
-from vlm_demo.schema import EngineStats, GenerationResult, ValidRequest
+from vlm_demo.request import ValidRequest
+from vlm_demo.results import EngineStats, GenerationResult
 from vlm_demo.stream import Listener, Stream
-
-__all__ = ["Backend", "Health", "Listener", "RemoteStatus", "Stream"]
 
 
 @dataclass(frozen=True)
@@ -77,7 +76,7 @@ class Features:
 
 
 class Backend(Protocol):
-    name: str  # "local" or "triton"
+    name: str  # "engine-process", "in-process" (the engine in this process) or "triton": /health and the page say it
     remote: bool  # health() asks another server over the network (it may take seconds): never on an event loop
     model: str  # what the page and /health show
     notice: str | None  # the page's banner when the model is not the real one (the tiny test model)

@@ -21,8 +21,9 @@ from collections import OrderedDict
 
 from vlm_demo.backends.base import Backend, Features, Health
 from vlm_demo.errors import DemoError
-from vlm_demo.schema import NORMAL, GenerationResult, ValidRequest
-from vlm_demo.stream import Listener, OutputStream, Stream
+from vlm_demo.request import KNOBS, NORMAL, ValidRequest
+from vlm_demo.results import GenerationResult
+from vlm_demo.stream import Listener, Listeners, OutputStream, Stream
 
 Key = tuple[object, ...]
 
@@ -34,8 +35,8 @@ def cache_key(model: str, request: ValidRequest) -> Key | None:
     if not repeatable or not request.image_key:
         return None
     seed = None if p.greedy and p.reasoning == NORMAL else p.seed
-    return (model, request.image_key, request.question, request.history, p.max_new_tokens, p.temperature,
-            p.top_p, seed, p.reasoning, p.beams, p.ignore_eos)  # fmt: skip
+    fields = tuple(seed if name == "seed" else getattr(p, name) for name in KNOBS)  # every sampling field
+    return (model, request.image_key, request.question, request.history, *fields)
 
 
 def _size(key: Key, result: GenerationResult) -> int:
@@ -97,7 +98,7 @@ class CachingBackend:
     def __init__(self, inner: Backend, max_bytes: int) -> None:
         self.inner = inner
         self.cache = ResponseCache(max_bytes)
-        self._listeners: list[Listener] = []
+        self.listeners = Listeners()
         self.name, self.model, self.remote = inner.name, inner.model, inner.remote
 
     @property
@@ -137,8 +138,7 @@ class CachingBackend:
 
     def _replay(self, found: GenerationResult) -> Replay:
         replay = Replay(dataclasses.replace(found, cached=True, batch_size=0, queue_s=0.0, ttft_s=0.0, total_s=0.0))
-        for listener in self._listeners:
-            listener.on_request_done(replay)
+        self.listeners.on_request_done(replay)
         return replay
 
     def _keep(self, key: Key, stream: Stream) -> None:
@@ -150,7 +150,7 @@ class CachingBackend:
         return dataclasses.replace(health, response_cache_hits=self.cache.hits, response_cache_misses=self.cache.misses)
 
     def add_listener(self, listener: Listener) -> None:
-        self._listeners.append(listener)
+        self.listeners.add(listener)
         self.inner.add_listener(listener)
 
     def pids(self) -> dict[str, int]:

@@ -3,7 +3,7 @@
 The web process keeps the page, the door and the HTTP server; the engine process
 (:mod:`vlm_demo.engine.process`) keeps the model. This module is the thin client and the supervisor:
 
-- ``submit`` sends a :class:`~vlm_demo.schema.ValidRequest` over a pipe and returns a handle whose
+- ``submit`` sends a :class:`~vlm_demo.request.ValidRequest` over a pipe and returns a handle whose
   text arrives with the engine's Step messages, applied by the same
   :class:`~vlm_demo.engine.streams.StreamTable` an in-process engine uses; ``cancel`` ends the handle
   at once and tells the engine, which drops the row at its next step.
@@ -30,7 +30,8 @@ from vlm_demo.config import Config
 from vlm_demo.engine.ipc import ENGINE_FAILED, Cancel, Fatal, Loading, Ready, Shutdown, Step, Submit
 from vlm_demo.engine.streams import EngineStream, StreamTable
 from vlm_demo.errors import BackendUnavailableError, DemoError, EngineStoppedError, QueueFullError
-from vlm_demo.schema import ClientSlots, GenerationResult, LoadProgress, ValidRequest
+from vlm_demo.request import ClientSlots, ValidRequest
+from vlm_demo.results import GenerationResult, LoadProgress
 from vlm_demo.stream import Listener, run_all
 
 log = logging.getLogger(__name__)
@@ -61,7 +62,7 @@ def _describe_exit(code: int | None) -> str:
 class EngineProcessBackend:
     """Starts, feeds and supervises the engine process."""
 
-    name = "local"
+    name = "engine-process"
     remote = False
 
     def __init__(self, config: Config, progress: Callable[[LoadProgress], None] | None = None) -> None:
@@ -95,7 +96,7 @@ class EngineProcessBackend:
     # ---- Backend interface ----
     def submit(self, request: ValidRequest) -> EngineStream:
         if not isinstance(request, ValidRequest):
-            raise TypeError(f"the engine takes a ValidRequest (vlm_demo.schema.validate_request), not {type(request)}")
+            raise TypeError(f"the engine takes a ValidRequest (vlm_demo.request.validate_request), not {type(request)}")
         if self._closing:
             raise EngineStoppedError("The server is shutting down; please try again shortly.")
         if not self._ready.is_set():

@@ -10,14 +10,15 @@ from vlm_demo.engine import make_engine
 from vlm_demo.engine.base import Engine
 from vlm_demo.engine.request import Request
 from vlm_demo.errors import DemoError
-from vlm_demo.schema import GenerationResult, LoadProgress, ValidRequest
+from vlm_demo.request import ValidRequest
+from vlm_demo.results import GenerationResult, LoadProgress
 from vlm_demo.stream import Listener
 
 
 class LocalBackend:
     """Adapts an :class:`~vlm_demo.engine.base.Engine` to the :class:`~vlm_demo.backends.base.Backend` interface."""
 
-    name = "local"
+    name = "in-process"
     remote = False
 
     def __init__(self, engine: Engine, model: str, notice: str | None = None) -> None:

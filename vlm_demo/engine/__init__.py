@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from vlm_demo.config import Config
-from vlm_demo.schema import LoadProgress
+from vlm_demo.results import LoadProgress
 
 if TYPE_CHECKING:  # for the annotations only: the modules themselves load torch
     from vlm_demo.engine.base import Engine

@@ -44,7 +44,8 @@ from vlm_demo.errors import (
     OutOfMemoryError,
     UnsupportedError,
 )
-from vlm_demo.schema import STAGE_BEAM, ClientSlots, EngineStats, GenerationResult, ValidRequest
+from vlm_demo.request import STAGE_BEAM, ClientSlots, ValidRequest
+from vlm_demo.results import EngineStats, GenerationResult
 from vlm_demo.stream import Listener, run_all
 
 log = logging.getLogger(__name__)

@@ -27,7 +27,7 @@ candidates are judged once. A straggler is cut: once half the candidates have cl
 still writing past twice their length (plus some slack) ends there without its tag, so one rambling
 or looping candidate does not hold the whole answer (and the visitor) for up to ``max_new_tokens``.
 A judge call ends at its choice. The engine owns the rows (:mod:`vlm_demo.engine.continuous`); this
-class owns the decisions. ``beam_serial`` (benchmarks only) runs the same search one candidate and one
+class owns the decisions. ``serial_beams`` (benchmarks only) runs the same search one candidate and one
 judge call at a time.
 """
 
@@ -36,14 +36,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from vlm_demo.cot import STAGES, _without_tags, parse_stages
-from vlm_demo.engine.request import STOP_TEXT, Request, SamplingParams
+from vlm_demo.engine.request import STOP_TEXT, Request
 from vlm_demo.engine.rows import Row, Snapshot
 from vlm_demo.engine.streamer import RowStreamer
 from vlm_demo.engine.structure import GAP, conclusion_reserve
 from vlm_demo.engine.worker import Worker
 from vlm_demo.errors import DemoError
 from vlm_demo.judge import CHOICE, judge_question, parse_choice
-from vlm_demo.schema import BeamView, StageChoice
+from vlm_demo.request import SamplingParams
+from vlm_demo.results import BeamView, StageChoice
 
 PAPER_TEMPERATURE, PAPER_TOP_P = 0.6, 0.9  # candidates of a greedy request sample as the paper's do
 JUDGE_MAX_NEW_TOKENS = 96  # "Since [reason], I choose response [1/2]." with room for a reason
@@ -172,7 +173,7 @@ class StageBeam:
             return self.params.beams - len(self.spec) if spare and judged else 0
         if self.phase != "writing" or self.started >= self.params.beams:
             return 0
-        if self.params.beam_serial:
+        if self.request.serial_beams:
             return 1 if all(c.finished for c in self.candidates) else 0
         return self.params.beams - self.started
 
@@ -235,7 +236,7 @@ class StageBeam:
         elif self.phase == "judging" and all(j.request.done for j in self.judgements) and not self.queued:
             self._after_round()
         if self.phase == "judging" and self.queued:
-            if not self.params.beam_serial:
+            if not self.request.serial_beams:
                 calls, self.queued = self.queued, []
                 return [j.request for j in calls]
             if all(j.request.done for j in self.judgements if j not in self.queued):
@@ -298,7 +299,7 @@ class StageBeam:
         """The tokens a candidate of this stage may take, known once half of the K have closed the stage.
 
         It depends only on the candidates' lengths, not on when they finished, so a search with all K
-        candidates at once, in waves, or one at a time (``beam_serial``) cuts the same candidates at the
+        candidates at once, in waves, or one at a time (``serial_beams``) cuts the same candidates at the
         same token; when more short ones close later (waves), the limit only goes down.
         """
         quorum = (self.params.beams + 1) // 2
@@ -342,7 +343,7 @@ class StageBeam:
         # Write the next stage ahead from the contender most candidates agree on (the first on a tie).
         likelier = max(unique, key=lambda c: sum(x.tagged and x.ids == c.ids for x in self.candidates))
         if (
-            not self.params.beam_serial
+            not self.request.serial_beams
             and self.stage_index < len(STAGES) - 1
             and self.params.max_new_tokens - len(self.tokens) - len(likelier.ids) > self._reserve
             and likelier.tagged

@@ -37,7 +37,7 @@ from vlm_demo.engine.request import Request, Resume
 from vlm_demo.engine.rows import Row, RunningRows
 from vlm_demo.engine.worker import Worker
 from vlm_demo.errors import DemoError, OutOfMemoryError
-from vlm_demo.schema import EngineStats
+from vlm_demo.results import EngineStats
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from vlm_demo.errors import DemoError
-from vlm_demo.schema import BeamView, EngineStats, GenerationResult, LoadProgress, ValidRequest
+from vlm_demo.request import ValidRequest
+from vlm_demo.results import BeamView, EngineStats, GenerationResult, LoadProgress
 
 ENGINE_FAILED = 3  # the engine process's exit code after its engine thread died (the supervisor says so)
 

@@ -19,7 +19,7 @@ from vlm_demo.engine.rows import Placement, Prefill, Row, RunningRows
 from vlm_demo.engine.sampler import RowSampling
 from vlm_demo.engine.streamer import RowStreamer, commit_tokens
 from vlm_demo.engine.worker import Worker
-from vlm_demo.schema import STAGE_BEAM
+from vlm_demo.request import STAGE_BEAM
 
 
 class Joiner:

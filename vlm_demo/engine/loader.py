@@ -27,7 +27,7 @@ from vlm_demo.engine.memory import AUTO_ROWS, AUTO_TOKENS, KVShape, most_precise
 from vlm_demo.engine.worker import Worker
 from vlm_demo.errors import ModelLoadError
 from vlm_demo.models.choice import folder_problem, looks_like_path
-from vlm_demo.schema import LoadProgress
+from vlm_demo.results import LoadProgress
 
 log = logging.getLogger(__name__)
 

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 from vlm_demo.config import Config
 from vlm_demo.engine.ipc import ENGINE_FAILED, Cancel, Ended, Fatal, Loading, Ready, Shutdown, Step, Submit
 from vlm_demo.errors import DemoError, GenerationError
-from vlm_demo.schema import EngineStats, LoadProgress
+from vlm_demo.results import EngineStats, LoadProgress
 
 if TYPE_CHECKING:  # the engine (and torch) load in ``run``, inside the engine process
     from vlm_demo.engine.base import Engine

@@ -18,17 +18,9 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol, TypeVar
 
 from vlm_demo.errors import DemoError, RequestCancelledError
-from vlm_demo.schema import (
-    DEFAULT_MAX_NEW_TOKENS,
-    STAGE_BEAM,
-    BeamView,
-    GenerationResult,
-    SamplingParams,
-    Turn,
-    ValidRequest,
-)
-
-__all__ = ["DEFAULT_MAX_NEW_TOKENS", "GenerationResult", "Request", "SamplingParams", "ValidRequest", "make_request"]
+from vlm_demo.prompt import Turn
+from vlm_demo.request import STAGE_BEAM, SamplingParams, ValidRequest
+from vlm_demo.results import BeamView, GenerationResult
 
 _ids = itertools.count(1)
 
@@ -88,6 +80,7 @@ class Request:
     error: DemoError | None = None
     cancelled: bool = False
     reported: bool = False  # in the outbox now
+    serial_beams: bool = False  # benchmarks only: its stage-beam search runs candidates and judges one at a time
 
     def __post_init__(self) -> None:
         self._lock = threading.Lock()
@@ -143,7 +136,7 @@ class Request:
     def rows_needed(self) -> int:
         """Rows of the running batch it takes at once: one, or a stage-beam search's candidates."""
         p = self.params
-        return 1 if p.reasoning != STAGE_BEAM or p.beam_serial else p.beams
+        return 1 if p.reasoning != STAGE_BEAM or self.serial_beams else p.beams
 
     def beam_view(self) -> BeamView | None:
         """Where its stage-beam search stands (``None`` in the normal mode or before it starts)."""
@@ -212,8 +205,8 @@ def make_request(valid: ValidRequest, worker: Preparer, kind: type[R] = Request)
     """The engine's request for one that passed the door, its inputs prepared on the caller's thread
     (so a picture the processor cannot take fails alone, before it joins a batch)."""
     if not isinstance(valid, ValidRequest):
-        raise TypeError(f"the engine takes a ValidRequest (vlm_demo.schema.validate_request), not {type(valid)}")
+        raise TypeError(f"the engine takes a ValidRequest (vlm_demo.request.validate_request), not {type(valid)}")
     request = kind(image=valid.image, question=valid.question, params=valid.params)
-    request.client, request.image_key = valid.client, valid.image_key
+    request.client, request.image_key, request.serial_beams = valid.client, valid.image_key, valid.serial_beams
     request.inputs = worker.prepare(valid.image, valid.question, valid.history)
     return request

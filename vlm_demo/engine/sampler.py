@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from transformers import LogitsProcessor
 
-from vlm_demo.engine.request import SamplingParams
+from vlm_demo.request import SamplingParams
 
 MASK32 = 0xFFFFFFFF
 REDRAW = 0x5BD1E995  # salts a redraw's draw index, so it never repeats a row's ordinary draws

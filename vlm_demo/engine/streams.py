@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 from vlm_demo.engine.ipc import Step
 from vlm_demo.errors import DemoError, RequestCancelledError
-from vlm_demo.schema import BeamView, EngineStats
+from vlm_demo.results import BeamView, EngineStats
 from vlm_demo.stream import Listener, OutputStream, Stream
 
 log = logging.getLogger(__name__)

@@ -24,7 +24,8 @@ from vlm_demo.engine.sampler import RowSampler, RowSampling
 from vlm_demo.engine.streamer import BatchStreamer, RowStreamer, ScoresTap
 from vlm_demo.engine.structure import StageGrammar, StageTracker
 from vlm_demo.errors import InvalidRequestError
-from vlm_demo.schema import SamplingParams, Turn, chat_messages
+from vlm_demo.prompt import Turn, chat_messages
+from vlm_demo.request import SamplingParams
 
 # Tensors whose second dimension is the token sequence: these get left padding in a batch.
 SEQUENCE_KEYS = ("input_ids", "attention_mask", "cross_attention_mask")

@@ -73,6 +73,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from vlm_demo.cot import STAGES
 from vlm_demo.judge import judge_question
 
 log = logging.getLogger(__name__)
@@ -209,7 +210,6 @@ GIBBERISH_LETTERS = "abcdefghijklmnopqrstuvwxyzabcdefghijklmnopqrstuvwxyzéèà�
 ONSETS = ["", *"b c d f g h j k l m n p r s t v w z ch sh th ph tr st gr pl br qu".split()]
 CODAS = ["", "", "", "n", "r", "s", "t", "m", "l", "nt", "ng", "ck", "st", "rd", "ph"]
 
-STAGES = ("summary", "caption", "reasoning", "conclusion")  # as vlm_demo.cot and vlm_demo.judge name them
 TRIGGER_WORDS = ["long", "detail", "details", "detailed"]
 _LONG_RE = re.compile(r"\b(long|detail\w*)\b", re.IGNORECASE)
 _COLOUR_RE = re.compile(r"\b(colou?r)\b", re.IGNORECASE)

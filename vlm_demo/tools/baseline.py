@@ -23,7 +23,7 @@ import time
 from typing import Any
 
 from vlm_demo.errors import DemoError
-from vlm_demo.schema import Limits, SamplingParams, validate_request
+from vlm_demo.request import Limits, SamplingParams, validate_request
 
 log = logging.getLogger("vlm_demo.tools.baseline")
 
@@ -39,7 +39,7 @@ class StaticBatcher:
         threading.Thread(target=self._loop, name="static-batcher", daemon=True).start()
 
     async def answer(self, valid: Any) -> Any:
-        """Queue one request; resolves to its :class:`~vlm_demo.schema.GenerationResult`."""
+        """Queue one request; resolves to its :class:`~vlm_demo.results.GenerationResult`."""
         from vlm_demo.engine.request import make_request
 
         loop = asyncio.get_running_loop()

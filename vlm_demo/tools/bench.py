@@ -38,7 +38,7 @@ from vlm_demo.engine import make_engine
 from vlm_demo.engine.loader import load
 from vlm_demo.engine.worker import Worker
 from vlm_demo.models.tiny import COLOURS, solid_image
-from vlm_demo.schema import Limits, SamplingParams, ValidRequest, validate_request
+from vlm_demo.request import Limits, SamplingParams, ValidRequest, validate_request
 from vlm_demo.tools.stats import cpu_seconds, percentile
 
 log = logging.getLogger("vlm_demo.tools.bench")

@@ -17,6 +17,7 @@ per repeat, a row's mean wall time over K=1 batched's in that repeat; the median
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import statistics
@@ -27,7 +28,7 @@ from vlm_demo.config import Config
 from vlm_demo.engine import make_engine
 from vlm_demo.engine.base import Engine
 from vlm_demo.models.tiny import COLOURS, solid_image
-from vlm_demo.schema import NORMAL, STAGE_BEAM, Limits, SamplingParams, ValidRequest, validate_request
+from vlm_demo.request import NORMAL, STAGE_BEAM, Limits, SamplingParams, ValidRequest, validate_request
 
 log = logging.getLogger("vlm_demo.tools.bench_beam")
 
@@ -57,11 +58,10 @@ def workload(n: int, k: int, serial: bool, temperature: float, top_p: float, max
         colour = colours[i % len(colours)]
         width, height = SIZES[i % len(SIZES)]
         reasoning = NORMAL if k == 0 else STAGE_BEAM
-        params = SamplingParams(
-            max_new_tokens, temperature, top_p, seed=1000 + i, reasoning=reasoning, beams=max(k, 1), beam_serial=serial
-        )
+        params = SamplingParams(max_new_tokens, temperature, top_p, seed=1000 + i, reasoning=reasoning, beams=max(k, 1))
         question = QUESTIONS[i % len(QUESTIONS)]
-        items.append((validate_request(solid_image(colour, width, height), question, params, LIMITS), colour))
+        valid = validate_request(solid_image(colour, width, height), question, params, LIMITS)
+        items.append((dataclasses.replace(valid, serial_beams=serial), colour))
     return items
 
 

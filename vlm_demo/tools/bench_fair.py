@@ -35,7 +35,7 @@ from vlm_demo.engine import make_engine
 from vlm_demo.engine.loader import load
 from vlm_demo.engine.worker import Worker
 from vlm_demo.models.tiny import COLOURS, solid_image
-from vlm_demo.schema import STAGE_BEAM, Limits, SamplingParams, ValidRequest, validate_request
+from vlm_demo.request import STAGE_BEAM, Limits, SamplingParams, ValidRequest, validate_request
 
 LIMITS = Limits(max_new_tokens=100_000)
 QUESTION = "What colour is this image?"

@@ -48,7 +48,7 @@ from vlm_demo.engine.rows import Row, RunningRows
 from vlm_demo.engine.sampler import RowSampling
 from vlm_demo.engine.worker import Worker
 from vlm_demo.models import realshape
-from vlm_demo.schema import Limits, SamplingParams, ValidRequest, validate_request
+from vlm_demo.request import Limits, SamplingParams, ValidRequest, validate_request
 from vlm_demo.tools.gpus import by_device_name
 
 log = logging.getLogger(__name__)

@@ -77,7 +77,7 @@ def synthetic_rows(decoder: Any, rows: int, device: torch.device, length: int = 
     pages hold: for counting and timing steps, not for answers)."""
     from vlm_demo.engine.request import Request
     from vlm_demo.engine.rows import Placement, Row, RunningRows
-    from vlm_demo.schema import SamplingParams
+    from vlm_demo.request import SamplingParams
 
     running = RunningRows(decoder.pool, decoder.attention, device, dtype)
     shape = decoder.pool.shape

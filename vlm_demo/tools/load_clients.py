@@ -26,7 +26,8 @@ import requests
 
 from vlm_demo import REPO_ROOT as ROOT
 from vlm_demo.backends.base import Health
-from vlm_demo.schema import GenerationResult, ValidRequest
+from vlm_demo.request import ValidRequest
+from vlm_demo.results import GenerationResult
 
 
 def free_port() -> int:

@@ -15,7 +15,9 @@ server sends the extras only when asked, so older clients and servers (and third
 Our servers also say which model they run in the model config's ``parameters`` (:data:`MODEL_PARAMETER`).
 
 Servers in this package report a request's typed error as ``vlm_demo[code]: message`` (inside Triton's
-error text or the ``ERROR`` output), so the client raises the same error class the engine did.
+error text or the ``ERROR`` output), so the client raises the same error class the engine did (each class
+carries its code: :mod:`vlm_demo.errors`). The sampling inputs come from the sampling fields' knobs
+(:mod:`vlm_demo.request`), as do the generate contract's ``sampling_parameters`` keys.
 Torch-free: the web process imports it.
 """
 
@@ -26,19 +28,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from vlm_demo.errors import (
-    BackendTimeoutError,
-    BackendUnavailableError,
-    DemoError,
-    EngineStoppedError,
-    GenerationError,
-    InvalidRequestError,
-    OutOfMemoryError,
-    QueueFullError,
-    RequestCancelledError,
-    TooManyRequestsError,
-    UnsupportedError,
-)
+from vlm_demo.errors import DemoError, by_code
+from vlm_demo.request import KNOBS, STAGE_BEAM, SamplingParams
 
 ENSEMBLE_MODEL = "llama_3_2v_11b_cot_ensemble"
 GENERATE_MODEL = "vllm_model"
@@ -48,15 +39,10 @@ MODEL_PARAMETER = "model"
 
 # ---- infer contract ----------------------------------------------------------------------------------
 IMAGE, QUESTION, ANSWER, ERROR = "IMAGE", "QUESTION", "ANSWER", "ERROR"
-# Optional inputs: name -> (numpy dtype, SamplingParams field); one value per request (shape [1]).
-SAMPLING_INPUTS: dict[str, tuple[type, str]] = {
-    "max_new_tokens": (np.int32, "max_new_tokens"),
-    "temperature": (np.float32, "temperature"),
-    "top_p": (np.float32, "top_p"),
-    "seed": (np.int64, "seed"),
-    "reasoning": (np.object_, "reasoning"),  # "normal" or "stage-beam" (bytes)
-    "beams": (np.int32, "beams"),
-}
+DTYPES: dict[str, type] = {"INT32": np.int32, "INT64": np.int64, "FP32": np.float32, "BYTES": np.object_}
+# Optional inputs, one value per request (shape [1]): the sampling fields whose knob names a Triton type, under
+# the field's own name (vlm_demo.request.SamplingParams), e.g. max_new_tokens INT32, reasoning BYTES.
+SAMPLING_INPUTS: dict[str, type] = {name: DTYPES[knob.triton] for name, knob in KNOBS.items() if knob.triton}
 # Optional: a follow-up question's earlier turns, JSON ``[[question, answer], ...]`` oldest first (one per request).
 HISTORY = "HISTORY"
 INFER_INPUTS = (IMAGE, QUESTION, HISTORY, *SAMPLING_INPUTS)
@@ -97,6 +83,26 @@ GENERATE_OUTPUT_TYPES: dict[str, type] = {
     "decode_s": np.float32,
 }
 GENERATE_OUTPUTS = tuple(GENERATE_OUTPUT_TYPES)
+# sampling_parameters keys (vLLM's names) -> the sampling field each sets.
+SAMPLING_KEYS: dict[str, str] = {knob.vllm: name for name, knob in KNOBS.items() if knob.vllm}
+
+
+def sampling_parameters(params: SamplingParams) -> dict[str, object]:
+    """The ``sampling_parameters`` JSON for ``params``: vLLM's keys as vLLM takes them; the seed only when
+    sampling, ``ignore_eos`` only when set, and our reasoning keys only in stage-beam mode (a stock vLLM
+    model refuses keys it does not know)."""
+    sent: dict[str, object] = {}
+    for key, name in SAMPLING_KEYS.items():
+        value = getattr(params, name)
+        if name == "seed" and (params.greedy or value is None):
+            continue
+        if name == "ignore_eos" and not value:
+            continue
+        if name in ("reasoning", "beams") and params.reasoning != STAGE_BEAM:
+            continue
+        sent[key] = value
+    return sent
+
 
 # Llama 3.2 Vision's chat format (what its chat template renders, and what vLLM expects as ``text_input``:
 # it finds the image by the ``<|image|>`` token, in the first user turn).
@@ -135,21 +141,6 @@ def conversation_from_prompt(prompt: str) -> tuple[str, list[list[str]]]:
 
 # ---- typed errors across the wire ---------------------------------------------------------------------
 _MARKER = re.compile(r"vlm_demo\[(\w+)\]: ([^\n]*)")
-ERRORS_BY_CODE: dict[str, type[DemoError]] = {
-    cls.code: cls
-    for cls in (
-        InvalidRequestError,
-        QueueFullError,
-        OutOfMemoryError,
-        RequestCancelledError,
-        EngineStoppedError,
-        GenerationError,
-        BackendUnavailableError,
-        BackendTimeoutError,
-        TooManyRequestsError,
-        UnsupportedError,
-    )
-}
 
 
 def error_text(error: DemoError) -> str:
@@ -162,4 +153,4 @@ def error_from_text(text: str) -> DemoError | None:
     match = _MARKER.search(text)
     if not match:
         return None
-    return ERRORS_BY_CODE.get(match.group(1), GenerationError)(match.group(2))
+    return by_code(match.group(1))(match.group(2))

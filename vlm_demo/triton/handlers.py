@@ -26,17 +26,10 @@ from PIL import Image
 
 from vlm_demo.config import Config, config_from_namespace
 from vlm_demo.errors import DemoError, InvalidRequestError
-from vlm_demo.schema import (
-    DEFAULT_BEAMS,
-    GenerationResult,
-    Limits,
-    SamplingParams,
-    ValidRequest,
-    reasoning_mode,
-    validate_request,
-)
+from vlm_demo.request import KNOBS, Limits, SamplingParams, ValidRequest, choice, validate_request
+from vlm_demo.results import GenerationResult
 from vlm_demo.triton import contract
-from vlm_demo.triton.contract import HISTORY, SAMPLING_INPUTS, conversation_from_prompt, error_text
+from vlm_demo.triton.contract import HISTORY, SAMPLING_INPUTS, SAMPLING_KEYS, conversation_from_prompt, error_text
 
 if TYPE_CHECKING:  # the engine (and torch) load where the model does
     from vlm_demo.engine.base import Engine
@@ -87,10 +80,10 @@ def _decode_infer_row(
     image = Image.fromarray(np.ascontiguousarray(pixels), mode="RGB")
     text = " ".join(_bytes_item(v) for v in np.ravel(question))
     values: dict[str, Any] = {"max_new_tokens": default_max_tokens}
-    for name, (_, field_name) in SAMPLING_INPUTS.items():
+    for name in SAMPLING_INPUTS:
         if name in inputs:
             value = np.ravel(inputs[name])[row] if inputs[name].ndim > 1 else np.ravel(inputs[name])[0]
-            values[field_name] = reasoning_mode(_bytes_item(value)) if name == "reasoning" else value.item()
+            values[name] = choice(name, _bytes_item(value)) if KNOBS[name].choices else value.item()
     return validate_request(image, text, SamplingParams(**values), limits, _history(inputs, row))
 
 
@@ -214,18 +207,15 @@ def decode_generate_request(
             raise InvalidRequestError(f"sampling_parameters is not valid JSON: {exc}") from None
         if not isinstance(sampling, dict):
             raise InvalidRequestError("sampling_parameters must be a JSON object.")
-    for key in ("temperature", "top_p", "max_tokens", "seed"):
+    for key in SAMPLING_KEYS:
         if key not in sampling and key in parameters:
             sampling[key] = parameters[key]
-    params = SamplingParams(
-        max_new_tokens=sampling.get("max_tokens", default_max_tokens),
-        temperature=sampling.get("temperature", SamplingParams.temperature),
-        top_p=sampling.get("top_p", SamplingParams.top_p),
-        ignore_eos=bool(sampling.get("ignore_eos", False)),
-        seed=sampling.get("seed"),
-        reasoning=reasoning_mode(sampling.get("reasoning")),
-        beams=sampling.get("beams", DEFAULT_BEAMS),
-    )
+    values = {name: sampling[key] for key, name in SAMPLING_KEYS.items() if key in sampling}
+    values.setdefault("max_new_tokens", default_max_tokens)
+    for name, value in values.items():
+        if KNOBS[name].choices:
+            values[name] = choice(name, value)
+    params = SamplingParams(**values)
     stream = _flag(inputs, parameters, "stream")
     exclude = _flag(inputs, parameters, "exclude_input_in_output")
     return GenerateCall(

@@ -36,7 +36,7 @@ import numpy as np
 from vlm_demo import REPO_ROOT, logs
 from vlm_demo.config import Config, build_parser, config_from_namespace
 from vlm_demo.errors import DemoError
-from vlm_demo.schema import DEFAULT_MAX_NEW_TOKENS, Limits
+from vlm_demo.request import DEFAULT_MAX_NEW_TOKENS, Limits
 from vlm_demo.triton import contract
 from vlm_demo.triton.contract import ENSEMBLE_MODEL, GENERATE_MODEL, SAMPLING_INPUTS, error_text
 from vlm_demo.triton.handlers import EnsembleHandler, decode_generate_request, generate_responses
@@ -138,7 +138,7 @@ def bind_models(triton: Any, engine: Engine, config: Config) -> None:
             Tensor(name=contract.IMAGE, dtype=np.uint8, shape=(-1, -1, 3)),
             Tensor(name=contract.QUESTION, dtype=bytes, shape=(1,)),
             Tensor(name=contract.HISTORY, dtype=bytes, shape=(1,), optional=True),
-            *[Tensor(name=n, dtype=_wire(t), shape=(1,), optional=True) for n, (t, _) in SAMPLING_INPUTS.items()],
+            *[Tensor(name=n, dtype=_wire(t), shape=(1,), optional=True) for n, t in SAMPLING_INPUTS.items()],
         ],
         outputs=[Tensor(name=n, dtype=_wire(t), shape=(1,)) for n, t in contract.INFER_OUTPUT_TYPES.items()],
         config=ModelConfig(

@@ -14,14 +14,18 @@ import inspect
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+from vlm_demo.request import KNOBS, PAGE_KNOBS
+
 ASK = "ask"  # the streaming endpoint: /ask
 ASK_BATCH = "ask_batch"  # final answers only, batched by Gradio: /ask_batch
 ASK_PAGE = "ask_page"  # the page's own Ask (private: not an API endpoint); the page-load bench joins it
 
-INPUTS: tuple[str, ...] = ("image", "question", "max_new_tokens", "temperature", "top_p", "reasoning", "beams")
+# The picture, the question, then the sampling fields that have a page control, in their declared order
+# (vlm_demo.request.SamplingParams): max_new_tokens, temperature, top_p, reasoning, beams.
+INPUTS: tuple[str, ...] = ("image", "question", *PAGE_KNOBS)
 # Trailing inputs a client may leave out (they arrive as None and mean "normal" and 2 candidates): clients
 # written for the first five inputs keep working.
-OPTIONAL_INPUTS: tuple[str, ...] = ("reasoning", "beams")
+OPTIONAL_INPUTS: tuple[str, ...] = tuple(name for name in PAGE_KNOBS if KNOBS[name].optional)
 
 
 class Outputs(NamedTuple):

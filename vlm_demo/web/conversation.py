@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from vlm_demo.schema import Turn, recent_turns
+from vlm_demo.prompt import Turn, recent_turns
 
 
 @dataclass(frozen=True)

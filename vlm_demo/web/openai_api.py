@@ -1,7 +1,9 @@
 """The OpenAI-compatible API on the page's own server and port: ``/v1/chat/completions`` and ``/v1/models``.
 
-Requests go straight to the backend (``Backend.submit`` with the same :class:`~vlm_demo.schema.ValidRequest`
-the page builds), not through Gradio's queue, so API clients and page visitors share the engine's batches.
+A thin adapter over the answer service (:mod:`~vlm_demo.web.answers`), beside the page, not on it: requests go
+to the backend with the same :class:`~vlm_demo.request.ValidRequest` the page builds, not through Gradio's
+queue, so API clients and page visitors share the engine's batches; a stream is woken by each piece of new
+text, so every engine step's text goes out as soon as it is there, however many visitors the page has.
 This module is the router and the translation of OpenAI's request body into our terms; what goes back on
 the wire is :mod:`~vlm_demo.web.openai_wire`'s.
 
@@ -27,10 +29,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import json
 import logging
-import secrets
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -39,26 +39,14 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from vlm_demo.backends.base import Stream
 from vlm_demo.config import Config
 from vlm_demo.cot import split_thinking
-from vlm_demo.errors import BackendTimeoutError, DemoError, InvalidRequestError, RequestCancelledError
-from vlm_demo.schema import (
-    DEFAULT_MAX_NEW_TOKENS,
-    DEFAULT_TEMPERATURE,
-    DEFAULT_TOP_P,
-    STAGE_BEAM,
-    ValidRequest,
-    params_from_inputs,
-    reasoning_mode,
-    validate_question,
-    validate_request,
-)
-from vlm_demo.web.handlers import TOKEN_TIMEOUT_S, Handlers, wake
+from vlm_demo.errors import INVALID, SERVER, DemoError, InvalidRequestError, RequestCancelledError
+from vlm_demo.request import KNOBS, STAGE_BEAM, ValidRequest, choice, sampling_from, validate_question, validate_request
+from vlm_demo.stream import Stream
+from vlm_demo.web.answers import API, Answers, client_id
 from vlm_demo.web.openai_wire import (
     DONE,
-    INVALID,
-    SERVER,
     APIError,
     Completion,
     ThinkingSplitter,
@@ -67,14 +55,15 @@ from vlm_demo.web.openai_wire import (
     model_card,
     sse,
 )
+from vlm_demo.web.operator import KeyDoor
 from vlm_demo.web.remote_images import fetch_image
 
 log = logging.getLogger(__name__)
 
-SUPPORTED = frozenset(
-    ("model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stream")
-    + ("stream_options", "user", "reasoning", "beams")
-)
+# The sampling fields offered here, by their API names (from their knobs, vlm_demo.request), and back.
+FIELDS: dict[str, str] = {knob.api: name for name, knob in KNOBS.items() if knob.api}
+TOKENS = ("max_completion_tokens", "max_tokens")  # OpenAI's newer and older name for max_new_tokens
+SUPPORTED = frozenset(("model", "messages", "stream", "stream_options", "user", *TOKENS, *FIELDS))
 NEUTRAL: dict[str, Any] = {"n": 1, "presence_penalty": 0, "frequency_penalty": 0, "logprobs": False}
 WHY_NOT = {  # why an option is refused, where a reason helps
     "n": ": it writes one answer per request (n must be 1)",
@@ -96,15 +85,7 @@ MESSAGE_KEYS = {"role", "content", "name"}  # ``name`` is accepted and not used
 ASSISTANT_KEYS = {"reasoning_content", "reasoning"}  # accepted; earlier reasoning is not folded in
 LEGACY_KEYS = {"image_base64", "question"}
 BODY_SLACK = 1 << 20  # JSON around the image: the question, the other turns, the options
-FIRST_TEXT_POLL_S = 0.01  # until the first text: API clients and benchmark tools time the first token
-FIRST_TEXT_WINDOW_S = 1.0  # then (or after this long in the queue) the page's update budget applies
 INTERNAL = APIError(500, "Internal error; the server's log has the details.", SERVER, "internal_error")
-
-
-def api_client(request: Request) -> str:
-    """Who calls, for fair share and the per-client cap (the body's ``user`` wins): the caller's address
-    as uvicorn reports it (X-Forwarded-For from trusted proxies)."""
-    return f"api:{request.client.host}" if request.client is not None else "api"
 
 
 @dataclass(frozen=True)
@@ -211,16 +192,14 @@ def fold(messages: Any) -> Conversation:
 
 
 class OpenAIAPI:
-    """The ``/v1`` routes, bound to the page's handlers (their backend, limits, metrics and live-answer count)."""
+    """The ``/v1`` routes: a thin adapter over the answer service (its limits, metrics and pacing for ``/v1``)."""
 
-    def __init__(self, handlers: Handlers, config: Config, model: str) -> None:
-        self.handlers = handlers
-        self.backend = handlers.backend
-        self.limits = handlers.limits
-        self.metrics = handlers.metrics
+    def __init__(self, answers: Answers, config: Config, model: str) -> None:
+        self.answers = answers
+        self.limits = answers.limits
+        self.metrics = answers.metrics
         self.model = model
-        self.key = config.api_key
-        self.closed = bool(config.auth) and not config.api_key
+        self.door = KeyDoor(config)
         self.remote_images = config.api_remote_images
         self.created = int(time.time())
         self.max_body = self.limits.max_image_bytes * 4 // 3 + BODY_SLACK
@@ -270,7 +249,8 @@ class OpenAIAPI:
         try:
             self._authorize(request)
             body = await self._body(request)
-            call, stream = await loop.run_in_executor(None, self._submit, body, api_client(request))
+            address = request.client.host if request.client is not None else ""
+            call, stream = await loop.run_in_executor(None, self._submit, body, address)
         except APIError as err:
             return self._refuse(err)
         except Exception:  # a bug of ours: still an answer in OpenAI's shape, and the traceback in the log
@@ -287,24 +267,9 @@ class OpenAIAPI:
 
     # ---- the door ----------------------------------------------------------------------------------
     def _authorize(self, request: Request) -> None:
-        if self.key:
-            scheme, _, token = request.headers.get("authorization", "").partition(" ")
-            if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), self.key.encode()):
-                raise APIError(
-                    401,
-                    "Incorrect or missing API key: send 'Authorization: Bearer KEY' with the key the server was "
-                    "started with (--api-key).",
-                    INVALID,
-                    "invalid_api_key",
-                )
-        elif self.closed:
-            raise APIError(
-                401,
-                "The API is closed: the page is password-protected (--auth) and no API key is set. Start the "
-                "server with --api-key KEY (or VLM_API_KEY=KEY) and send 'Authorization: Bearer KEY'.",
-                INVALID,
-                "api_key_required",
-            )
+        refused = self.door.refusal(request)
+        if refused is not None:
+            raise APIError(401, refused[1], INVALID, refused[0])
 
     async def _body(self, request: Request) -> bytes:
         declared = request.headers.get("content-length", "")
@@ -330,9 +295,9 @@ class OpenAIAPI:
                 param,
             )
 
-    def _submit(self, body: bytes, client: str) -> tuple[Call, Stream]:
-        """The request's body into a :class:`Call`, submitted as ``client`` (or as its ``user``, when the body
-        names one); every refusal an :class:`APIError`."""
+    def _submit(self, body: bytes, address: str) -> tuple[Call, Stream]:
+        """The request's body into a :class:`Call`, submitted as the caller at ``address`` (or as its ``user``,
+        when the body names one); every refusal an :class:`APIError`."""
         try:
             data = json.loads(body)
         except (ValueError, UnicodeDecodeError) as err:
@@ -340,9 +305,8 @@ class OpenAIAPI:
         if not isinstance(data, dict):
             raise APIError.invalid("The request body must be a JSON object.")
         call = self._legacy(data) if "messages" not in data and LEGACY_KEYS & data.keys() else self._chat(data)
-        who = f"user:{call.user[:200]}" if call.user else client
         try:
-            return call, self.backend.submit(dataclasses.replace(call.valid, client=who))
+            return call, self.answers.submit(call.valid, client_id(address, user=call.user))
         except DemoError as err:
             raise APIError.of(err) from None
 
@@ -376,29 +340,20 @@ class OpenAIAPI:
         return Call(self._validate(image, conversation, data), stream, include_usage, user=user)
 
     def _validate(self, image: Any, conversation: Conversation, data: dict[str, Any]) -> ValidRequest:
-        """The door, with the API's option names in its messages."""
-        tokens = [n for n in ("max_completion_tokens", "max_tokens") if _given(data.get(n))]
+        """The door, with the API's field names in its messages."""
+        tokens = [n for n in TOKENS if _given(data.get(n))]
         if len(tokens) == 2 and data["max_tokens"] != data["max_completion_tokens"]:
             raise APIError.invalid("Send max_completion_tokens or max_tokens, not both.", "max_tokens")
-        field = tokens[0] if tokens else "max_tokens"
-        default = min(DEFAULT_MAX_NEW_TOKENS, self.limits.max_new_tokens)  # the page's default
+        names = {name: api for api, name in FIELDS.items()} | ({"max_new_tokens": tokens[0]} if tokens else {})
+        values = {name: data[api] for name, api in names.items() if _given(data.get(api))}
         try:
-            beams = data.get("beams")
-            if _given(beams) and reasoning_mode(data.get("reasoning")) != STAGE_BEAM:
+            if "beams" in values and choice("reasoning", values.get("reasoning")) != STAGE_BEAM:
                 raise InvalidRequestError('beams applies only with "reasoning": "stage-beam".', "beams")
-            params = params_from_inputs(
-                data.get(field, default) if tokens else default,
-                _or(data.get("temperature"), DEFAULT_TEMPERATURE),
-                _or(data.get("top_p"), DEFAULT_TOP_P),
-                self.limits,
-                data.get("reasoning"),
-                beams,
-                data.get("seed"),
-            )
+            params = sampling_from(values, self.limits)
             return validate_request(image, conversation.question, params, self.limits, conversation.history)
         except InvalidRequestError as err:
-            if err.param == "max_new_tokens":
-                raise APIError.invalid(str(err).replace("max_new_tokens", field), field) from None
+            if err.param in names and names[err.param] != err.param:
+                raise APIError.invalid(str(err).replace(err.param, names[err.param]), names[err.param]) from None
             if err.param == "question" and conversation.question != conversation.last:
                 message = f"{err} The system messages are folded into the question and count."
                 raise APIError.invalid(message, "messages") from None
@@ -432,9 +387,8 @@ class OpenAIAPI:
         if not isinstance(image, str) or not image:
             raise APIError.invalid("image_base64 must be the image file in base64.", "image_base64")
         url = image if image.startswith("data:") else "data:image;base64," + image
-        tokens = min(DEFAULT_MAX_NEW_TOKENS, self.limits.max_new_tokens)
         try:
-            params = params_from_inputs(tokens, DEFAULT_TEMPERATURE, DEFAULT_TOP_P, self.limits)
+            params = sampling_from({}, self.limits)  # the page's defaults
             valid = validate_request({"url": url}, data.get("question"), params, self.limits)
         except InvalidRequestError as err:
             raise APIError.of(err, "question" if err.param == "question" else "image_base64") from None
@@ -447,39 +401,12 @@ class OpenAIAPI:
 
     # ---- answering ---------------------------------------------------------------------------------
     async def _texts(self, stream: Stream, request: Request) -> AsyncIterator[str]:
-        """The answer's text as it arrives, polled on the event loop like the page's ``/ask`` (woken at once
-        when it ends); cancelled when the client goes away, so its model row is freed."""
-        loop = asyncio.get_running_loop()
-        finished = asyncio.Event()
-        stream.add_done_callback(lambda _: wake(loop, finished))
-        session = f"v1-{id(stream)}"
-        self.handlers.sessions.add(session, stream)  # counted in the page's update budget
-        started = last = time.monotonic()
-        view, seen = None, False
-        try:
-            while True:
-                text, ended = stream.drain()
-                now = time.monotonic()
-                searching, view = view, stream.beam_view()
-                if text or (view is not None and view != searching):
-                    last = now  # new text, or a stage-beam search writing or judging candidates
-                if text:
-                    seen = True
-                    yield text
-                if ended:
-                    return
-                if now - last > TOKEN_TIMEOUT_S:
-                    raise BackendTimeoutError(f"The model sent nothing for {TOKEN_TIMEOUT_S:.0f} s.")
-                if await request.is_disconnected():
-                    stream.cancel()  # the next drain raises RequestCancelledError
-                elif not stream.done:
-                    first = not seen and now - started < FIRST_TEXT_WINDOW_S  # time to first token is what clients time
-                    interval = FIRST_TEXT_POLL_S if first else self.handlers.update_interval()
-                    with contextlib.suppress(asyncio.TimeoutError):
-                        await asyncio.wait_for(finished.wait(), interval)
-        finally:
-            self.handlers.sessions.discard(session, stream)
-            stream.cancel()  # no-op when finished
+        """The answer's text as each piece arrives (the answer service's loop, woken by new text); cancelled
+        when the client goes away, so its model row is freed."""
+        async with contextlib.aclosing(self.answers.follow(stream, API, gone=request.is_disconnected)) as moments:
+            async for moment in moments:
+                if moment.text:
+                    yield moment.text
 
     async def _answer(self, call: Call, stream: Stream, request: Request) -> Response:
         try:
@@ -524,7 +451,3 @@ class OpenAIAPI:
         if usage:
             yield sse(answer.usage_chunk(result))
         yield DONE
-
-
-def _or(value: Any, default: Any) -> Any:
-    return default if value is None else value

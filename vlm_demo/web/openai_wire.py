@@ -18,36 +18,9 @@ from typing import Any
 from fastapi.responses import JSONResponse
 
 from vlm_demo.cot import split_thinking
-from vlm_demo.errors import (
-    BackendTimeoutError,
-    BackendUnavailableError,
-    DemoError,
-    EngineStoppedError,
-    GenerationError,
-    InvalidRequestError,
-    OutOfMemoryError,
-    QueueFullError,
-    TooManyRequestsError,
-    UnsupportedError,
-)
-from vlm_demo.schema import GenerationResult
+from vlm_demo.errors import RETRY_LATER, DemoError, InvalidRequestError
+from vlm_demo.results import GenerationResult
 
-INVALID = "invalid_request_error"  # OpenAI's error types
-SERVER = "server_error"
-
-# Each typed error's HTTP status and OpenAI error type; ``code`` is always the error's own stable code.
-STATUS: dict[str, tuple[int, str]] = {
-    InvalidRequestError.code: (400, INVALID),
-    UnsupportedError.code: (400, INVALID),  # a server setting (e.g. --batching dynamic), not the caller's input
-    QueueFullError.code: (429, "rate_limit_error"),
-    TooManyRequestsError.code: (429, "rate_limit_error"),  # this client's --max-per-client
-    EngineStoppedError.code: (503, SERVER),  # the engine process is restarting
-    BackendUnavailableError.code: (503, SERVER),
-    BackendTimeoutError.code: (504, SERVER),
-    OutOfMemoryError.code: (500, SERVER),
-    GenerationError.code: (500, SERVER),
-}
-RETRY_LATER = (429, 503)  # statuses that get a Retry-After header: the same request can succeed soon
 DONE = b"data: [DONE]\n\n"
 
 
@@ -60,13 +33,12 @@ class APIError(Exception):
 
     @classmethod
     def invalid(cls, message: str, param: str | None = None) -> APIError:
-        return cls(400, message, INVALID, InvalidRequestError.code, param)
+        return cls.of(InvalidRequestError(message), param)
 
     @classmethod
     def of(cls, error: DemoError, param: str | None = None) -> APIError:
-        """The API's answer to one of our typed errors."""
-        status, kind = STATUS.get(error.code, (500, SERVER))
-        return cls(status, str(error), kind, error.code, param)
+        """The API's answer to one of our typed errors: the status and kind its class declares."""
+        return cls(error.status, str(error), error.kind, error.code, param)
 
     def body(self) -> dict[str, Any]:
         return error_body(str(self), self.kind, self.param, self.code)

@@ -1,6 +1,7 @@
-"""Who may read the operator endpoints (``/metrics`` and the full ``/health``).
+"""Who may read the operator endpoints (``/metrics`` and the full ``/health``), and who may call the
+programs' doors (``/v1`` and MCP).
 
-Open on a private box. Once the page has a password (``--auth``) or a scraper token is set
+Operator endpoints: open on a private box. Once the page has a password (``--auth``) or a scraper token is set
 (``--metrics-token``), they hold what a stranger behind a share link should not see (process ids, the
 memory plan, traffic): then ``/metrics`` needs the page's credentials (HTTP Basic) or the token (Bearer),
 and an anonymous ``/health`` says only whether the server is ready, which is all a load balancer needs.
@@ -16,6 +17,33 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from vlm_demo.config import Config
+
+
+class KeyDoor:
+    """The programs' doors (``/v1``, MCP): with ``--api-key`` every call needs ``Authorization: Bearer KEY``;
+    with ``--auth`` and no key they are closed (the page's password must not leave a side door open)."""
+
+    def __init__(self, config: Config) -> None:
+        self.key = config.api_key
+        self.closed = bool(config.auth) and not config.api_key
+
+    def refusal(self, request: Request) -> tuple[str, str] | None:
+        """``(code, message)`` saying why ``request`` may not call, or ``None`` when it may."""
+        if self.key:
+            scheme, _, token = request.headers.get("authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), self.key.encode()):
+                return (
+                    "invalid_api_key",
+                    "Incorrect or missing API key: send 'Authorization: Bearer KEY' with the key the server was "
+                    "started with (--api-key).",
+                )
+        elif self.closed:
+            return (
+                "api_key_required",
+                "The API is closed: the page is password-protected (--auth) and no API key is set. Start the "
+                "server with --api-key KEY (or VLM_API_KEY=KEY) and send 'Authorization: Bearer KEY'.",
+            )
+        return None
 
 
 class OperatorDoor:

@@ -25,25 +25,13 @@ from typing import Any
 import gradio as gr
 
 from vlm_demo import ASSETS_DIR
-from vlm_demo.backends.base import Backend
-from vlm_demo.config import Config
 from vlm_demo.cot import parse_stages
-from vlm_demo.schema import (
-    DEFAULT_BEAMS,
-    DEFAULT_MAX_NEW_TOKENS,
-    DEFAULT_TEMPERATURE,
-    DEFAULT_TOP_P,
-    MAX_BEAMS,
-    MAX_TEMPERATURE,
-    NORMAL,
-    STAGE_BEAM,
-    has_image,
-)
+from vlm_demo.request import DEFAULTS, KNOBS, STAGE_BEAM, has_image
 from vlm_demo.web import contract
+from vlm_demo.web.answers import Answers
 from vlm_demo.web.contract import INPUTS, OPTIONAL_INPUTS, OUTPUTS, PANEL_ELEM_IDS, PANELS
 from vlm_demo.web.conversation import Conversation
 from vlm_demo.web.handlers import Handlers
-from vlm_demo.web.metrics import Metrics
 from vlm_demo.web.render import cleared, history_html, tracker_html
 
 log = logging.getLogger(__name__)
@@ -51,7 +39,6 @@ log = logging.getLogger(__name__)
 CONCURRENCY_ID = "engine"  # /ask and /ask_batch share one limit: they share one model
 PANEL_LINES = {"summary": 2, "caption": 3, "reasoning": 6, "conclusion": 2}
 QUEUE_POLL_S = 0.05  # how often Gradio's idle queue looks for new events (its own default on Windows)
-MIN_TOP_P = 0.05  # the server rejects top_p 0 when sampling, so the slider never offers it
 
 EXAMPLES = [
     ("astronaut.jpg", "What is the person holding, and what does the background tell you about her job?"),
@@ -113,14 +100,27 @@ class Page(gr.Blocks):
         super().validate_inputs(block_fn, inputs)
 
 
-class DemoUI:
-    """The page and its handlers, bound to one backend."""
+def control(name: str, cap: int, **layout: Any) -> gr.Slider | gr.Radio:
+    """The page control of a sampling field, from its knob (:mod:`vlm_demo.request`): its range (the server's
+    ``--max-new-tokens`` where the knob says so), default, step and label; ``layout`` places it."""
+    knob = KNOBS[name]
+    if knob.choices:
+        return gr.Radio(list(knob.choices), value=DEFAULTS[name], label=knob.label, elem_id=name, **layout)
+    low, high = knob.bounds(cap)  # type: ignore[misc]  # every slider's knob has a range
+    low = knob.page_low if knob.page_low is not None else low
+    default = min(DEFAULTS[name], high)
+    precision = {"precision": 0} if knob.whole else {}  # the API page then types it as an integer
+    return gr.Slider(low, high, default, step=knob.step, label=knob.label, elem_id=name, **precision, **layout)
 
-    def __init__(self, backend: Backend, config: Config, metrics: Metrics, notice: str | None = None) -> None:
-        self.backend = backend
-        self.config = config
+
+class DemoUI:
+    """The page and its handlers, over the answer service."""
+
+    def __init__(self, answers: Answers, notice: str | None = None) -> None:
+        self.backend = answers.backend
+        self.config = answers.config
         self.notice = notice
-        self.handlers = Handlers(backend, config, metrics)
+        self.handlers = Handlers(answers)
 
     def upload_checked(self, image: Any) -> tuple[Any, ...]:
         """A new image (or none): the previous answer cleared, and a new conversation (the earlier turns were
@@ -262,28 +262,12 @@ class DemoUI:
             API_EXAMPLE_QUESTION,
         )
         think = self.backend.features.stage_beam  # not offered where the server cannot run it
+        cap = self.config.max_new_tokens
         with gr.Row(equal_height=True, elem_id="think", visible=think):
-            given["reasoning"] = gr.Radio(
-                [("Normal", NORMAL), ("Think harder", STAGE_BEAM)],
-                value=NORMAL,
-                label="Reasoning",
-                info="Think harder: for each stage the model writes several candidates and judges which is "
-                "best (LLaVA-CoT's stage-level beam search). Slower.",
-                elem_id="reasoning",
-                scale=3,
-            )
-            given["beams"] = gr.Slider(
-                2,
-                MAX_BEAMS,
-                DEFAULT_BEAMS,
-                step=1,
-                precision=0,
-                label="Candidates per stage",
-                info="With Think harder",
-                elem_id="beams",
-                elem_classes=["ends"],
-                interactive=False,  # Normal is the default: the count only matters with Think harder
-                scale=2,
+            given["reasoning"] = control("reasoning", cap, info=KNOBS["reasoning"].help, scale=3)
+            # Normal is the default: the count only matters with Think harder
+            given["beams"] = control(
+                "beams", cap, info="With Think harder", interactive=False, scale=2, elem_classes=["ends"]
             )
         with gr.Row():
             # min_width: Ask, Stop and Clear share one line on a 390-px phone (Gradio's default 160 px wrapped Clear)
@@ -293,30 +277,9 @@ class DemoUI:
         with gr.Row(elem_id="turn_buttons"):
             controls["retry"] = gr.Button("↻ Retry", size="sm", elem_id="retry", visible=False)
             controls["new_chat"] = gr.Button("New conversation", size="sm", elem_id="new_chat", visible=False)
-        cap = self.config.max_new_tokens
         with gr.Accordion("Advanced", open=False, elem_id="advanced"):
-            given["max_new_tokens"] = gr.Slider(  # precision=0: the API page types max_new_tokens as an integer
-                1,
-                cap,
-                min(DEFAULT_MAX_NEW_TOKENS, cap),
-                step=1,
-                precision=0,
-                label="Max new tokens",
-                elem_id="max_new_tokens",
-                elem_classes=["ends"],
-            )
-            given["temperature"] = gr.Slider(
-                0.0,
-                MAX_TEMPERATURE,
-                DEFAULT_TEMPERATURE,
-                step=0.05,
-                label="Temperature (0 = greedy)",
-                elem_id="temperature",
-                elem_classes=["ends"],
-            )
-            given["top_p"] = gr.Slider(
-                MIN_TOP_P, 1.0, DEFAULT_TOP_P, step=0.05, label="Top-p", elem_id="top_p", elem_classes=["ends"]
-            )
+            for name in ("max_new_tokens", "temperature", "top_p"):
+                given[name] = control(name, cap, elem_classes=["ends"])  # end labels kept on phones
         return given, controls
 
     def _examples(self, image: gr.Image, question: gr.Textbox) -> None:

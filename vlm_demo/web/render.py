@@ -10,46 +10,23 @@ from __future__ import annotations
 import html
 
 from vlm_demo.cot import STAGES, Stages, parse_stages
-from vlm_demo.errors import DemoError
-from vlm_demo.schema import STAGE_BEAM, BeamView, GenerationResult, SamplingParams, StageChoice, Turn
+from vlm_demo.errors import BY_CODE, DemoError
+from vlm_demo.prompt import Turn
+from vlm_demo.request import STAGE_BEAM, SamplingParams
+from vlm_demo.results import BeamView, GenerationResult, StageChoice
 from vlm_demo.web.contract import Outputs
-
-# The title of an error by its code, as the page and API clients see it.
-ERROR_TITLES = {
-    "invalid_request": "Invalid input",
-    "unsupported": "Not available on this server",
-    "server_busy": "Server busy",
-    "too_many_requests": "Too many answers in progress",
-    "out_of_memory": "Out of GPU memory",
-    "cancelled": "Stopped",
-    "engine_stopped": "Model restarting",
-    "backend_unavailable": "Model unavailable",
-    "backend_timeout": "Model timed out",
-    "generation_failed": "Generation failed",
-}
-# Errors the visitor's own input caused (or a server setting they cannot change): asking again as it stands
-# gives the same error, so the page offers no Retry after them.
-INPUT_ERRORS = ("invalid_request", "unsupported")
-# What a visitor reads when a remote model server (Triton) fails, in the words the local path uses for the
-# same trouble: the original, with addresses and transport status codes, is for the operator's log.
-REMOTE_FAILURES = {
-    "backend_unavailable": "The model server is not reachable right now; please try again in a minute.",
-    "backend_timeout": "The model server took too long to answer; please try again in a minute.",
-    "engine_stopped": "The model server is restarting; please try again in a minute.",
-    "generation_failed": "The model server could not finish this answer; please try again.",
-}
 
 
 def for_visitor(error: DemoError, remote: bool) -> DemoError:
-    """The error as a visitor should read it: a remote backend's transport failures become the plain
-    sentence of :data:`REMOTE_FAILURES` (same class, so the code and title stay); anything else as it is."""
-    plain = REMOTE_FAILURES.get(error.code) if remote else None
+    """The error as a visitor should read it: a remote backend's failure becomes its class's plain sentence
+    (``DemoError.remote_words``; same class, so the code and title stay); anything else as it is."""
+    plain = error.remote_words if remote else ""
     return type(error)(plain) if plain and str(error) != plain else error
 
 
 def retry_helps(title: str) -> bool:
     """Whether asking again can end differently after an error shown under ``title`` (not after an input error)."""
-    return title not in {ERROR_TITLES[code] for code in INPUT_ERRORS}
+    return title not in {cls.title for cls in BY_CODE.values() if not cls.retry_helps}
 
 
 MARKS = {"active": " ●", "done": " ✓", "cut": " ✂ cut", "stopped": " ■ stopped", "todo": ""}

@@ -1,5 +1,5 @@
-"""The web server: FastAPI with ``/health``, ``/metrics`` and the OpenAI-compatible ``/v1``, the Gradio page
-mounted at ``/``, uvicorn.
+"""The web server: FastAPI with ``/health``, ``/metrics``, the OpenAI-compatible ``/v1`` and (``--mcp-server``)
+the MCP tool, the Gradio page mounted at ``/``, all over one answer service; uvicorn.
 
 One serving path for every mode: even with ``--share`` we run our own uvicorn app (so ``/health``
 and ``/metrics`` always exist) and open Gradio's share tunnel to it ourselves; offline that fails
@@ -8,14 +8,16 @@ with a warning and the server keeps serving locally.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
+import gc
 import logging
 import secrets
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import gradio as gr
@@ -24,12 +26,14 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from vlm_demo import ASSETS_DIR
-from vlm_demo.backends import Backend, make_backend
-from vlm_demo.backends.base import Health
+from vlm_demo.backends import make_backend
+from vlm_demo.backends.base import Backend, Health
 from vlm_demo.config import Config
 from vlm_demo.images import DEFAULT_MAX_BYTES
-from vlm_demo.schema import LoadProgress
-from vlm_demo.web.loading import LoadingState, Switch, loading_app
+from vlm_demo.results import LoadProgress
+from vlm_demo.web.answers import Answers
+from vlm_demo.web.asgi import Switch
+from vlm_demo.web.loading import LoadingState, loading_app
 from vlm_demo.web.metrics import CacheCounts, Metrics
 from vlm_demo.web.openai_api import OpenAIAPI
 from vlm_demo.web.operator import OperatorDoor
@@ -74,12 +78,26 @@ def create_app(
         weights=lambda: backend.health().weights,
     )
     backend.add_listener(metrics)
-    ui = DemoUI(backend, config, metrics, notice)
-    demo = ui.build()
+    answers = Answers(backend, config, metrics)  # every door's answers: the page's, /v1's and MCP's
+    demo = DemoUI(answers, notice).build()
 
-    app = FastAPI(title="LLaVA-CoT demo", docs_url=None, redoc_url=None)
+    mcp = None
+    if config.mcp_server:
+        from vlm_demo.web.mcp_tool import MCPDoor  # the mcp SDK loads only where it serves
+
+        mcp = MCPDoor(answers, config)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        async with mcp.running() if mcp is not None else contextlib.nullcontext():
+            yield
+
+    app = FastAPI(title="LLaVA-CoT demo", docs_url=None, redoc_url=None, lifespan=lifespan)
     served = config.triton_model if config.triton_url else backend.model  # Triton's name, not "name @ url"
-    app.include_router(OpenAIAPI(ui.handlers, config, served).router())  # before the mount, which takes "/"
+    app.include_router(OpenAIAPI(answers, config, served).router())  # before the mount, which takes "/"
+    if mcp is not None:
+        for path in mcp.paths:
+            app.router.add_route(path, mcp, include_in_schema=False)
 
     door = OperatorDoor(config)
 
@@ -124,7 +142,7 @@ def create_app(
         run_history=False,
         ssr_mode=False,
         show_error=True,
-        mcp_server=config.mcp_server,
+        mcp_server=False,  # ours (web/mcp_tool.py): one described tool, not the page's endpoints
     )
     return DemoApp(app, demo, backend, metrics, config, notice, health)
 
@@ -141,6 +159,18 @@ def quiet_matplotlib() -> None:
     except ImportError:
         return
     matplotlib.use("agg")
+
+
+def settle_heap() -> None:
+    """Take everything built before serving (Gradio, FastAPI, the page's components) out of the garbage
+    collector's reach. A full collection walks every object it tracks, and the event loop, so every stream and
+    every ``/health`` probe, waits until it is done: with the demo's heap that took 0.2-1.4 s while 128 visitors
+    streamed on a busy 2-core box (docs/BENCHMARKS.md). What was built to serve lives as long as the process,
+    so nothing is lost by never looking at it again; the answers' own short-lived objects are collected as
+    before, and quickly."""
+    gc.collect()
+    gc.freeze()
+    log.debug("%d objects built before serving are no longer walked by the garbage collector", gc.get_freeze_count())
 
 
 def cache_counts(backend: Backend) -> CacheCounts:
@@ -278,6 +308,7 @@ class _Build:
                 demo_app.backend.close()
                 return
             self.demo_app = demo_app
+        settle_heap()  # before the first visitor: the loading page waits for the one full collection
         try:
             self.switch.activate(demo_app.app, demo_app.health, inline=not demo_app.backend.remote)
         except Exception as err:

@@ -18,7 +18,7 @@ except ImportError:  # unit tests substitute a stand-in
     pb_utils = None
 
 from vlm_demo.config import Config
-from vlm_demo.schema import DEFAULT_MAX_NEW_TOKENS, Limits
+from vlm_demo.request import DEFAULT_MAX_NEW_TOKENS, Limits
 from vlm_demo.triton.contract import INFER_INPUTS, INFER_OUTPUTS
 from vlm_demo.triton.handlers import EnsembleHandler, config_from_model_config, instance_device
 

@@ -20,7 +20,7 @@ except ImportError:  # unit tests substitute a stand-in
 
 from vlm_demo.config import Config
 from vlm_demo.errors import DemoError, GenerationError
-from vlm_demo.schema import DEFAULT_MAX_NEW_TOKENS, Limits
+from vlm_demo.request import DEFAULT_MAX_NEW_TOKENS, Limits
 from vlm_demo.triton.contract import GENERATE_INPUTS, error_text
 from vlm_demo.triton.handlers import (
     config_from_model_config,
