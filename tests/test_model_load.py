@@ -8,6 +8,7 @@ from transformers import LlamaConfig
 
 from vlm_demo.config import Config
 from vlm_demo.engine import make_engine
+from vlm_demo.engine.decode_step import pageable
 from vlm_demo.engine.loader import load
 from vlm_demo.engine.worker import Worker
 from vlm_demo.errors import ModelLoadError
@@ -86,4 +87,4 @@ def test_inputs_go_where_the_embedding_is_not_where_the_first_weight_is(tiny_dir
     assert next(model.parameters()).device.type == "meta"
     worker = Worker(model, AutoProcessor.from_pretrained(tiny_dir), "spread")
     assert worker.device == torch.device("cpu")
-    assert worker.decode_step is None  # a spread model keeps the stock forward (accelerate's hooks move tensors)
+    assert pageable(model)  # the text layers sit on a device: the engine's paged step runs them (vision offloaded)
