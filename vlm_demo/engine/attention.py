@@ -58,23 +58,27 @@ class Layout:
     image_bias: torch.Tensor | None = None  # [rows, tiles × patches]
 
 
-def owner_bias(
-    owners: torch.Tensor, rows: int, tokens: int, valid: torch.Tensor | None, dtype: torch.dtype
-) -> torch.Tensor:
-    """The additive mask of the dense reference: row ``r`` sees the tokens of the blocks it owns (and that are
+def owner_bias(owners: torch.Tensor, rows: int, tokens: int, valid: torch.Tensor | None, dtype: torch.dtype,
+               group: int) -> torch.Tensor:  # fmt: skip
+    """The additive mask of the dense reference, ``[rows × group, blocks × tokens]`` (each row's line repeated
+    for its query heads of one key/value head): row ``r`` sees the tokens of the blocks it owns (and that are
     valid), nothing else. Built once per step, shared by every layer."""
     own = owners[None, :, None] == torch.arange(rows, device=owners.device)[:, None, None]
     keep = own & valid[None] if valid is not None else own.expand(rows, owners.shape[0], tokens)
     bias = torch.zeros(keep.shape, dtype=dtype, device=owners.device).masked_fill_(~keep, float("-inf"))
-    return bias.reshape(rows, -1)
+    return bias.reshape(rows, -1).repeat_interleave(group, dim=0)
 
 
 def masked_product(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor,
                    scale: float) -> torch.Tensor:  # fmt: skip
     """``[rows, kv heads, group, dim]`` queries against every gathered key ``[tokens, kv heads, dim]`` at once,
-    ``bias`` keeping each row to its own: the exact softmax over the row's tokens (the others weigh 0)."""
-    scores = torch.add(bias[:, None, None, :], torch.matmul(query, keys.permute(1, 2, 0)), alpha=scale)
-    return torch.matmul(torch.softmax(scores, dim=-1), values.transpose(0, 1))
+    one product per key/value head, ``bias`` keeping each row to its own: the exact softmax over the row's
+    tokens (the others weigh 0). Returns ``[rows, kv heads × group × dim]``."""
+    rows, heads, group, dim = query.shape
+    q = query.permute(1, 0, 2, 3).reshape(heads, rows * group, dim)
+    scores = torch.baddbmm(bias[None], q, keys.permute(1, 2, 0), alpha=scale)  # [kv heads, rows × group, tokens]
+    out = torch.bmm(torch.softmax(scores, dim=-1), values.transpose(0, 1))  # [kv heads, rows × group, dim]
+    return out.view(heads, rows, group, dim).permute(1, 0, 2, 3).reshape(rows, heads * group * dim)
 
 
 def split_softmax(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, rows: torch.Tensor,
@@ -149,7 +153,7 @@ class PagedAttention:
         q = query.view(count, self.shape.kv_heads, self.group, dim)
         out = masked_product(q, keys.reshape(-1, self.shape.kv_heads, dim), values.reshape(-1, self.shape.kv_heads, dim),
                              bias, self.scale)  # fmt: skip
-        return out.reshape(count, self.heads * dim).to(query.dtype)
+        return out.to(query.dtype)
 
     def _reference(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, rows: torch.Tensor,
                    valid: torch.Tensor | None, count: int) -> torch.Tensor:  # fmt: skip

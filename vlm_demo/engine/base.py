@@ -22,6 +22,7 @@ from __future__ import annotations
 import gc
 import logging
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from typing import ClassVar
@@ -49,6 +50,8 @@ from vlm_demo.results import EngineStats, GenerationResult
 from vlm_demo.stream import Listener, run_all
 
 log = logging.getLogger(__name__)
+
+STATS_EVERY_S = 0.1  # a Step carries the engine's stats this often, or when the queue changed or a request ended
 
 
 def is_out_of_memory(exc: BaseException) -> bool:
@@ -124,6 +127,7 @@ class Engine:
         self.sink: Callable[[Step], None] = self.table.apply  # where the thread's Steps go
         self.live: dict[int, Request] = {}  # rid -> its request, from the door until its end is reported
         self.outbox: list[Request] = []  # requests with news since the last Step (appended from any thread)
+        self._reported = (-1, 0.0)  # the queue's change count and the time of the last Step with stats
         self.batches_run = 0
         self.failpoint: Callable[[str], None] | None = failpoints_from_env()  # fault drills only; see faults.py
         self.on_fatal: Callable[[BaseException], None] | None = None  # called once the engine thread died
@@ -250,8 +254,11 @@ class Engine:
                 del self.live[rid]
                 self.clients.give_back(request.client)
                 step.ended.append(Ended(rid, request.result, request.error))
-        step.stats = self.stats()
-        step.waiting = [r.rid for r in self.scheduler.snapshot() if r.rid is not None]
+        changes, now = self.scheduler.waiting.changes, time.monotonic()
+        if step.ended or changes != self._reported[0] or now - self._reported[1] >= STATS_EVERY_S:
+            self._reported = (changes, now)  # stats cost more than a step's text: not on every token
+            step.stats = self.stats()
+            step.waiting = [r.rid for r in self.scheduler.snapshot() if r.rid is not None]
         return step
 
     # ---- observation -------------------------------------------------------------------------

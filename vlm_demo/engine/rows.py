@@ -405,7 +405,7 @@ class RunningRows:
         layout = Layout(
             n, text_table.int(), text_lengths.int(), image_table, image_lengths, text_pages, text_rows, text_valid,
             tile_pages, tile_offsets, tile_rows, width * page, image_table.shape[1] * s.image_page_tokens, starts,
-            owner_bias(text_rows, n, page, text_valid, self.dtype) if dense else None,
+            owner_bias(text_rows, n, page, text_valid, self.dtype, self.attention.group) if dense else None,
             images[6] if dense else None,
         )  # fmt: skip
         assert self.next_tokens is not None
@@ -444,7 +444,7 @@ class RunningRows:
         ]
         sent = self.staging.send(parts, persist=True)  # these outlive the step
         table_t, lengths_t, pages_t, offsets_t, rows_t, mask_t = sent
-        bias = owner_bias(rows_t, n, s.patches, None, self.dtype) if n <= DENSE_ROWS else None
+        bias = owner_bias(rows_t, n, s.patches, None, self.dtype, self.attention.group) if n <= DENSE_ROWS else None
         self._images = (table_t.int(), lengths_t.int(), pages_t, offsets_t, rows_t, mask_t.to(self.dtype), bias)
         return self._images
 

@@ -85,6 +85,7 @@ class FairQueue:
         self._queues: dict[str, collections.deque[Request]] = {}
         self._turn: collections.deque[str] = collections.deque()  # clients with waiting requests, next first
         self._size = 0
+        self.changes = 0  # bumped whenever a request comes or goes (queue positions move)
 
     def __len__(self) -> int:
         return self._size
@@ -99,6 +100,7 @@ class FairQueue:
             self._turn.append(client)
         self._queues[client].append(request)
         self._size += 1
+        self.changes += 1
 
     def appendleft(self, request: Request, first: bool = True) -> None:
         """Back at the head of its client's queue; ``first``: that client also takes the next turn."""
@@ -111,6 +113,7 @@ class FairQueue:
             self._turn.appendleft(client)
         self._queues[client].appendleft(request)
         self._size += 1
+        self.changes += 1
 
     def peek(self) -> Request | None:
         """The request whose turn it is."""
@@ -125,6 +128,7 @@ class FairQueue:
         else:
             del self._queues[client]
         self._size -= 1
+        self.changes += 1
         return request
 
     def prune(self) -> None:
@@ -134,6 +138,7 @@ class FairQueue:
             if any(r.done for r in queue):
                 kept = collections.deque(r for r in queue if not r.done)
                 self._size -= len(queue) - len(kept)
+                self.changes += 1
                 if kept:
                     self._queues[client] = kept
                 else:

@@ -233,7 +233,8 @@ class OpenAIAPI:
     def _weights(self) -> str:
         """How the weights are stored, from the local engine's stats (a remote backend's health is a network call,
         not for the event loop, and does not say)."""
-        return "" if self.backend.remote else self.backend.health().weights
+        backend = self.answers.backend
+        return "" if backend.remote else backend.health().weights
 
     async def unknown(self, path: str, request: Request) -> Response:
         try:
