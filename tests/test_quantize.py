@@ -356,7 +356,7 @@ def test_the_triton_served_engine_runs_int8_weights(worker, tiny_dir, tmp_path) 
     plain and with Think harder (the same seeded search as a local engine over the unquantized model)."""
     from support import start_triton, stop_triton
 
-    from vlm_demo.backends.triton import TritonBackend
+    from vlm_demo.backends.triton.backend import TritonBackend
     from vlm_demo.triton.contract import ENSEMBLE_MODEL
 
     args = ["--model", "tiny", "--tiny-dir", tiny_dir, "--device", "cpu", "--quantize", "int8"]

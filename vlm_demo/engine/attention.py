@@ -27,6 +27,7 @@ import logging
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from vlm_demo.engine.pages import PagePool
 
@@ -37,25 +38,29 @@ DENSE_ROWS = 16  # up to this many rows the reference attention takes one masked
 
 @dataclass
 class Layout:
-    """Where every row's keys are, for one decode step (device tensors, built on the host from its tables)."""
+    """Where every row's keys are, for one decode step: what the chosen kernel reads (device tensors, built on
+    the host from the rows' page lists), the other kernel's fields left ``None``."""
 
     rows: int
-    text_table: torch.Tensor  # [rows, pages] int32: each row's text pages (unused entries 0)
-    text_lengths: torch.Tensor  # [rows] int32: tokens each row attends to (its new one included)
-    image_table: torch.Tensor  # [rows, pages] int32
-    image_lengths: torch.Tensor  # [rows] int32
-    # The reference kernel's gather plan: text blocks are pages, image blocks are tiles.
-    text_pages: torch.Tensor  # [blocks] long
-    text_rows: torch.Tensor  # [blocks] long: the row each block belongs to
-    text_valid: torch.Tensor  # [blocks, page tokens] bool: which tokens of the page are the row's
-    tile_pages: torch.Tensor  # [tiles, patches] long: the page of every image-state token of a tile
-    tile_offsets: torch.Tensor  # [tiles, patches] long
-    tile_rows: torch.Tensor  # [tiles] long
-    max_text: int  # the table's columns × page tokens (a static bound for the fast kernel)
-    max_image: int
-    query_starts: torch.Tensor | None = None  # [rows + 1] int32: 0, 1, 2 … (one query per row, the fast kernel's)
-    text_bias: torch.Tensor | None = None  # [rows, blocks × page tokens]: 0 on a row's own tokens, -inf elsewhere
-    image_bias: torch.Tensor | None = None  # [rows, tiles × patches]
+    max_text: int = 0  # the table's columns × page tokens (a static bound for the fast kernel)
+    max_image: int = 0
+    # FlashAttention's paged kernel: block tables and lengths.
+    text_table: torch.Tensor | None = None  # [rows, pages] int32: each row's text pages (unused entries 0)
+    text_lengths: torch.Tensor | None = None  # [rows] int32: tokens each row attends to (its new one included)
+    image_table: torch.Tensor | None = None  # [rows, pages] int32
+    image_lengths: torch.Tensor | None = None  # [rows] int32
+    query_starts: torch.Tensor | None = None  # [rows + 1] int32: 0, 1, 2 … (one query per row)
+    # The reference's gather plan: text blocks are pages, image blocks are tiles.
+    text_pages: torch.Tensor | None = None  # [blocks] long
+    text_rows: torch.Tensor | None = None  # [blocks] long: the row each block belongs to
+    text_valid: torch.Tensor | None = None  # [blocks, page tokens] bool: which tokens of the page are the row's
+    tile_pages: torch.Tensor | None = None  # [tiles, patches] long: the page of every image-state token of a tile
+    tile_offsets: torch.Tensor | None = None  # [tiles, patches] long
+    tile_rows: torch.Tensor | None = None  # [tiles] long
+    text_bias: torch.Tensor | None = (
+        None  # [rows × group, blocks × page tokens]: 0 on a row's own tokens, -inf elsewhere
+    )
+    image_bias: torch.Tensor | None = None  # [rows × group, tiles × patches]
 
 
 def owner_bias(owners: torch.Tensor, rows: int, tokens: int, valid: torch.Tensor | None, dtype: torch.dtype,
@@ -71,13 +76,14 @@ def owner_bias(owners: torch.Tensor, rows: int, tokens: int, valid: torch.Tensor
 
 def masked_product(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor,
                    scale: float) -> torch.Tensor:  # fmt: skip
-    """``[rows, kv heads, group, dim]`` queries against every gathered key ``[tokens, kv heads, dim]`` at once,
-    one product per key/value head, ``bias`` keeping each row to its own: the exact softmax over the row's
-    tokens (the others weigh 0). Returns ``[rows, kv heads × group × dim]``."""
+    """``[rows, kv heads, group, dim]`` queries against every gathered key ``[tokens, kv heads, dim]`` at once (one
+    fused attention call, the key/value heads as its batch), ``bias`` keeping each row to its own: the exact
+    softmax over the row's tokens (the others weigh 0). Returns ``[rows, kv heads × group × dim]``."""
     rows, heads, group, dim = query.shape
     q = query.permute(1, 0, 2, 3).reshape(heads, rows * group, dim)
-    scores = torch.baddbmm(bias[None], q, keys.permute(1, 2, 0), alpha=scale)  # [kv heads, rows × group, tokens]
-    out = torch.bmm(torch.softmax(scores, dim=-1), values.transpose(0, 1))  # [kv heads, rows × group, dim]
+    k, v = keys.transpose(0, 1)[None], values.transpose(0, 1)[None]  # [1, kv heads, tokens, dim]
+    # Four dimensions: the fused kernel (three would take the slower math path on the CPU).
+    out = F.scaled_dot_product_attention(q[None], k, v, attn_mask=bias[None, None], scale=scale)[0]
     return out.view(heads, rows, group, dim).permute(1, 0, 2, 3).reshape(rows, heads * group * dim)
 
 
@@ -179,18 +185,23 @@ class PagedAttention:
         try:
             layer = self.shape.self_layers[0]
             keys, values = self.pool.keys[layer], self.pool.values[layer]
-            pages = min(3, keys.shape[0])
-            device = keys.device
+            pages, page, device = min(3, keys.shape[0]), self.shape.page_tokens, keys.device
             saved = (keys[:pages].clone(), values[:pages].clone())
             keys[:pages].normal_()
             values[:pages].normal_()
-            lengths = [self.shape.page_tokens * pages - 5, 7]
-            layout = layout_for(self.shape, [list(range(pages)), [0]], lengths, [[0], [0]], [1, 1], device)
+            lengths = [page * pages - 5, 7]  # row 0 over pages 0..2 (the last one partly), row 1 over page 0
+            table = torch.tensor([list(range(pages)), [0] * pages], dtype=torch.int32, device=device)
             query = torch.randn(2, self.heads, self.shape.head_dim, dtype=keys.dtype, device=device)
-            fast = self._flash(query, keys, values, layout.text_table, layout.text_lengths, layout.max_text)
-            slow = self._reference(query, keys.index_select(0, layout.text_pages),
-                                   values.index_select(0, layout.text_pages), layout.text_rows,
-                                   layout.text_valid, 2)  # fmt: skip
+            starts = torch.arange(3, dtype=torch.int32, device=device)
+            fast = self._flash(query, keys, values, table, torch.tensor(lengths, dtype=torch.int32, device=device),
+                               pages * page, starts)  # fmt: skip
+            blocks = torch.tensor([*range(pages), 0], device=device)
+            owners = torch.tensor([0] * pages + [1], device=device)
+            counts = torch.tensor([page] * (pages - 1) + [page - 5, 7], device=device)
+            valid = torch.arange(page, device=device)[None, :] < counts[:, None]
+            slow = self._reference(
+                query, keys.index_select(0, blocks), values.index_select(0, blocks), owners, valid, 2
+            )
             keys[:pages].copy_(saved[0])
             values[:pages].copy_(saved[1])
             error = (fast.float() - slow.float()).abs().max().item()
@@ -209,50 +220,3 @@ class PagedAttention:
             return sum(text_lengths), sum(image_tokens)
         page = self.shape.page_tokens
         return sum(-(-n // page) * page for n in text_lengths), sum(image_tokens)
-
-
-def layout_for(shape, text_pages: list[list[int]], text_lengths: list[int], image_pages: list[list[int]],
-               tiles: list[int], device: torch.device) -> Layout:  # fmt: skip
-    """The step's layout from the rows' page lists (host side) — one small copy to the device per tensor."""
-    rows = len(text_pages)
-    width = max(len(p) for p in text_pages)
-    image_width = max(1, max(len(p) for p in image_pages))
-    text_table = torch.zeros((rows, width), dtype=torch.int32)
-    image_table = torch.zeros((rows, image_width), dtype=torch.int32)
-    blocks, owners, valid_counts = [], [], []
-    for r, (pages, length) in enumerate(zip(text_pages, text_lengths, strict=True)):
-        text_table[r, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
-        used = -(-length // shape.page_tokens)
-        blocks += pages[:used]
-        owners += [r] * used
-        valid_counts += [shape.page_tokens] * (used - 1) + [length - shape.page_tokens * (used - 1)]
-    tile_tokens = torch.arange(shape.patches)
-    tile_pages, tile_offsets, tile_rows = [], [], []
-    for r, (pages, count) in enumerate(zip(image_pages, tiles, strict=True)):
-        if pages:
-            image_table[r, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
-        for t in range(count):
-            tokens = t * shape.patches + tile_tokens
-            tile_pages.append(torch.tensor(pages, dtype=torch.long)[tokens // shape.image_page_tokens])
-            tile_offsets.append(tokens % shape.image_page_tokens)
-            tile_rows.append(r)
-    valid = torch.arange(shape.page_tokens)[None, :] < torch.tensor(valid_counts)[:, None]
-
-    def dev(t: torch.Tensor) -> torch.Tensor:
-        return t.to(device, non_blocking=True)
-
-    return Layout(
-        rows,
-        dev(text_table),
-        dev(torch.tensor(text_lengths, dtype=torch.int32)),
-        dev(image_table),
-        dev(torch.tensor([c * shape.patches for c in tiles], dtype=torch.int32)),
-        dev(torch.tensor(blocks, dtype=torch.long)),
-        dev(torch.tensor(owners, dtype=torch.long)),
-        dev(valid),
-        dev(torch.stack(tile_pages)) if tile_pages else dev(torch.zeros((0, shape.patches), dtype=torch.long)),
-        dev(torch.stack(tile_offsets)) if tile_offsets else dev(torch.zeros((0, shape.patches), dtype=torch.long)),
-        dev(torch.tensor(tile_rows, dtype=torch.long)),
-        width * shape.page_tokens,
-        image_width * shape.image_page_tokens,
-    )

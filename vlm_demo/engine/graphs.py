@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import fields
 
 import torch
 
@@ -75,8 +74,6 @@ class StaticInputs:
     """A step's input tensors in buffers that never move: the largest shape of each, allocated once; a step's
     inputs are copied into the front of each."""
 
-    FIXED = ("text_table", "text_lengths", "image_table", "image_lengths", "query_starts")
-
     def __init__(self, rows: int, text_width: int, image_width: int, device: torch.device, dtype: torch.dtype) -> None:
         def longs(*shape: int) -> torch.Tensor:
             return torch.zeros(shape, dtype=torch.long, device=device)
@@ -93,30 +90,28 @@ class StaticInputs:
 
     def fits(self, inputs: StepInputs) -> bool:
         layout = inputs.layout
-        return (
-            layout.rows <= self.rows
-            and layout.text_table.shape[1] <= self.text_width
-            and layout.image_table.shape[1] <= self.image_width
+        if layout.rows > self.rows:
+            return False
+        return layout.text_table is None or (
+            layout.text_table.shape[1] <= self.text_width and layout.image_table.shape[1] <= self.image_width  # type: ignore[union-attr]
         )
 
     def view(self, rows: int, page_tokens: int, image_page_tokens: int, like: Layout | None = None) -> StepInputs:
-        """The first ``rows`` rows of every buffer, as the step's inputs (the reference attention's ragged plan,
-        which no graph takes, passed through from ``like``)."""
-        ragged = {
-            f.name: getattr(like, f.name) for f in fields(Layout) if like is not None and f.name not in self.FIXED
-        }
-        layout = Layout(**{
-            **{f.name: None for f in fields(Layout)},
-            **ragged,
-            "rows": rows,
-            "text_table": self.text_table[:rows],
-            "text_lengths": self.text_lengths[:rows],
-            "image_table": self.image_table[:rows],
-            "image_lengths": self.image_lengths[:rows],
-            "query_starts": self.query_starts[: rows + 1],
-            "max_text": self.text_width * page_tokens,
-            "max_image": self.image_width * image_page_tokens,
-        })  # fmt: skip
+        """The first ``rows`` rows of every buffer, as the step's inputs: the fast kernel's tables from the buffers;
+        the reference attention's ragged plan, which no graph takes, passed through from ``like``."""
+        if like is not None and like.text_table is None:
+            layout = like
+        else:
+            layout = Layout(
+                rows,
+                max_text=self.text_width * page_tokens,
+                max_image=self.image_width * image_page_tokens,
+                text_table=self.text_table[:rows],
+                text_lengths=self.text_lengths[:rows],
+                image_table=self.image_table[:rows],
+                image_lengths=self.image_lengths[:rows],
+                query_starts=self.query_starts[: rows + 1],
+            )
         return StepInputs(
             self.input_ids[:rows],
             self.positions[:rows],
@@ -131,10 +126,12 @@ class StaticInputs:
         n, layout = inputs.layout.rows, inputs.layout
         for name in ("input_ids", "positions", "write_pages", "write_offsets", "row_mask"):
             getattr(self, name)[:n].copy_(getattr(inputs, name), non_blocking=True)
+        if layout.text_table is None:
+            return
         self.text_table[:n, : layout.text_table.shape[1]].copy_(layout.text_table, non_blocking=True)
         self.text_lengths[:n].copy_(layout.text_lengths, non_blocking=True)
-        self.image_table[:n, : layout.image_table.shape[1]].copy_(layout.image_table, non_blocking=True)
-        self.image_lengths[:n].copy_(layout.image_lengths, non_blocking=True)
+        self.image_table[:n, : layout.image_table.shape[1]].copy_(layout.image_table, non_blocking=True)  # type: ignore[union-attr]
+        self.image_lengths[:n].copy_(layout.image_lengths, non_blocking=True)  # type: ignore[arg-type]
 
 
 class DecodeGraphs:

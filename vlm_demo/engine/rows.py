@@ -149,6 +149,21 @@ class Staging:
         self.cursor = 0
 
 
+@dataclass
+class ImageLayout:
+    """The image part of a step's layout, kept while the rows stay the same (pictures do not grow)."""
+
+    rows: int
+    width: int  # image pages in the widest row
+    table: torch.Tensor  # [rows, width] int32 (the fast kernel's)
+    lengths: torch.Tensor  # [rows] int32
+    tile_pages: torch.Tensor  # [tiles, patches] long (the reference's)
+    tile_offsets: torch.Tensor
+    tile_rows: torch.Tensor
+    row_mask: torch.Tensor  # [rows] model dtype: 0 for a row that sees no tile
+    bias: torch.Tensor | None  # the dense reference's mask
+
+
 class RunningRows:
     """The rows of the next decode step and their sampling state; the engine thread's alone."""
 
@@ -162,7 +177,8 @@ class RunningRows:
         self.next_tokens: torch.Tensor | None = None  # [rows] long: each row's next input
         self.sampling: RowSampling | None = None
         self.staging = Staging(device)
-        self._images: tuple[torch.Tensor, ...] | None = None  # the layout's image part, until rows change
+        self._images: ImageLayout | None = None  # the layout's image part, until rows change
+        self._page_columns = torch.arange(pool.shape.page_tokens, device=device)
         # Byte counters (the metrics of the same names).
         self.copied_bytes = 0  # keys/values moved because rows joined, left or were preempted
         self.written_bytes = 0  # keys/values written for generated tokens
@@ -385,38 +401,44 @@ class RunningRows:
             table[r, : len(place.pages)] = place.pages
         write_pages = table[np.arange(n), lengths // page]
         seen = lengths + 1
-        used = -(-seen // page)
-        columns = np.arange(width)[None, :] < used[:, None]
-        blocks, owners = table[columns], np.nonzero(columns)[0]
-        valid = np.minimum(page, seen[owners] - page * np.nonzero(columns)[1])
         images = self._image_layout(places)
-        starts = np.arange(n + 1, dtype=np.int64)
-        ints = self.staging.send([lengths, write_pages, lengths % page, table, seen, blocks, owners, valid, starts])
-        positions, w_pages, w_offsets, text_table, text_lengths, text_pages, text_rows, valid_counts, starts = ints
-        starts = starts.int()
-        text_valid = torch.arange(page, device=self.device)[None, :] < valid_counts[:, None]
         tiles = [p.tiles * s.patches for p in places[:real]]
         read_text, read_image = self.attention.read_tokens(real_seen, tiles)
         self.read_bytes += read_text * s.text_bytes_per_token + read_image * s.image_bytes_per_token
         self.live_bytes += sum(real_seen) * s.text_bytes_per_token + sum(tiles) * s.image_bytes_per_token
         self.written_bytes += real * s.text_bytes_per_token
-        image_table, image_lengths, tile_pages, tile_offsets, tile_rows, row_mask, _ = images
-        dense = self.attention.kernel == "reference" and n <= DENSE_ROWS
-        layout = Layout(
-            n, text_table.int(), text_lengths.int(), image_table, image_lengths, text_pages, text_rows, text_valid,
-            tile_pages, tile_offsets, tile_rows, width * page, image_table.shape[1] * s.image_page_tokens, starts,
-            owner_bias(text_rows, n, page, text_valid, self.dtype, self.attention.group) if dense else None,
-            images[6] if dense else None,
-        )  # fmt: skip
+        if self.attention.kernel == "flash":  # the kernel reads the tables: one row of page numbers per row
+            starts = np.arange(n + 1, dtype=np.int64)
+            positions, w_pages, w_offsets, text_table, text_lengths, starts = self.staging.send(
+                [lengths, write_pages, lengths % page, table, seen, starts]
+            )
+            layout = Layout(n, max_text=width * page, max_image=images.width * s.image_page_tokens,
+                            text_table=text_table.int(), text_lengths=text_lengths.int(), query_starts=starts.int(),
+                            image_table=images.table, image_lengths=images.lengths)  # fmt: skip
+        else:  # the reference gathers pages: the blocks each row reads, and how much of each is its own
+            used = -(-seen // page)
+            columns = np.arange(width)[None, :] < used[:, None]
+            blocks, owners = table[columns], np.nonzero(columns)[0]
+            valid = np.minimum(page, seen[owners] - page * np.nonzero(columns)[1])
+            positions, w_pages, w_offsets, text_pages, text_rows, valid_counts = self.staging.send(
+                [lengths, write_pages, lengths % page, blocks, owners, valid]
+            )
+            text_valid = self._page_columns[None, :] < valid_counts[:, None]
+            dense = n <= DENSE_ROWS
+            layout = Layout(n, max_text=width * page, max_image=images.width * s.image_page_tokens,
+                            text_pages=text_pages, text_rows=text_rows, text_valid=text_valid,
+                            tile_pages=images.tile_pages, tile_offsets=images.tile_offsets, tile_rows=images.tile_rows,
+                            text_bias=owner_bias(text_rows, n, page, text_valid, self.dtype, self.attention.group)
+                            if dense else None, image_bias=images.bias if dense else None)  # fmt: skip
         assert self.next_tokens is not None
         tokens = self.next_tokens
         if n > real:
             tokens = torch.cat([tokens, tokens.new_zeros(n - real)])
-        return StepInputs(tokens, positions, w_pages, w_offsets, row_mask, layout)
+        return StepInputs(tokens, positions, w_pages, w_offsets, images.row_mask, layout)
 
-    def _image_layout(self, places: list[Any]) -> tuple[torch.Tensor, ...]:
+    def _image_layout(self, places: list[Any]) -> ImageLayout:
         """The image part of the layout and the rows' MLP masks (rebuilt when rows join or leave)."""
-        if self._images is not None and self._images[0].shape[0] == len(places):
+        if self._images is not None and self._images.rows == len(places):
             return self._images
         s = self.shape
         n = len(places)
@@ -442,10 +464,17 @@ class RunningRows:
             np.asarray(tile_rows, dtype=np.int64),
             np.asarray([p.sees_image for p in places], dtype=np.int64),
         ]
-        sent = self.staging.send(parts, persist=True)  # these outlive the step
-        table_t, lengths_t, pages_t, offsets_t, rows_t, mask_t = sent
-        bias = owner_bias(rows_t, n, s.patches, None, self.dtype, self.attention.group) if n <= DENSE_ROWS else None
-        self._images = (table_t.int(), lengths_t.int(), pages_t, offsets_t, rows_t, mask_t.to(self.dtype), bias)
+        table_t, lengths_t, pages_t, offsets_t, rows_t, mask_t = self.staging.send(
+            parts, persist=True
+        )  # outlive the step
+        reference = self.attention.kernel != "flash"
+        bias = (
+            owner_bias(rows_t, n, s.patches, None, self.dtype, self.attention.group)
+            if reference and n <= DENSE_ROWS
+            else None
+        )
+        self._images = ImageLayout(n, width, table_t.int(), lengths_t.int(), pages_t, offsets_t, rows_t,
+                                   mask_t.to(self.dtype), bias)  # fmt: skip
         return self._images
 
     def advance(self, tokens: torch.Tensor) -> None:
