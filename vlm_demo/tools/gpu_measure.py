@@ -35,7 +35,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from vlm_demo.config import Config
+from vlm_demo.config import Config, load_config
 from vlm_demo.engine import make_engine
 from vlm_demo.engine.base import Engine
 from vlm_demo.engine.batch_state import Row, RunningBatch
@@ -455,7 +455,7 @@ def build_worker(model: str, device: torch.device, processor: Any, dtype: torch.
     """The model under test: the full 11B architecture or the narrow one with random weights (bf16
     on a GPU, fp32 on CPU, unless ``dtype`` says), or the tiny test model (a dry run on CPU)."""
     if model == "tiny":
-        return load("tiny", device=str(device))
+        return load("tiny", device=str(device), tiny_dir=load_config([]).tiny_dir)  # VLM_TINY_DIR
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     config = realshape.full_config() if model == "full" else realshape.narrow_config()
     return Worker(realshape.build_model(config, dtype, device), processor, f"{model}-random")
