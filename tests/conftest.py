@@ -14,9 +14,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 @pytest.fixture(scope="session")
 def tiny_dir() -> str:
     """Path of the trained tiny model folder (the shipped copy unless ``VLM_TINY_DIR`` names another)."""
+    from vlm_demo.config import load_config
     from vlm_demo.models.tiny import ensure_tiny
 
-    return ensure_tiny()
+    return ensure_tiny(load_config([]).tiny_dir or None)
 
 
 @pytest.fixture(scope="session")

@@ -204,7 +204,7 @@ def test_batched_and_serial_searches_give_the_same_answer(worker, make_engine, m
     engine = make_engine()
     image = solid_image("green", 64, 32)
     last_rounds = set()
-    for k, seed in [(3, 1), (3, 2), (4, 5), (4, 7), (4, 8), (4, 11)]:
+    for k, seed in [(3, 0), (3, 3), (4, 4), (4, 5), (4, 12), (3, 12)]:
         batched = engine.generate(door(image, "What colour?", beam(k, seed)))
         serial = engine.generate(one_at_a_time(door(image, "What colour?", beam(k, seed))))
         assert serial.text == batched.text
@@ -297,21 +297,22 @@ def test_more_candidates_than_free_rows_run_in_waves_within_the_row_limit(worker
 
 
 def test_a_rambling_candidate_is_cut_and_does_not_hold_the_answer(worker, make_engine) -> None:
-    """At temperature 1, one REASONING candidate of this seed drifts into the long form's part counting (~200
-    tokens) while the other three close the stage in 19. Once half have closed, it may take 2 x 19 + 16 tokens: it is cut
-    there, without its tag, so it is not judged; batched and serial searches cut it alike, and the batched
-    one stops its row instead of writing the rest (the steps are counted)."""
+    """At temperature 1.2, one REASONING candidate of this seed drifts into the long form's part counting (~200
+    tokens) while the other three close the stage in about 19. Once half have closed, it may take 2 x 19 + 16
+    tokens: it is cut there, without its tag, so it is not judged; batched and serial searches cut it alike, and
+    the batched one stops its row instead of writing the rest (the steps are counted). (The tiny model is sure
+    enough of its answers that at temperature 1 such a drift is rare.)"""
     engine = make_engine()
     image, question = solid_image("yellow", 64, 64), "Which colour do you see here?"
     before = engine.steps_run
-    batched = engine.generate(door(image, question, beam(4, 1027)))
+    batched = engine.generate(door(image, question, beam(4, 977, temperature=1.2)))
     steps = engine.steps_run - before
-    serial = engine.generate(one_at_a_time(door(image, question, beam(4, 1027))))
+    serial = engine.generate(one_at_a_time(door(image, question, beam(4, 977, temperature=1.2))))
     assert serial.text == batched.text and serial.beam == batched.beam
     reasoning = batched.beam.stages[2]
     assert reasoning.closed.count(False) == 1, reasoning
     cut = reasoning.candidates[reasoning.closed.index(False)]
-    assert "part 1 is" in cut and " so " not in cut, cut  # the long form, stopped before its end
+    assert re.search(r"part \d+ is yellow, part \d+ is", cut) and "</" not in cut, cut  # the long form, cut short
     assert reasoning.closed[reasoning.winner] and not reasoning.judgements  # the three closed ones are identical
     assert parse_stages(batched.text, final=True).text("reasoning") == reasoning.candidates[reasoning.winner]
     assert steps < 200, f"the straggler's row ran on: {steps} steps"  # its long form alone takes ~200
@@ -320,7 +321,7 @@ def test_a_rambling_candidate_is_cut_and_does_not_hold_the_answer(worker, make_e
 def test_a_candidate_the_structure_steered_to_its_tag_is_judged_only_when_none_closed_on_its_own(
     worker, make_engine
 ) -> None:
-    """At temperature 1 some candidates try to leave their stage the wrong way and the stage structure closes
+    """At temperature 1.5 some candidates try to leave their stage the wrong way and the stage structure closes
     the stage for them. Such a candidate is passed over whenever another closed the stage on its own: over
     many searches, no judge call ever weighs one against a naturally closed candidate."""
     engine = make_engine()
@@ -338,7 +339,9 @@ def test_a_candidate_the_structure_steered_to_its_tag_is_judged_only_when_none_c
     StageBeam._judge_or_decide = spy  # type: ignore[method-assign]
     try:
         jobs = [
-            door(solid_image(c, 40, 40), "What colour is this image?", beam(4, s)) for s in range(6) for c in COLOURS
+            door(solid_image(c, 40, 40), "What colour is this image?", beam(4, s, temperature=1.5))
+            for s in range(6)
+            for c in COLOURS
         ]
         for handle in [engine.submit(job) for job in jobs]:
             handle.result(300)

@@ -5,14 +5,18 @@ from __future__ import annotations
 import hashlib
 import random
 import re
+from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch
 
+from vlm_demo.config import load_config
+from vlm_demo.engine.loader import resolve_model_path
 from vlm_demo.judge import judge_question, parse_choice
 from vlm_demo.models import tiny
-from vlm_demo.models.tiny import COLOURS, LONG_QUESTIONS, solid_image
+from vlm_demo.models.tiny import COLOURS, LONG_QUESTIONS, Earlier, Example, answer_for, solid_image
+from vlm_demo.schema import DEFAULT_TEMPERATURE, DEFAULT_TOP_P, Turn
 
 STAGES = re.compile(
     r"^<SUMMARY>(.+?)</SUMMARY>\s*<CAPTION>(.+?)</CAPTION>\s*<REASONING>(.+?)</REASONING>\s*"
@@ -144,11 +148,10 @@ def test_left_padded_batch_answers_every_colour_and_equals_single_runs(loaded) -
 
 # Unseen inputs over a wide grid: sizes from one pixel to 3000 px, aspect ratios up to 100:1 (the processor pads
 # such strips with black tiles), light noise, and wordings the model never saw (typos, other languages, none
-# about colour).
-GRID_SIZES = [
-    (1, 1), (2, 3), (3, 2), (5, 9), (8, 1), (1, 8), (11, 5), (17, 23), (31, 4), (64, 2), (2, 64), (128, 9),
-    (777, 333), (1024, 200), (200, 1024), (1200, 1800), (3000, 30), (2000, 1000),
-]  # fmt: skip
+# about colour). Every wording meets two wide strips, two tall ones and two other pictures.
+WIDE_STRIPS = [(8, 1), (31, 4), (64, 2), (128, 9), (1024, 200), (3000, 30)]
+TALL_STRIPS = [(1, 8), (4, 31), (2, 64), (9, 128), (200, 1024), (30, 3000)]
+OTHER_SIZES = [(1, 1), (2, 3), (3, 2), (11, 5), (777, 333), (2000, 1000)]
 GRID_WORDINGS = [
     "What colour is this image?", "hue?", "Tell me what you see", "What is shown here?", "what's this",
     "Which colour dominates this photograph, and why do you think so?", "Describe the picture.", "Explain.",
@@ -158,24 +161,100 @@ GRID_WORDINGS = [
 ]  # fmt: skip
 
 
+def grid_cases(seed: int = 22) -> list[tuple[str, int, int, int, str]]:
+    """(colour, width, height, noise, wording): six pictures per wording, in shuffled colours."""
+    rng = random.Random(seed)
+    cases = []
+    for k, wording in enumerate(GRID_WORDINGS):
+        sizes = [group[(k + shift) % 6] for group in (WIDE_STRIPS, TALL_STRIPS, OTHER_SIZES) for shift in (0, 3)]
+        colours = rng.sample(list(COLOURS), len(COLOURS))
+        cases += [(c, w, h, rng.choice([0, 0, 5, 15, 25]), wording) for c, (w, h) in zip(colours, sizes)]
+    return cases
+
+
 def test_greedy_answers_over_a_wide_grid_of_unseen_inputs_name_the_colour(loaded) -> None:
-    """Every colour at every grid size, each with another unseen wording and light noise now and then: the
-    model's own greedy answer (plain ``generate``, no stage grammar) is four well-formed stages naming the
-    image's colour; 18 of them (three per colour) are also run alone and must equal their batched row."""
+    """Six pictures at every unseen wording, strips among them, light noise now and then: the model's own
+    greedy answer (plain ``generate``, no stage grammar) is four well-formed stages naming the image's colour;
+    18 of them are also run alone and must equal their batched row."""
     processor = loaded[1]
-    rng = random.Random(22)
-    cases = [
-        (colour, w, h, rng.choice([0, 0, 5, 15, 25]), GRID_WORDINGS[(i * 5 + j) % len(GRID_WORDINGS)])
-        for i, colour in enumerate(COLOURS)
-        for j, (w, h) in enumerate(GRID_SIZES)
-    ]
+    cases = grid_cases()
+    assert {(w, h) for _, w, h, _, _ in cases} == set(WIDE_STRIPS + TALL_STRIPS + OTHER_SIZES)
+    assert sorted(Counter(case[0] for case in cases).values()) == [18] * len(COLOURS)
     for start in range(0, len(cases), 36):
         chunk = cases[start : start + 36]
         batched = _generate(loaded, [_conversation(*case) for case in chunk], max_new_tokens=320)
         for case, tokens in zip(chunk, batched):
             _check_answer(processor, tokens, case[0])
-        for case, tokens in list(zip(chunk, batched))[::6]:  # batch == single: 3 per colour, spread out
+        for case, tokens in list(zip(chunk, batched))[::6]:  # batch == single: 6 per chunk, spread out
             assert _generate(loaded, [_conversation(*case)], max_new_tokens=320)[0] == tokens, case
+
+
+# Follow-ups the model was not trained on, and the two the page's visitors asked first (trained on).
+FOLLOW_UPS = [
+    "Are you sure? Look again.", "What colour is it?", "Is that your final answer?",
+    "Please look once more and tell me.", "Which colour did you see?", "Are you really sure about that?",
+]  # fmt: skip
+CHAT_SIZES = [(3, 1), (48, 2), (2, 48), (640, 480), (1, 1), (1800, 25)]
+COLOUR_WORDS = re.compile(r"\b(" + "|".join(COLOURS) + r")\b")
+
+
+def _answers(worker, rows: list[tuple], sampled: bool) -> list[str]:
+    """Stock ``generate`` on the worker's own (multi-turn) prompts, left-padded: greedy, or sampled at the
+    page's defaults."""
+    inputs = worker.processor(
+        images=[[image] for image, _, _ in rows],
+        text=[worker.prompt(question, history) for _, question, history in rows],
+        add_special_tokens=False,
+        padding=True,
+        padding_side="left",
+        return_tensors="pt",
+    )
+    sampling = {"do_sample": True, "temperature": DEFAULT_TEMPERATURE, "top_p": DEFAULT_TOP_P, "top_k": 0}
+    torch.manual_seed(0)
+    with torch.no_grad():
+        out = worker.model.generate(**inputs, max_new_tokens=320, **(sampling if sampled else {"do_sample": False}))
+    return worker.tokenizer.batch_decode(out[:, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "page-defaults"])
+def test_first_answers_and_follow_ups_name_the_images_colour_and_no_other(worker, sampled: bool) -> None:
+    """Twelve pictures, each asked an unseen question and then two follow-ups through the worker's multi-turn
+    prompt, the model's own answers as the earlier turns (as the page sends them): every answer is four
+    well-formed stages that name the image's colour and no other. Greedy: all 36; sampled at the page's
+    temperature and top-p: all but at most one in twelve."""
+    pictures = [
+        (
+            colour,
+            solid_image(colour, *CHAT_SIZES[(i + k) % 6], noise=5 * k, seed=i),
+            GRID_WORDINGS[(3 * i + 7 * k) % 18],
+        )
+        for k in range(2)
+        for i, colour in enumerate(COLOURS)
+    ]
+    histories: list[tuple[Turn, ...]] = [() for _ in pictures]
+    wrong = []
+    for turn in range(3):
+        questions = [first if turn == 0 else FOLLOW_UPS[(k + 3 * turn) % 6] for k, (_, _, first) in enumerate(pictures)]
+        rows = [(image, question, history) for (_, image, _), question, history in zip(pictures, questions, histories)]
+        for k, text in enumerate(_answers(worker, rows, sampled)):
+            colour = pictures[k][0]
+            if not STAGES.match(text.strip()) or set(COLOUR_WORDS.findall(text)) != {colour}:
+                wrong.append((turn, colour, questions[k], text))
+            histories[k] += (Turn(questions[k], text.strip()),)
+    assert len(wrong) <= (3 * len(pictures) // 12 if sampled else 0), wrong
+
+
+def test_training_conversations_are_the_workers_prompts_with_labels_on_the_models_own_answers(worker) -> None:
+    """A follow-up trains on exactly the text the worker sends (``Worker.prompt`` with history), and only the
+    answers the model writes carry labels: not the user's turns, not an earlier answer a client made up."""
+    first, again = "What colour?", "Are you sure? Look again."
+    history = (Earlier(first, answer_for("red", first), True), Earlier("Really?", "The image is blue.", False))
+    example = Example("red", 40, 30, 0, 0, again, answer_for("red", again), history=history)
+    turns = [Turn(e.question, e.answer) for e in history]
+    assert example.text(worker.processor) == worker.prompt(again, turns) + example.answer + "<|eot_id|>"
+    batch = tiny.encode_batch(worker.processor, [example])
+    labelled = batch["input_ids"][0][batch["labels"][0] != -100]
+    assert worker.tokenizer.decode(labelled) == f"\n\n{history[0].answer}<|eot_id|>\n\n{example.answer}<|eot_id|>"
 
 
 def test_trained_wordings_give_short_or_long_reasoning(loaded) -> None:
@@ -244,15 +323,18 @@ def test_the_shipped_model_is_exactly_what_the_recipe_builds(tmp_path: Path) -> 
 
 
 def test_the_shipped_model_is_used_unless_another_folder_is_asked_for(tmp_path: Path, monkeypatch) -> None:
-    """No build on a fresh clone: the shipped copy is the default. A folder of one's own (``VLM_TINY_DIR``)
-    wins, and a shipped copy of an older recipe is passed over for the cache, where the model is built."""
-    monkeypatch.delenv(tiny.TINY_DIR_ENV, raising=False)
+    """No build on a fresh clone: the shipped copy is the default. A folder of one's own (``--tiny-dir`` /
+    ``VLM_TINY_DIR``, read by ``Config`` and passed in) wins, and a shipped copy of an older recipe is passed
+    over for the cache, where the model is built."""
     monkeypatch.setenv("HOME", str(tmp_path))
     assert tiny.default_tiny_dir() == tiny.SHIPPED_DIR and tiny.ensure_tiny() == str(tiny.SHIPPED_DIR)
     assert not (tmp_path / ".cache").exists()
-    monkeypatch.setenv(tiny.TINY_DIR_ENV, str(tmp_path / "mine"))
-    assert tiny.default_tiny_dir() == tmp_path / "mine"
-    monkeypatch.delenv(tiny.TINY_DIR_ENV)
+    mine = str(tmp_path / "mine")
+    assert (
+        load_config([], environ={"VLM_TINY_DIR": mine}).tiny_dir == mine == load_config(["--tiny-dir", mine]).tiny_dir
+    )
+    monkeypatch.setattr(tiny, "build_tiny", fake_build)
+    assert resolve_model_path("tiny", mine) == mine and (tmp_path / "mine" / "config.json").is_file()
     stale = tmp_path / "stale"
     stale.mkdir()
     (stale / "config.json").write_text("{}")
@@ -261,37 +343,41 @@ def test_the_shipped_model_is_used_unless_another_folder_is_asked_for(tmp_path: 
     assert tiny.default_tiny_dir() == tmp_path / ".cache" / "vlm_demo" / "tiny"
 
 
+def fake_build(out_dir, seed: int = 0) -> str:
+    """Stands in for the minutes-long training where only the folder handling is under test."""
+    (Path(out_dir) / "config.json").write_text("{}")
+    return str(out_dir)
+
+
 def test_ensure_tiny_builds_once_and_rebuilds_a_stale_version(tmp_path: Path, monkeypatch) -> None:
     builds = []
 
-    def fake_build(out_dir, seed: int = 0) -> str:
+    def counted(out_dir, seed: int = 0) -> str:
         builds.append(out_dir)
-        (Path(out_dir) / "config.json").write_text("{}")
-        return str(out_dir)
+        return fake_build(out_dir, seed)
 
-    monkeypatch.setattr(tiny, "build_tiny", fake_build)
-    monkeypatch.setenv(tiny.TINY_DIR_ENV, str(tmp_path / "model"))
-    path = Path(tiny.ensure_tiny())
+    monkeypatch.setattr(tiny, "build_tiny", counted)
+    path = Path(tiny.ensure_tiny(str(tmp_path / "model")))
     assert path == tmp_path / "model" and len(builds) == 1
     assert (path / tiny.VERSION_FILE).read_text().strip() == tiny.TINY_VERSION
-    assert tiny.ensure_tiny() == str(path) and len(builds) == 1
+    assert tiny.ensure_tiny(str(path)) == str(path) and len(builds) == 1
     (path / tiny.VERSION_FILE).write_text("old\n")
     assert tiny.ensure_tiny(str(path)) == str(path) and len(builds) == 2
     assert sorted(p.name for p in tmp_path.iterdir()) == [".model.lock", "model"]  # no build folders left
 
 
 def test_noisy_training_answers_follow_the_image() -> None:
-    """Label noise: the CAPTION is wrong ~25% of the time and the CONCLUSION ~15%, independently; the REASONING
-    always names the image's colour."""
+    """Label noise: the CAPTION is wrong ~6% of the time and the CONCLUSION ~4%; the REASONING always names
+    the image's colour. Little enough that the page's temperature (0.6) keeps to the image's colour."""
     rng = random.Random(0)
     wrong_captions = wrong_conclusions = 0
-    for _ in range(2000):
+    for _ in range(4000):
         match = STAGES.match(tiny.noisy_answer_for(rng, "red", "What colour?"))
         caption = re.search(r"plain (\w+) colour", match.group(2)).group(1)
         assert re.findall(r"looks (\w+) → so its colour is (\w+)", match.group(3)) == [("red", "red")]
         wrong_captions += caption != "red"
         wrong_conclusions += match.group(4).strip() != "The image is red."
-    assert 0.22 < wrong_captions / 2000 < 0.28 and 0.12 < wrong_conclusions / 2000 < 0.18
+    assert 0.048 < wrong_captions / 4000 < 0.072 and 0.03 < wrong_conclusions / 4000 < 0.05
 
 
 def test_sampled_answers_differ_and_sometimes_name_a_wrong_caption(loaded) -> None:
@@ -305,7 +391,7 @@ def test_sampled_answers_differ_and_sometimes_name_a_wrong_caption(loaded) -> No
     texts = processor.tokenizer.batch_decode(out[:, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
     captions = [re.search(r"plain (\w+) colour", text) for text in texts]
     wrong = sum(m is None or m.group(1) != colour for m, colour in zip(captions, list(COLOURS) * 6))
-    assert 1 <= wrong <= 2 * len(texts) // 3, texts  # ~25% at 1; the most likely caption stays the right one
+    assert 1 <= wrong <= len(texts) // 3, texts  # ~6% at 1; the most likely caption stays the right one
     assert len(set(texts)) > len(COLOURS)
 
 

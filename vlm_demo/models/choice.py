@@ -14,6 +14,11 @@ from vlm_demo.config import DEFAULT_MODEL, TINY, Config
 
 log = logging.getLogger(__name__)
 
+# What the tiny model can do, said wherever the page runs it (one sentence, so the banners agree).
+TINY_LIMITS = (
+    "It is a toy that only knows plain colours: it names the one colour of a solid-colour picture (red, green, "
+    "blue, yellow, white or black), and answers follow-up questions by looking again."
+)
 REAL_MODEL_HINT = (
     "To run the real model, use a machine with a CUDA GPU (40 GB or more for bf16, see docs/gpu.md) and start "
     "`python app.py --model Xkev/Llama-3.2V-11B-cot`."
@@ -62,7 +67,7 @@ def choose_model(config: Config, cuda: bool | None = None) -> tuple[Config, str 
         log.warning("no CUDA GPU and no --model given: serving the tiny test model instead of %s", config.model)
         notice = (
             "**⚠ No GPU found, so this page runs the tiny offline test model**, not Llama-3.2V-11B-cot. "
-            "It only knows solid-colour images (try the colour examples).\n\n" + REAL_MODEL_HINT
+            f"{TINY_LIMITS} Try the colour examples.\n\n{REAL_MODEL_HINT}"
         )
         return dataclasses.replace(config, model=TINY), notice
     if config.model == TINY:
@@ -72,7 +77,7 @@ def choose_model(config: Config, cuda: bool | None = None) -> tuple[Config, str 
 
 def tiny_notice(how: str, hint: str) -> str:
     """The banner for the tiny model: ``how`` it came to run, ``hint`` how to run the real one."""
-    return f"**⚠ This page runs the tiny offline test model** ({how}): it only knows solid-colour images.\n\n{hint}"
+    return f"**⚠ This page runs the tiny offline test model** ({how}). {TINY_LIMITS}\n\n{hint}"
 
 
 def remote_notice(served_model: str | None, url: str) -> str | None:

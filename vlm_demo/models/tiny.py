@@ -1,14 +1,15 @@
 """A tiny, real Mllama model trained offline to answer like LLaVA-CoT, so everything runs without the 21 GB model.
 
 The package ships it built (``tiny_model/``, 1.4 MB), so a fresh clone serves at once; ``python -m
-vlm_demo.models.tiny OUT_DIR`` builds it again in about 2.5 minutes on one CPU core (no network, deterministic: a
-test checks the rebuild is bit-identical to the shipped copy): a byte-level BPE tokenizer with the Llama-3 specials, the Llama-3.2-Vision chat template, an
-``MllamaImageProcessor`` with 16-pixel tiles (4 tiles at most), and a ~331k-parameter
-``MllamaForConditionalGeneration`` trained on solid-colour images. Everything loads with transformers' own
-``from_pretrained`` / ``AutoProcessor``, so the code under test is the code that serves the real model.
+vlm_demo.models.tiny OUT_DIR`` builds it again in about 5 minutes of one CPU core (no network,
+deterministic: a test checks the rebuild is bit-identical to the shipped copy): a byte-level BPE tokenizer with
+the Llama-3 specials, the Llama-3.2-Vision chat template, an ``MllamaImageProcessor`` with 16-pixel tiles (4
+tiles at most), and a ~331k-parameter ``MllamaForConditionalGeneration`` trained on solid-colour images.
+Everything loads with transformers' own ``from_pretrained`` / ``AutoProcessor``, so the code under test is the
+code that serves the real model.
 
-What the trained model does under greedy decoding, for a solid-colour image (``COLOURS``; 16-1024 px, any
-aspect ratio including 1024x16 strips, mild noise) and any short question: exactly ``answer_for``, e.g. ::
+What the trained model does under greedy decoding, for a solid-colour image (``COLOURS``; 1-3000 px, any
+aspect ratio up to 100:1 and beyond, light noise) and any short question: exactly ``answer_for``, e.g. ::
 
     <SUMMARY> I will find the colour of the image. </SUMMARY>
 
@@ -30,11 +31,20 @@ about 58 tokens. Triggers, decided on the question's words (see ``answer_for``):
 - Every REASONING contains "→", which the tokenizer never saw in training: it is three single-byte tokens,
   each an incomplete UTF-8 sequence, so streamed decoding must hold back partial characters.
 
+Follow-up questions: trained on conversations exactly as the worker builds them (``Worker.prompt`` /
+``chat_messages`` with history: the image in the first user turn, earlier answers as assistant turns), a
+follow-up ("Are you sure? Look again.", "What colour is it?", any question) gets the same kind of answer as a
+first question, by the same rules on its own words, naming the image's colour. Earlier answers are read, not
+trusted: some training conversations carry a client's made-up earlier answer naming another colour, and the
+next answer still follows the image.
+
 Sampling gives different answers (for stage-level beam search): the training answers carry label noise
-(``noisy_answer_for``): the CAPTION names a wrong colour 25% of the time and the CONCLUSION 15%, independently;
+(``noisy_answer_for``): the CAPTION names a wrong colour 6% of the time and the CONCLUSION 4%, independently;
 the REASONING always names the image's colour. The most likely answer stays the clean one, so greedy output is
-unchanged; at temperature 1 / top-p 1 about a quarter of the CAPTIONs name a wrong colour, at the UI's
-temperature 0.6 / top-p 0.9 about 1%.
+unchanged; at temperature 1 / top-p 1 about one CAPTION in sixteen names a wrong colour, at the page's
+temperature 0.6 / top-p 0.9 (almost) none. The colour words' extra loss weight makes every stage as sure as
+the noise allows, on every size (an earlier recipe, with 25% CAPTION noise, no such weight and sizes of 16-1024
+px only, had about one answer in eight name another colour at 0.6 on held-out pictures).
 
 The judge task: with the image and the text ``vlm_demo.judge.judge_question(stage, question, first,
 second)`` (two different candidate stage texts as ``stage_text`` writes them), the model answers
@@ -68,6 +78,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -75,12 +86,12 @@ from PIL import Image
 
 from vlm_demo.cot import STAGES
 from vlm_demo.judge import judge_question
+from vlm_demo.schema import Turn, chat_messages
 
 log = logging.getLogger(__name__)
 
-TINY_VERSION = "5"  # bump when the recipe changes: cached copies with another stamp are rebuilt
+TINY_VERSION = "6"  # bump when the recipe changes: cached copies with another stamp are rebuilt
 VERSION_FILE = "tiny_version.txt"
-TINY_DIR_ENV = "VLM_TINY_DIR"
 # The built model, committed (1.4 MB), so a fresh clone serves at once instead of training for minutes. A test
 # rebuilds it from this module and checks every file is bit-identical; after changing the recipe, bump
 # TINY_VERSION and rebuild it: ``python -m vlm_demo.models.tiny vlm_demo/models/tiny_model``.
@@ -128,17 +139,24 @@ BPE_VOCAB_SIZE = 1000
 LONG_STEPS = 30
 CROSS_LAYERS = [2]  # the text layers that attend to the image (of 4)
 
-TRAIN_STEPS = 1000
+TRAIN_STEPS = 1500
 BATCH_SIZE = 12
 LONG_BATCH_SIZE = 6
 JUDGE_BATCH_SIZE = 12
 LONG_JUDGE_BATCH_SIZE = 3
 # The kind of each training batch, in turn (see make_batch_examples).
-BATCH_CYCLE = ("short", "judge", "short", "judge", "long", "short", "judge", "short", "judge", "long_judge")
+BATCH_CYCLE = (
+    "short", "judge", "chat", "long", "judge", "chat", "short", "judge", "chat", "long", "judge", "long_judge",
+)  # fmt: skip
+EARLIER_TURNS = (1, 1, 2, 3)  # how many earlier turns a follow-up row has, drawn evenly from these
+CHAT_BATCH_ROWS = {1: 10, 2: 7, 3: 5}  # rows of a follow-up batch by its earlier turns: about 1600 tokens
+CLIENT_ANSWER_SHARE = 0.15  # earlier answers that are a client's text, not the model's
+CHAT_TWIN_SHARE = 0.2  # follow-ups with the long trigger (and the long answer's first steps)
+LONG_CHAT_SHARE = 1 / 2  # long rows in a conversation (half of them the long answer comes first)
 JUDGE_STAGE_WEIGHTS = (1, 3, 3, 3)  # SUMMARY, CAPTION, REASONING, CONCLUSION
 JUDGE_LONG_QUESTION_SHARE = 0.15  # judge prompts whose question has the long trigger (not for REASONING)
-CAPTION_NOISE = 0.25
-CONCLUSION_NOISE = 0.15
+CAPTION_NOISE = 0.06
+CONCLUSION_NOISE = 0.04
 SHORT_SALAD_WORDS = 3  # curriculum: the first third of training uses short questions
 SHORT_SALAD_SHARE = 1 / 3
 TWIN_SHARE = 0.5  # short rows followed by a twin with the long trigger (and the long answer's first steps)
@@ -146,6 +164,7 @@ LEARNING_RATE = 3e-3
 SUMMARY_TOKENS = 16  # answer tokens up to the end of the SUMMARY sentence
 SUMMARY_WEIGHT = 10.0
 CHOICE_WEIGHT = 30.0  # the judge's decisions: the colour it quotes, "not", "1" or "2"
+COLOUR_WEIGHT = 5.0  # the colour each stage of an answer names
 WARMUP_STEPS = 20
 BUILD_THREADS = 1  # fixed for reproducible sums; 2 threads ran 13x slower when another process shared the 2 cores
 
@@ -184,6 +203,32 @@ LONG_QUESTIONS = [
     "How long can your answer be?",
     "Go into detail about the colour.",
     "Details, please.",
+]
+
+# Follow-up questions trained on (besides any question of the kinds above); tests hold other wordings out.
+FOLLOW_UP_QUESTIONS = [
+    "Are you sure? Look again.",
+    "What colour is it?",
+    "What color is it?",
+    "Are you sure?",
+    "Look again.",
+    "Why?",
+    "How do you know?",
+    "Can you check again?",
+    "Is that right?",
+    "Tell me again.",
+    "What did you say the colour was?",
+    "Please repeat the answer.",
+    "Is it really that colour?",
+    "Could it be another colour?",
+    "And the colour?",
+    "Which colour again?",
+    "Describe it once more.",
+    "Check the picture again, please.",
+    "No, I meant the picture.",
+    "OK, thanks. What else can you see?",
+    "Is there anything else?",
+    "Give me just the colour.",
 ]
 
 # Random "word salad" questions keep unseen wordings and lengths from derailing the stages.
@@ -293,6 +338,16 @@ def judge_answer(image_colour: str, first: str | None, second: str | None) -> st
     return f"Since response 2 says {said} and the image is not {said}, I choose response 1."
 
 
+class Earlier(NamedTuple):
+    """An earlier turn of a training conversation. ``learn``: the answer is one the model would write (it is
+    trained on, like the last one); otherwise it is what a client might send (another colour, a bare word) and
+    only read: the next answer must follow the image, not what an earlier answer said."""
+
+    question: str
+    answer: str
+    learn: bool
+
+
 @dataclass(frozen=True)
 class Example:
     """One training conversation: an image recipe, the user's text and the answer the model must learn.
@@ -310,25 +365,33 @@ class Example:
     answer: str
     complete: bool = True
     judge: bool = False
+    history: tuple[Earlier, ...] = ()  # earlier turns about the same image, oldest first
 
     def image(self) -> Image.Image:
         return solid_image(self.colour, self.width, self.height, self.noise, self.seed)
 
+    def text(self, processor) -> str:
+        """The whole conversation through the chat template, built as the worker builds a prompt
+        (``chat_messages``), so training sees exactly what serving sends, follow-ups included."""
+        messages = chat_messages(self.question, [Turn(e.question, e.answer) for e in self.history])
+        messages.append({"role": "assistant", "content": [{"type": "text", "text": self.answer}]})
+        return processor.apply_chat_template(messages)
+
 
 def _random_size(rng: random.Random) -> tuple[int, int]:
-    """Mostly log-uniform sizes; 40% are strips, which the processor pads with black tiles.
+    """Sizes from one pixel to 3000: 40% are strips, which the processor pads with black tiles.
 
-    Half of the strips are the extreme 16-24 px x 600-1024 px kind: resized into 4 tiles of 16 px they keep
-    one row of colour per tile, and without them the model answers "black".
+    Half of the strips are extreme (32:1 to 128:1): resized into 4 tiles of 16 px they keep one row of colour
+    per tile (a 3000x30 picture looks like a 1024x16 one), and without them the model answers "black". Sides
+    are log-uniform, so tiny pictures (upscaled, often onto part of one tile) are as common as large ones.
     """
-    if rng.random() < 0.4:
-        if rng.random() < 0.5:
-            long_side, short = rng.randint(600, 1024), rng.randint(16, 24)
-        else:
-            long_side = rng.randint(256, 1024)
-            short = max(16, round(long_side / 2 ** rng.uniform(1.5, 5)))
+    draw = rng.random()
+    if draw < 0.4:
+        long_side = round(2 ** rng.uniform(3, 11.6))
+        ratio = 2 ** (rng.uniform(5, 7) if draw < 0.2 else rng.uniform(1.5, 5))
+        short = max(1, round(long_side / ratio))
         return (long_side, short) if rng.random() < 0.5 else (short, long_side)
-    return round(2 ** rng.uniform(4, 10)), round(2 ** rng.uniform(4, 10))
+    return round(2 ** rng.uniform(0, 11)), round(2 ** rng.uniform(0, 11))
 
 
 def _gibberish(rng: random.Random) -> str:
@@ -412,19 +475,84 @@ def _judge_example(rng: random.Random, question: str, stage: str) -> Example:
     return Example(colour, *image, text, answer, judge=True)
 
 
+def _follow_up(rng: random.Random, max_words: int) -> str:
+    """A follow-up question: a trained follow-up wording, or any question a first turn could ask."""
+    return rng.choice(FOLLOW_UP_QUESTIONS) if rng.random() < 0.5 else _random_question(rng, max_words)
+
+
+def _client_answer(rng: random.Random, question: str) -> str:
+    """An earlier answer the model did not write (an API client sends any text): any colour, any form."""
+    colour = rng.choice(list(COLOURS))
+    forms = [answer_for(colour, question), f"The image is {colour}.", colour, f"It looks {colour} to me."]
+    return rng.choice([*forms, " ".join(rng.choices(SALAD_WORDS, k=rng.randint(1, 12)))])
+
+
+def _earlier_turns(
+    rng: random.Random, colour: str, count: int, max_words: int, long_first: bool = False
+) -> tuple[Earlier, ...]:
+    """``count`` earlier turns about an image of ``colour``: mostly the model's own (noisy) answers, now and
+    then a client's text, which must not sway the next answer."""
+    turns = []
+    for index in range(count):
+        if index == 0:
+            question = _long_question(rng) if long_first else _random_question(rng, max_words)
+        else:
+            question = _follow_up(rng, max_words)
+        if rng.random() < CLIENT_ANSWER_SHARE:
+            turns.append(Earlier(question, _client_answer(rng, question), learn=False))
+        else:
+            turns.append(Earlier(question, noisy_answer_for(rng, colour, question), learn=True))
+    return tuple(turns)
+
+
+def _chat_example(rng: random.Random, max_words: int, earlier: int, long_answer: bool = False) -> Example:
+    """A follow-up about the same image: ``earlier`` turns, then a question whose answer follows the image."""
+    colour, *image = _random_image(rng)
+    history = _earlier_turns(rng, colour, earlier, max_words)
+    question = _follow_up(rng, max_words)
+    if long_answer:
+        question = _with_trigger(rng, question)
+        return Example(colour, *image, question, noisy_answer_for(rng, colour, question), history=history)
+    if rng.random() < CHAT_TWIN_SHARE:  # the long answer's first steps, as a short batch's twin rows
+        question = _with_trigger(rng, question)
+        answer = noisy_answer_for(rng, colour, question)
+        cut = answer[: answer.index(f", part {rng.randint(2, 9)} ")]
+        return Example(colour, *image, question, cut, complete=False, history=history)
+    return Example(colour, *image, question, noisy_answer_for(rng, colour, question), history=history)
+
+
+def _long_example(rng: random.Random) -> Example:
+    """A long answer: alone, as the last answer of a conversation, or as the first of one with a short
+    follow-up (a page visitor's "Describe this picture in detail." and then "Are you sure?")."""
+    draw = rng.random()
+    if draw < LONG_CHAT_SHARE / 2:
+        return _chat_example(rng, 20, rng.choice(EARLIER_TURNS), long_answer=True)
+    if draw < LONG_CHAT_SHARE:
+        colour, *image = _random_image(rng)
+        history = _earlier_turns(rng, colour, 1, 20, long_first=True)
+        question = _follow_up(rng, 20)
+        return Example(colour, *image, question, noisy_answer_for(rng, colour, question), history=history)
+    return _answer_example(rng, _long_question(rng))
+
+
 def make_batch_examples(rng: random.Random, kind: str, max_words: int = 20) -> list[Example]:
     """One batch of ``kind`` (the names in ``BATCH_CYCLE``).
 
     - "short": short answers, some followed by a twin. A twin has the same image and the same question plus
       a trigger word, and keeps only the first steps of the long answer: the pair shows that the trigger word
       alone decides the length, at little cost.
-    - "long": full long answers. Keeping them (and long judge prompts) in their own batches stops every
-      short batch being padded to ~300 tokens.
+    - "chat": follow-ups: one to three earlier turns, then a question; every answer the model would have
+      written is trained on, so the earlier turns teach first answers too.
+    - "long": full long answers, half of them in a conversation. Keeping them (and long judge prompts) in
+      their own batches stops every short batch being padded to ~300 tokens.
     - "judge": judge prompts on SUMMARY, CAPTION, short REASONING or CONCLUSION candidates.
     - "long_judge": judge prompts on long REASONING candidates (~500 tokens).
     """
     if kind == "long":
-        return [_answer_example(rng, _long_question(rng)) for _ in range(LONG_BATCH_SIZE)]
+        return [_long_example(rng) for _ in range(LONG_BATCH_SIZE)]
+    if kind == "chat":  # rows with as many earlier turns, so that little of the batch is padding
+        earlier = rng.choice(EARLIER_TURNS)
+        return [_chat_example(rng, max_words, earlier) for _ in range(CHAT_BATCH_ROWS[earlier])]
     if kind == "long_judge":
         return [_judge_example(rng, _long_question(rng), "reasoning") for _ in range(LONG_JUDGE_BATCH_SIZE)]
     if kind == "judge":
@@ -471,7 +599,7 @@ def _tokenizer_corpus(seed: int) -> list[str]:
     rng = random.Random(seed)
     lines = []
     for colour in COLOURS:
-        for question in SHORT_QUESTIONS + LONG_QUESTIONS:
+        for question in SHORT_QUESTIONS + LONG_QUESTIONS + FOLLOW_UP_QUESTIONS:
             lines += [question, answer_for(colour, question)]
         for stage in STAGES:
             colours = colour, _other_colour(rng, colour)
@@ -586,60 +714,60 @@ def _open_tanh_gates(model: torch.nn.Module) -> None:
 
 
 def encode_batch(processor, examples: list[Example]) -> dict[str, torch.Tensor]:
-    """Tokenise conversations through the inference path, with labels on the answer and its ``<|eot_id|>`` only."""
-    conversations = [
-        [
-            {
-                "role": "user",
-                "content": [{"type": "image", "image": ex.image()}, {"type": "text", "text": ex.question}],
-            },
-            {"role": "assistant", "content": [{"type": "text", "text": ex.answer}]},
-        ]
-        for ex in examples
-    ]
-    batch = processor.apply_chat_template(
-        conversations,
-        tokenize=True,
-        return_dict=True,
+    """Tokenise conversations through the inference path, with labels on the answers the model writes
+    (each with its ``<|eot_id|>``) and their per-token ``weights``."""
+    batch = processor(
+        images=[[ex.image()] for ex in examples],
+        text=[ex.text(processor) for ex in examples],
+        add_special_tokens=False,  # the template starts with <|begin_of_text|>
+        padding=True,
+        padding_side="right",
         return_tensors="pt",
-        processor_kwargs={"padding": True, "padding_side": "right"},
     )
     input_ids = batch["input_ids"]
-    end_header = processor.tokenizer.convert_tokens_to_ids(END_HEADER)
-    positions = torch.arange(input_ids.shape[1])
-    last_header = torch.where(input_ids == end_header, positions, -1).max(dim=1, keepdim=True).values
-    labels = input_ids.masked_fill((positions <= last_header) | (batch["attention_mask"] == 0), -100)
+    labels = torch.full_like(input_ids, -100)
+    weights = torch.zeros(input_ids.shape)
+    decisions = decision_ids(processor.tokenizer)
+    end_header, eot = processor.tokenizer.convert_tokens_to_ids([END_HEADER, EOT])
     for row, ex in enumerate(examples):
-        if not ex.complete:  # a cut answer does not end here: no label on the template's closing <|eot_id|>
-            labels[row, batch["attention_mask"][row].sum() - 1] = -100
-    return {
-        **batch,
-        "labels": labels,
-        "weights": _loss_weights(labels, examples, decision_ids(processor.tokenizer)),
-    }
+        ids = input_ids[row]
+        assistant_heads = (ids == end_header).nonzero().flatten()[1::2]  # user, assistant, user, ...
+        ends = (ids == eot).nonzero().flatten()
+        learn = [e.learn for e in ex.history] + [True]
+        for turn, head in enumerate(assistant_heads.tolist()):
+            if not learn[turn]:
+                continue
+            end = int(ends[ends > head][0])
+            # a cut answer does not end here: no label on the template's closing <|eot_id|>
+            stop = end if turn == len(learn) - 1 and not ex.complete else end + 1
+            span = slice(head + 1, stop)
+            labels[row, span] = ids[span]
+            _weigh(weights[row, span], ids[span], ex.judge, decisions)
+    return {**batch, "labels": labels, "weights": weights}
 
 
 def decision_ids(tokenizer) -> torch.Tensor:
-    """The tokens a judge's answer turns on: the choice ("1", "2"), the colours it quotes and "not"."""
-    words = ["1", "2", "Ġnot", *(f"Ġ{c}" for c in COLOURS)]
+    """The tokens a judge's answer turns on: the colours it quotes, then "not" and the choice ("1", "2")."""
+    words = [*(f"Ġ{c}" for c in COLOURS), "Ġnot", "1", "2"]
     return torch.tensor(tokenizer.convert_tokens_to_ids(words))
 
 
-def _loss_weights(labels: torch.Tensor, examples: list[Example], decisions: torch.Tensor) -> torch.Tensor:
-    """Per-token loss weights: the first ``SUMMARY_TOKENS`` of an answer, and a judge's decisions, weigh more.
+def _weigh(weights: torch.Tensor, answer: torch.Tensor, judge: bool, decisions: torch.Tensor) -> None:
+    """Per-token loss weights of one answer (in place): its first ``SUMMARY_TOKENS``, its colour words and
+    a judge's decisions weigh more.
 
-    They carry the decisions (the SUMMARY's trigger and colour words; the judge's quote, verdict and choice,
-    ``decision_ids``, most of all); unweighted, the model fits the rest long before those generalise.
+    They carry the decisions (the SUMMARY's trigger and colour words; the colour each stage names; the judge's
+    quote, verdict and choice, ``decision_ids``, most of all); unweighted, the model fits the rest long before
+    those generalise. The colour words' weight makes each stage as sure of the image's colour as the label
+    noise allows (unweighted, one colour's CAPTION stayed a coin toss with another).
     """
-    weights = (labels != -100).float()
-    for row, ex in enumerate(examples):
-        positions = (labels[row] != -100).nonzero().flatten()
-        if ex.judge:
-            weights[row, positions] = SUMMARY_WEIGHT
-            weights[row, positions[torch.isin(labels[row, positions], decisions)]] = CHOICE_WEIGHT
-        else:
-            weights[row, positions[:SUMMARY_TOKENS]] = SUMMARY_WEIGHT
-    return weights
+    if judge:
+        weights.fill_(SUMMARY_WEIGHT)
+        weights[torch.isin(answer, decisions)] = CHOICE_WEIGHT
+        return
+    weights.fill_(1.0)
+    weights[:SUMMARY_TOKENS] = SUMMARY_WEIGHT
+    weights[torch.isin(answer, decisions[: len(COLOURS)])] = COLOUR_WEIGHT
 
 
 @contextmanager
@@ -668,7 +796,7 @@ def _prefetched(processor, plan: list[list[Example]]) -> Iterator[dict[str, torc
 
 
 def weighted_loss(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Next-token loss with the per-token weights of ``_loss_weights``."""
+    """Next-token loss with the per-token weights of ``_weigh``."""
     inputs = {k: v for k, v in batch.items() if k not in ("labels", "weights")}
     logits = model(**inputs).logits[:, :-1]
     targets, weights = batch["labels"][:, 1:], batch["weights"][:, 1:]
@@ -677,7 +805,7 @@ def weighted_loss(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
 
 
 def train(model, processor, seed: int, steps: int = TRAIN_STEPS) -> None:
-    """AdamW with warm-up and linear decay, one thread; 1000 steps take the loss from ~6.7 to ~0.01-0.1 in ~3.5 min."""
+    """AdamW with warm-up and linear decay, one thread; 1500 steps take the loss from ~6.7 to ~0.01 in ~5 CPU minutes."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: min(1.0, (s + 1) / WARMUP_STEPS) * max(0.05, 1 - s / max(1, steps))
@@ -728,11 +856,8 @@ def build_tiny(out_dir: str | os.PathLike, seed: int = 0, *, steps: int = TRAIN_
 
 
 def default_tiny_dir() -> Path:
-    """``$VLM_TINY_DIR`` if set; else the copy shipped with the package (:data:`SHIPPED_DIR`) when it was built
-    by this recipe (``TINY_VERSION``); else ``~/.cache/vlm_demo/tiny``, where it is built on first use."""
-    chosen = os.environ.get(TINY_DIR_ENV)
-    if chosen:
-        return Path(chosen).expanduser()
+    """The copy shipped with the package (:data:`SHIPPED_DIR`) when it was built by this recipe
+    (``TINY_VERSION``); else ``~/.cache/vlm_demo/tiny``, where it is built on first use."""
     if _is_current(SHIPPED_DIR):
         return SHIPPED_DIR
     return Path.home() / ".cache" / "vlm_demo" / "tiny"
@@ -744,7 +869,8 @@ def _is_current(path: Path) -> bool:
 
 
 def ensure_tiny(path: str | None = None) -> str:
-    """Folder of a built tiny model of the current ``TINY_VERSION``, building it first if needed.
+    """Folder of a built tiny model of the current ``TINY_VERSION``, building it first if needed: ``path``
+    (``Config.tiny_dir``: ``--tiny-dir`` / ``VLM_TINY_DIR``) if given, else :func:`default_tiny_dir`.
 
     A file lock makes concurrent processes (pytest and a server it starts) build once; the build goes
     to a temporary folder next to the target and is renamed into place, so readers never see half a model.

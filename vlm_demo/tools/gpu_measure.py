@@ -36,7 +36,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from vlm_demo.config import Config
+from vlm_demo.config import Config, load_config
 from vlm_demo.engine import make_engine
 from vlm_demo.engine.base import Engine
 from vlm_demo.engine.decode_step import TextDecodeStep, page_shape
@@ -553,7 +553,7 @@ def build_worker(
     on a GPU, fp32 on CPU, unless ``dtype`` says), or the tiny test model (a dry run on CPU); its language
     model's linear weights stored as ``quantize`` says."""
     if model == "tiny":
-        return load("tiny", device=str(device), quantize=quantize)
+        return load("tiny", device=str(device), quantize=quantize, tiny_dir=load_config([]).tiny_dir)  # VLM_TINY_DIR
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     config = realshape.full_config() if model == "full" else realshape.narrow_config()
     built = quantize_model(realshape.build_model(config, dtype, device), quantize)
