@@ -16,7 +16,8 @@ from vlm_demo.engine.loader import resolve_model_path
 from vlm_demo.judge import judge_question, parse_choice
 from vlm_demo.models import tiny
 from vlm_demo.models.tiny import COLOURS, LONG_QUESTIONS, Earlier, Example, answer_for, solid_image
-from vlm_demo.schema import DEFAULT_TEMPERATURE, DEFAULT_TOP_P, Turn
+from vlm_demo.prompt import Turn
+from vlm_demo.request import DEFAULT_TEMPERATURE, DEFAULT_TOP_P
 
 STAGES = re.compile(
     r"^<SUMMARY>(.+?)</SUMMARY>\s*<CAPTION>(.+?)</CAPTION>\s*<REASONING>(.+?)</REASONING>\s*"

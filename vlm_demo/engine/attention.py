@@ -9,9 +9,10 @@ Two kernels, one contract (``Layout`` in, ``[rows, heads × head dim]`` out):
 - ``reference``: torch operations any device runs (the CPU's path, and the GPU's when the fast kernel is
   missing). Keys and values are gathered block by block — a text page, or an image tile — so it reads
   whole text pages (at most ``page_tokens - 1`` tokens of slack per row) and exactly the tiles' tokens.
-  Up to ``DENSE_ROWS`` rows, every row's query meets all the step's gathered keys in one product, the
-  other rows' keys masked out (six operations a layer); past that, whose cost grows with rows × tokens,
-  the softmax runs per block and combines per row by its maximum (split-KV, as flash-decoding does).
+  Up to ``DENSE_ROWS`` rows, the gathered blocks are placed in a scratch batch (row ``r``'s blocks in
+  its own line, the rest of the line left as it was and masked) and one fused product runs per layer: its
+  work is rows × the longest row, and the pool is still read only for live blocks. Past that, the
+  softmax runs per block and combines per row by its maximum (split-KV, as flash-decoding does).
 - ``flash``: FlashAttention's paged variable-length kernel from torch itself
   (``aten._flash_attention_forward`` with a block table and per-row key counts), on CUDA in 16-bit
   floats; it reads exactly each row's live tokens in place. It is used only when this torch has it
@@ -57,34 +58,16 @@ class Layout:
     tile_pages: torch.Tensor | None = None  # [tiles, patches] long: the page of every image-state token of a tile
     tile_offsets: torch.Tensor | None = None  # [tiles, patches] long
     tile_rows: torch.Tensor | None = None  # [tiles] long
-    text_bias: torch.Tensor | None = (
-        None  # [rows × group, blocks × page tokens]: 0 on a row's own tokens, -inf elsewhere
-    )
-    image_bias: torch.Tensor | None = None  # [rows × group, tiles × patches]
+    # Up to DENSE_ROWS rows: where each block goes in the scratch batch, and which of its tokens are live.
+    text_slots: torch.Tensor | None = None  # [blocks] long: row × the table's width + the page's column
+    text_mask: torch.Tensor | None = None  # [rows, 1, 1, width × page tokens] bool: the row's own tokens
+    tile_slots: torch.Tensor | None = None  # [tiles] long: row × the widest row's tiles + the tile
+    image_mask: torch.Tensor | None = None  # [rows, 1, 1, tiles × patches] bool
 
 
-def owner_bias(owners: torch.Tensor, rows: int, tokens: int, valid: torch.Tensor | None, dtype: torch.dtype,
-               group: int) -> torch.Tensor:  # fmt: skip
-    """The additive mask of the dense reference, ``[rows × group, blocks × tokens]`` (each row's line repeated
-    for its query heads of one key/value head): row ``r`` sees the tokens of the blocks it owns (and that are
-    valid), nothing else. Built once per step, shared by every layer."""
-    own = owners[None, :, None] == torch.arange(rows, device=owners.device)[:, None, None]
-    keep = own & valid[None] if valid is not None else own.expand(rows, owners.shape[0], tokens)
-    bias = torch.zeros(keep.shape, dtype=dtype, device=owners.device).masked_fill_(~keep, float("-inf"))
-    return bias.reshape(rows, -1).repeat_interleave(group, dim=0)
-
-
-def masked_product(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor,
-                   scale: float) -> torch.Tensor:  # fmt: skip
-    """``[rows, kv heads, group, dim]`` queries against every gathered key ``[tokens, kv heads, dim]`` at once (one
-    fused attention call, the key/value heads as its batch), ``bias`` keeping each row to its own: the exact
-    softmax over the row's tokens (the others weigh 0). Returns ``[rows, kv heads × group × dim]``."""
-    rows, heads, group, dim = query.shape
-    q = query.permute(1, 0, 2, 3).reshape(heads, rows * group, dim)
-    k, v = keys.transpose(0, 1)[None], values.transpose(0, 1)[None]  # [1, kv heads, tokens, dim]
-    # Four dimensions: the fused kernel (three would take the slower math path on the CPU).
-    out = F.scaled_dot_product_attention(q[None], k, v, attn_mask=bias[None, None], scale=scale)[0]
-    return out.view(heads, rows, group, dim).permute(1, 0, 2, 3).reshape(rows, heads * group * dim)
+def live_mask(lengths: torch.Tensor, columns: int) -> torch.Tensor:
+    """``[rows, 1, 1, columns]``: True on each row's first ``lengths[r]`` tokens (the dense reference's mask)."""
+    return (torch.arange(columns, device=lengths.device)[None, :] < lengths[:, None])[:, None, None, :]
 
 
 def split_softmax(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, rows: torch.Tensor,
@@ -130,6 +113,7 @@ class PagedAttention:
             log.warning("FlashAttention's paged kernel is not usable here; decode attention runs the reference")
             wanted = "reference"
         self.kernel = wanted
+        self._scratch: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
     # ---- the step's two attentions ------------------------------------------------------------
     def self_attention(self, layer: int, query: torch.Tensor, layout: Layout) -> torch.Tensor:
@@ -139,8 +123,8 @@ class PagedAttention:
             return self._flash(query, keys, values, layout.text_table, layout.text_lengths, layout.max_text,
                                layout.query_starts)  # fmt: skip
         gathered_k, gathered_v = keys.index_select(0, layout.text_pages), values.index_select(0, layout.text_pages)
-        if layout.text_bias is not None:
-            return self._dense(query, gathered_k, gathered_v, layout.text_bias)
+        if layout.text_mask is not None:
+            return self._dense("text", query, gathered_k, gathered_v, layout.text_slots, layout.text_mask)
         return self._reference(query, gathered_k, gathered_v, layout.text_rows, layout.text_valid, layout.rows)
 
     def cross_attention(self, layer: int, query: torch.Tensor, layout: Layout) -> torch.Tensor:
@@ -150,16 +134,36 @@ class PagedAttention:
             return self._flash(query, keys, values, layout.image_table, layout.image_lengths, layout.max_image,
                                layout.query_starts)  # fmt: skip
         where = (layout.tile_pages, layout.tile_offsets)
-        if layout.image_bias is not None:
-            return self._dense(query, keys[where], values[where], layout.image_bias)
+        if layout.image_mask is not None:
+            return self._dense("image", query, keys[where], values[where], layout.tile_slots, layout.image_mask)
         return self._reference(query, keys[where], values[where], layout.tile_rows, None, layout.rows)
 
-    def _dense(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-        count, dim = query.shape[0], self.shape.head_dim
-        q = query.view(count, self.shape.kv_heads, self.group, dim)
-        out = masked_product(q, keys.reshape(-1, self.shape.kv_heads, dim), values.reshape(-1, self.shape.kv_heads, dim),
-                             bias, self.scale)  # fmt: skip
-        return out.to(query.dtype)
+    def _dense(self, kind: str, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor,
+               mask: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        """Blocks ``[blocks, tokens, kv heads, dim]`` placed at ``slots`` of a ``[rows × width]``-block scratch
+        batch, then one fused attention (the query heads of a key/value head as its query length) under ``mask``."""
+        rows, heads, dim = query.shape[0], self.shape.kv_heads, self.shape.head_dim
+        width, block = mask.shape[-1] // keys.shape[1], keys.shape[1]
+        scratch_k, scratch_v = self._scratch_for(kind, rows * width, block, keys)
+        scratch_k.index_copy_(0, slots, keys)
+        scratch_v.index_copy_(0, slots, values)
+        k = scratch_k.view(rows, width * block, heads, dim).transpose(1, 2)
+        v = scratch_v.view(rows, width * block, heads, dim).transpose(1, 2)
+        q = query.view(rows, heads, self.group, dim)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
+        return out.reshape(rows, self.heads * dim).to(query.dtype)
+
+    def _scratch_for(
+        self, kind: str, blocks: int, tokens: int, like: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The dense reference's scratch batch for ``kind``, kept while its shape holds (every layer of a step,
+        and the steps after it): slots no row fills keep finite old values, which the mask hides."""
+        shape = (blocks, tokens, *like.shape[2:])
+        held = self._scratch.get(kind)
+        if held is None or held[0].shape != shape or held[0].dtype != like.dtype or held[0].device != like.device:
+            held = (like.new_zeros(shape), like.new_zeros(shape))
+            self._scratch[kind] = held
+        return held
 
     def _reference(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, rows: torch.Tensor,
                    valid: torch.Tensor | None, count: int) -> torch.Tensor:  # fmt: skip

@@ -20,7 +20,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from vlm_demo.engine.attention import DENSE_ROWS, Layout, PagedAttention, owner_bias
+from vlm_demo.engine.attention import DENSE_ROWS, Layout, PagedAttention, live_mask
 from vlm_demo.engine.pages import PagePool
 from vlm_demo.engine.request import Request
 from vlm_demo.engine.sampler import RowSampling
@@ -161,7 +161,8 @@ class ImageLayout:
     tile_offsets: torch.Tensor
     tile_rows: torch.Tensor
     row_mask: torch.Tensor  # [rows] model dtype: 0 for a row that sees no tile
-    bias: torch.Tensor | None  # the dense reference's mask
+    slots: torch.Tensor | None  # [tiles] long: the dense reference's scratch slot of each tile
+    mask: torch.Tensor | None  # [rows, 1, 1, widest tiles × patches] bool: the dense reference's mask
 
 
 class RunningRows:
@@ -417,19 +418,22 @@ class RunningRows:
                             image_table=images.table, image_lengths=images.lengths)  # fmt: skip
         else:  # the reference gathers pages: the blocks each row reads, and how much of each is its own
             used = -(-seen // page)
-            columns = np.arange(width)[None, :] < used[:, None]
-            blocks, owners = table[columns], np.nonzero(columns)[0]
-            valid = np.minimum(page, seen[owners] - page * np.nonzero(columns)[1])
-            positions, w_pages, w_offsets, text_pages, text_rows, valid_counts = self.staging.send(
-                [lengths, write_pages, lengths % page, blocks, owners, valid]
-            )
-            text_valid = self._page_columns[None, :] < valid_counts[:, None]
-            dense = n <= DENSE_ROWS
+            owners, columns = np.nonzero(np.arange(width)[None, :] < used[:, None])
+            blocks = table[owners, columns]
             layout = Layout(n, max_text=width * page, max_image=images.width * s.image_page_tokens,
-                            text_pages=text_pages, text_rows=text_rows, text_valid=text_valid,
-                            tile_pages=images.tile_pages, tile_offsets=images.tile_offsets, tile_rows=images.tile_rows,
-                            text_bias=owner_bias(text_rows, n, page, text_valid, self.dtype, self.attention.group)
-                            if dense else None, image_bias=images.bias if dense else None)  # fmt: skip
+                            tile_pages=images.tile_pages, tile_offsets=images.tile_offsets, tile_rows=images.tile_rows)  # fmt: skip
+            if n <= DENSE_ROWS:  # one product over a scratch batch: each block's slot, each row's live tokens
+                positions, w_pages, w_offsets, layout.text_pages, layout.text_slots, seen_t = self.staging.send(
+                    [lengths, write_pages, lengths % page, blocks, owners * width + columns, seen]
+                )
+                layout.text_mask = live_mask(seen_t, width * page)
+                layout.tile_slots, layout.image_mask = images.slots, images.mask
+            else:  # per block: its row, and which of its tokens are the row's
+                valid = np.minimum(page, seen[owners] - page * columns)
+                positions, w_pages, w_offsets, layout.text_pages, layout.text_rows, valid_counts = self.staging.send(
+                    [lengths, write_pages, lengths % page, blocks, owners, valid]
+                )
+                layout.text_valid = self._page_columns[None, :] < valid_counts[:, None]
         assert self.next_tokens is not None
         tokens = self.next_tokens
         if n > real:
@@ -444,8 +448,9 @@ class RunningRows:
         n = len(places)
         width = max(1, max(len(p.image_pages) for p in places))
         table = np.zeros((n, width), dtype=np.int64)
-        tile_pages, tile_offsets, tile_rows = [], [], []
+        tile_pages, tile_offsets, tile_rows, tile_slots = [], [], [], []
         tokens = np.arange(s.patches)
+        most = max(1, max(p.tiles for p in places))
         for r, place in enumerate(places):
             table[r, : len(place.image_pages)] = place.image_pages
             pages = np.asarray(place.image_pages, dtype=np.int64)
@@ -454,6 +459,7 @@ class RunningRows:
                 tile_pages.append(pages[at // s.image_page_tokens])
                 tile_offsets.append(at % s.image_page_tokens)
                 tile_rows.append(r)
+                tile_slots.append(r * most + t)
         lengths = np.asarray([p.tiles * s.patches for p in places], dtype=np.int64)
         empty = np.zeros((0, s.patches), dtype=np.int64)
         parts = [
@@ -463,18 +469,15 @@ class RunningRows:
             np.stack(tile_offsets) if tile_offsets else empty,
             np.asarray(tile_rows, dtype=np.int64),
             np.asarray([p.sees_image for p in places], dtype=np.int64),
+            np.asarray(tile_slots, dtype=np.int64),
         ]
-        table_t, lengths_t, pages_t, offsets_t, rows_t, mask_t = self.staging.send(
+        table_t, lengths_t, pages_t, offsets_t, rows_t, mask_t, slots_t = self.staging.send(
             parts, persist=True
         )  # outlive the step
-        reference = self.attention.kernel != "flash"
-        bias = (
-            owner_bias(rows_t, n, s.patches, None, self.dtype, self.attention.group)
-            if reference and n <= DENSE_ROWS
-            else None
-        )
+        dense = self.attention.kernel != "flash" and n <= DENSE_ROWS
         self._images = ImageLayout(n, width, table_t.int(), lengths_t.int(), pages_t, offsets_t, rows_t,
-                                   mask_t.to(self.dtype), bias)  # fmt: skip
+                                   mask_t.to(self.dtype), slots_t if dense else None,
+                                   live_mask(lengths_t, most * s.patches) if dense else None)  # fmt: skip
         return self._images
 
     def advance(self, tokens: torch.Tensor) -> None:

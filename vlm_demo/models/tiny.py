@@ -86,7 +86,7 @@ from PIL import Image
 
 from vlm_demo.cot import STAGES
 from vlm_demo.judge import judge_question
-from vlm_demo.schema import Turn, chat_messages
+from vlm_demo.prompt import Turn, chat_messages
 
 log = logging.getLogger(__name__)
 
