@@ -121,6 +121,9 @@ class Staging:
         self._device = self._host
 
     def send(self, parts: list[np.ndarray], persist: bool = False) -> list[torch.Tensor]:
+        if self.device.type == "cpu":  # the host's memory is the device's: the arrays themselves, no copy
+            kind, own = self._host.numpy().dtype, np.array if persist else np.ascontiguousarray
+            return [torch.from_numpy(own(p, dtype=kind)) for p in parts]
         sizes = [int(p.size) for p in parts]
         total = sum(sizes)
         if self.cursor + total > self._host.numel():
