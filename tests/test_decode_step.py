@@ -55,12 +55,18 @@ def stock_step(worker, cache, token: torch.Tensor, position: int, inputs: dict) 
     return out.logits[:, -1].float()
 
 
-@pytest.mark.parametrize("dense", [True, False], ids=["one-masked-product", "block-by-block"])
+@pytest.mark.parametrize(
+    ("dense", "held"),
+    [(True, True), (True, False), (False, False)],
+    ids=["one-masked-product", "one-masked-product-gathered-each-step", "block-by-block"],
+)
 @pytest.mark.parametrize("group", [1, 3], ids=["joined-one-by-one", "prefilled-together"])
-def test_the_paged_step_follows_the_stock_forward_row_by_row(worker, group, dense, monkeypatch) -> None:
+def test_the_paged_step_follows_the_stock_forward_row_by_row(worker, group, dense, held, monkeypatch) -> None:
     """90 steps (past several page boundaries, a row leaving mid-flight): every row's logits match its own
-    stock forward to float precision and pick the same token, with either form of the reference attention."""
+    stock forward to float precision and pick the same token, with either form of the reference attention
+    (the one product over lines kept between steps and written into, or over lines gathered every layer)."""
     monkeypatch.setattr("vlm_demo.engine.rows.DENSE_ROWS", 16 if dense else 0)
+    monkeypatch.setattr("vlm_demo.engine.attention.HELD_BYTES", 256 * 2**20 if held else 0)
     rows, step = paged(worker)
     batch = requests(worker, JOBS)
     for start in range(0, len(batch), group):

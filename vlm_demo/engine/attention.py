@@ -9,9 +9,12 @@ Two kernels, one contract (``Layout`` in, ``[rows, heads × head dim]`` out):
 - ``reference``: torch operations any device runs (the CPU's path, and the GPU's when the fast kernel is
   missing). Keys and values are gathered block by block — a text page, or an image tile — so it reads
   whole text pages (at most ``page_tokens - 1`` tokens of slack per row) and exactly the tiles' tokens.
-  Up to ``DENSE_ROWS`` rows, the gathered blocks are placed in a scratch batch (row ``r``'s blocks in
-  its own line, the rest of the line left as it was and masked) and one fused product runs per layer: its
-  work is rows × the longest row, and the pool is still read only for live blocks. Past that, the
+  Up to ``DENSE_ROWS`` rows, the gathered blocks are placed in a dense batch of lines (row ``r``'s blocks
+  in its own line, the rest of the line masked) and one fused product runs per layer: its work is rows ×
+  the longest row. Each layer keeps its lines between steps while the layout's ``epoch`` holds (the same
+  rows, the same table width): the step's new keys/values are written into them as into the pool, so a
+  step gathers from the pool only after rows joined or left or the longest row opened a page (kept up to
+  ``HELD_BYTES``; past that one scratch batch is gathered again every layer). Past ``DENSE_ROWS``, the
   softmax runs per block and combines per row by its maximum (split-KV, as flash-decoding does).
 - ``flash``: FlashAttention's paged variable-length kernel from torch itself
   (``aten._flash_attention_forward`` with a block table and per-row key counts), on CUDA in 16-bit
@@ -25,6 +28,7 @@ What each step read is counted from the layout on the host (``read_tokens``), fo
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +39,7 @@ from vlm_demo.engine.pages import PagePool
 log = logging.getLogger(__name__)
 
 DENSE_ROWS = 16  # up to this many rows the reference attention takes one masked product (few operations)
+HELD_BYTES = 256 * 2**20  # the dense reference's lines kept between steps, at most (all layers together)
 
 
 @dataclass
@@ -63,6 +68,19 @@ class Layout:
     text_mask: torch.Tensor | None = None  # [rows, 1, 1, width × page tokens] bool: the row's own tokens
     tile_slots: torch.Tensor | None = None  # [tiles] long: row × the widest row's tiles + the tile
     image_mask: torch.Tensor | None = None  # [rows, 1, 1, tiles × patches] bool
+    # Which blocks sit where in the dense lines: equal epochs, equal placement (the lines can be kept).
+    text_epoch: tuple[int, ...] | None = None
+    image_epoch: tuple[int, ...] | None = None
+    write_slots: torch.Tensor | None = None  # [rows] long: the line block that takes each row's new token
+
+
+@dataclass
+class _Lines:
+    """One layer's dense batch of lines (keys and values), and the placement it holds (``None``: scratch)."""
+
+    keys: torch.Tensor  # [rows × width, block tokens, kv heads, dim]
+    values: torch.Tensor
+    epoch: tuple[int, ...] | None
 
 
 def live_mask(lengths: torch.Tensor, columns: int) -> torch.Tensor:
@@ -113,18 +131,32 @@ class PagedAttention:
             log.warning("FlashAttention's paged kernel is not usable here; decode attention runs the reference")
             wanted = "reference"
         self.kernel = wanted
-        self._scratch: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._held: dict[int, _Lines] = {}  # layer -> the dense lines it keeps between steps
+        self._scratch: dict[tuple[int, ...], _Lines] = {}  # one batch of lines for layers that keep none
 
     # ---- the step's two attentions ------------------------------------------------------------
+    def write(self, layer: int, pages: torch.Tensor, offsets: torch.Tensor, keys: torch.Tensor,
+              values: torch.Tensor, layout: Layout) -> None:  # fmt: skip
+        """A self-attention layer's new keys/values ``[rows, kv heads, dim]`` into the pool, and into the dense
+        lines this layer keeps for the layout (so they stay what a gather would give)."""
+        self.pool.write(layer, (pages, offsets), keys, values)
+        held = self._held.get(layer)
+        if held is not None and held.epoch is not None and held.epoch == layout.text_epoch:
+            held.keys.index_put_((layout.write_slots, offsets), keys)  # type: ignore[arg-type]
+            held.values.index_put_((layout.write_slots, offsets), values)  # type: ignore[arg-type]
+
     def self_attention(self, layer: int, query: torch.Tensor, layout: Layout) -> torch.Tensor:
         """``[rows, heads, dim]`` queries over each row's text tokens -> ``[rows, heads × dim]``."""
         keys, values = self.pool.keys[layer], self.pool.values[layer]
         if self.kernel == "flash":
             return self._flash(query, keys, values, layout.text_table, layout.text_lengths, layout.max_text,
                                layout.query_starts)  # fmt: skip
-        gathered_k, gathered_v = keys.index_select(0, layout.text_pages), values.index_select(0, layout.text_pages)
         if layout.text_mask is not None:
-            return self._dense("text", query, gathered_k, gathered_v, layout.text_slots, layout.text_mask)
+            pages = layout.text_pages
+            lines = self._lines(layer, layout.text_epoch, layout.text_slots, layout.text_mask, keys.shape[1],  # type: ignore[arg-type]
+                                lambda: (keys.index_select(0, pages), values.index_select(0, pages)))  # fmt: skip
+            return self._dense(query, lines, layout.text_mask)
+        gathered_k, gathered_v = keys.index_select(0, layout.text_pages), values.index_select(0, layout.text_pages)
         return self._reference(query, gathered_k, gathered_v, layout.text_rows, layout.text_valid, layout.rows)
 
     def cross_attention(self, layer: int, query: torch.Tensor, layout: Layout) -> torch.Tensor:
@@ -135,34 +167,47 @@ class PagedAttention:
                                layout.query_starts)  # fmt: skip
         where = (layout.tile_pages, layout.tile_offsets)
         if layout.image_mask is not None:
-            return self._dense("image", query, keys[where], values[where], layout.tile_slots, layout.image_mask)
+            lines = self._lines(layer, layout.image_epoch, layout.tile_slots, layout.image_mask, self.shape.patches,  # type: ignore[arg-type]
+                                lambda: (keys[where], values[where]))  # fmt: skip
+            return self._dense(query, lines, layout.image_mask)
         return self._reference(query, keys[where], values[where], layout.tile_rows, None, layout.rows)
 
-    def _dense(self, kind: str, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor,
-               mask: torch.Tensor) -> torch.Tensor:  # fmt: skip
-        """Blocks ``[blocks, tokens, kv heads, dim]`` placed at ``slots`` of a ``[rows × width]``-block scratch
-        batch, then one fused attention (the query heads of a key/value head as its query length) under ``mask``."""
+    def _dense(self, query: torch.Tensor, lines: _Lines, mask: torch.Tensor) -> torch.Tensor:
+        """One fused attention over the rows' lines (the query heads of a key/value head as its query length)."""
         rows, heads, dim = query.shape[0], self.shape.kv_heads, self.shape.head_dim
-        width, block = mask.shape[-1] // keys.shape[1], keys.shape[1]
-        scratch_k, scratch_v = self._scratch_for(kind, rows * width, block, keys)
-        scratch_k.index_copy_(0, slots, keys)
-        scratch_v.index_copy_(0, slots, values)
-        k = scratch_k.view(rows, width * block, heads, dim).transpose(1, 2)
-        v = scratch_v.view(rows, width * block, heads, dim).transpose(1, 2)
+        k = lines.keys.view(rows, -1, heads, dim).transpose(1, 2)
+        v = lines.values.view(rows, -1, heads, dim).transpose(1, 2)
         q = query.view(rows, heads, self.group, dim)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
         return out.reshape(rows, self.heads * dim).to(query.dtype)
 
-    def _scratch_for(
-        self, kind: str, blocks: int, tokens: int, like: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The dense reference's scratch batch for ``kind``, kept while its shape holds (every layer of a step,
-        and the steps after it): slots no row fills keep finite old values, which the mask hides."""
-        shape = (blocks, tokens, *like.shape[2:])
-        held = self._scratch.get(kind)
-        if held is None or held[0].shape != shape or held[0].dtype != like.dtype or held[0].device != like.device:
-            held = (like.new_zeros(shape), like.new_zeros(shape))
-            self._scratch[kind] = held
+    def _lines(self, layer: int, epoch: tuple[int, ...] | None, slots: torch.Tensor, mask: torch.Tensor, block: int,
+               gather: Callable[[], tuple[torch.Tensor, torch.Tensor]]) -> _Lines:  # fmt: skip
+        """This layer's dense lines for the layout: the ones it kept if they hold this ``epoch``, else the blocks
+        ``gather`` reads from the pool placed at ``slots`` (of ``mask``'s rows × width blocks; a slot no row fills
+        keeps finite old values, which the mask hides)."""
+        held = self._held.get(layer)
+        if held is not None and epoch is not None and held.epoch == epoch:
+            return held
+        keys, values = gather()
+        shape = (mask.shape[0] * mask.shape[-1] // block, block, *keys.shape[2:])
+        if held is None or held.keys.shape != shape or held.keys.dtype != keys.dtype or held.keys.device != keys.device:
+            size = 2 * keys[:1, :1].nbytes * shape[0] * block
+            kept = sum(2 * h.keys.nbytes for i, h in self._held.items() if i != layer and h.epoch is not None)
+            if epoch is None or kept + size > HELD_BYTES:  # not kept: one scratch batch for every layer
+                held = self._scratch.get(shape)
+                if held is None or held.keys.dtype != keys.dtype or held.keys.device != keys.device:
+                    held = _Lines(keys.new_zeros(shape), keys.new_zeros(shape), None)
+                    self._scratch = {shape: held}
+                self._held.pop(layer, None)
+                epoch = None
+            else:
+                held = _Lines(keys.new_zeros(shape), keys.new_zeros(shape), None)
+        held.keys.index_copy_(0, slots, keys)
+        held.values.index_copy_(0, slots, values)
+        held.epoch = epoch
+        if epoch is not None:
+            self._held[layer] = held
         return held
 
     def _reference(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, rows: torch.Tensor,

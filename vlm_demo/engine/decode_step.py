@@ -66,17 +66,60 @@ def merge(linears: list[torch.nn.Linear]) -> torch.Tensor | None:
     return merged
 
 
+Projection = torch.Tensor | torch.nn.Module  # a plain weight (transposed for ``addmm``), or a quantized layer
+
+
+def projection(linear: torch.nn.Linear, transposed: bool = False) -> Projection:
+    """What the step multiplies by: the weight itself where it is a plain tensor (resolved once, not looked up
+    through the module every step), else the module, which runs its own kernel."""
+    weight = linear.weight
+    if linear.bias is not None or type(weight.data) is not torch.Tensor:
+        return linear
+    return weight.detach().t() if transposed else weight.detach()
+
+
 @dataclass
 class Layer:
-    """One decoder layer as the step runs it: its modules, merged weights and constants."""
+    """One decoder layer as the step runs it: its weights and constants, resolved once."""
 
     index: int
-    module: Any
     cross: bool
     device: torch.device
-    qkv: torch.Tensor | None  # [q; k; v] rows (self-attention layers), or None: the three projections
-    gate_up: torch.Tensor | None  # [gate; up] rows, or None: the two projections
+    # (weight, eps) of its norms: the input's, the post-attention one's, and a cross layer's query norm
+    norms: tuple[tuple[torch.Tensor, float], ...]
+    qkv: Projection | tuple[Projection, ...]  # self layers: [q; k; v] merged, or the three. Cross layers: (q,)
+    output: Projection  # the attention's output projection (transposed weight)
+    gate_up: Projection | tuple[Projection, Projection]
+    down: Projection  # transposed weight
     gates: tuple[float, float] = (1.0, 1.0)  # tanh of a cross-attention layer's attention and MLP gates
+
+
+def _norm_of(module: Any) -> tuple[torch.Tensor, float]:
+    return module.weight.detach(), module.variance_epsilon
+
+
+def _layer(index: int, module: Any, cross: bool, device: torch.device) -> Layer:
+    """A decoder layer's weights for the step (merging q/k/v and gate/up where the weights allow)."""
+    mlp = module.mlp
+    merged = merge([mlp.gate_proj, mlp.up_proj])
+    gate_up = merged if merged is not None else (projection(mlp.gate_proj), projection(mlp.up_proj))
+    norms = [_norm_of(module.input_layernorm), _norm_of(module.post_attention_layernorm)]
+    if cross:
+        attn = module.cross_attn
+        gates = (_number(module.cross_attn_attn_gate.tanh()), _number(module.cross_attn_mlp_gate.tanh()))
+        norms.append(_norm_of(attn.q_norm))
+        qkv: Projection | tuple[Projection, ...] = (projection(attn.q_proj),)
+    else:
+        attn = module.self_attn
+        gates = (1.0, 1.0)
+        both = merge([attn.q_proj, attn.k_proj, attn.v_proj])
+        qkv = both if both is not None else tuple(projection(p) for p in (attn.q_proj, attn.k_proj, attn.v_proj))
+    return Layer(index, cross, device, tuple(norms), qkv, projection(attn.o_proj, True), gate_up,
+                 projection(mlp.down_proj, True), gates)  # fmt: skip
+
+
+def _apply(weight: Projection, x: torch.Tensor) -> torch.Tensor:
+    return F.linear(x, weight) if isinstance(weight, torch.Tensor) else weight(x)
 
 
 class TextDecodeStep:
@@ -99,21 +142,16 @@ class TextDecodeStep:
         self.eps = config.rms_norm_eps
         devices = layer_devices(model)
         cross = frozenset(config.cross_attention_layers)
-        self.layers = []
         with torch.no_grad():
-            for index, module in enumerate(self.text.layers):
-                if index in cross:
-                    gates = (_number(module.cross_attn_attn_gate.tanh()), _number(module.cross_attn_mlp_gate.tanh()))
-                    qkv = None
-                else:
-                    attn = module.self_attn
-                    gates = (1.0, 1.0)
-                    qkv = merge([attn.q_proj, attn.k_proj, attn.v_proj])
-                mlp = merge([module.mlp.gate_proj, module.mlp.up_proj])
-                self.layers.append(Layer(index, module, index in cross, devices[index], qkv, mlp, gates))
+            self.layers = [_layer(i, module, i in cross, devices[i]) for i, module in enumerate(self.text.layers)]
+            self.final_norm = _norm_of(self.text.norm)
         half = self.head_dim // 2
-        self._partner = torch.arange(self.head_dim).roll(half)  # where rotate_half takes each element from
-        self._sign = torch.cat([-torch.ones(half), torch.ones(self.head_dim - half)])
+        partner = torch.arange(self.head_dim).roll(half)  # where rotate_half takes each element from
+        sign = torch.cat([-torch.ones(half), torch.ones(self.head_dim - half)])
+        # x @ R = x·cos + rotate_half(x)·sin, with R = cos on the diagonal + sin·sign at (partner[j], j)
+        self._diagonal = torch.eye(self.head_dim)
+        self._turn = torch.zeros(self.head_dim, self.head_dim)
+        self._turn[partner, torch.arange(self.head_dim)] = sign
 
     def __call__(self, inputs: StepInputs) -> torch.Tensor:
         """``[rows, vocab]`` float32 logits for every row's next input; writes the inputs' keys/values.
@@ -128,68 +166,65 @@ class TextDecodeStep:
             step, rotate = here[layer.device]
             hidden = hidden.to(layer.device)
             hidden = self._cross(layer, hidden, step) if layer.cross else self._self(layer, hidden, rotate, step)
-        hidden = self._norm(self.text.norm, hidden.to(self.text.norm.weight.device))
+        norm = self.final_norm
+        hidden = _norm(hidden.to(norm[0].device), norm)
         return self.lm_head(hidden.to(self.lm_head.weight.device)).float()
 
     def _rotation(self, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Every row's rotary embedding as a ``[rows, dim, dim]`` matrix (``x @ R = x·cos + rotate_half(x)·sin``):
         computed once per step, applied by each layer in one matrix product."""
         cos, sin = self.text.rotary_emb(hidden[:, None], positions[:, None])  # [rows, 1, dim]
-        cos, sin = cos[:, 0], sin[:, 0]
-        rotation = torch.diag_embed(cos)
-        columns = torch.arange(self.head_dim, device=hidden.device)
-        rotation[:, self._partner.to(hidden.device), columns] = sin * self._sign.to(sin)
-        return rotation
-
-    def _norm(self, module: Any, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, (x.shape[-1],), module.weight, module.variance_epsilon)
+        if self._diagonal.device != cos.device or self._diagonal.dtype != cos.dtype:
+            self._diagonal, self._turn = self._diagonal.to(cos), self._turn.to(cos)
+        return torch.addcmul(cos * self._diagonal, sin, self._turn)  # [rows, 1, dim] over [dim, dim]
 
     def _self(self, layer: Layer, hidden: torch.Tensor, rotation: torch.Tensor, step: StepInputs) -> torch.Tensor:
-        module, attn = layer.module, layer.module.self_attn
         rows, dim = hidden.shape[0], self.head_dim
-        x = self._norm(module.input_layernorm, hidden)
-        if layer.qkv is not None:
-            qkv = F.linear(x, layer.qkv)
+        x = _norm(hidden, layer.norms[0])
+        if isinstance(layer.qkv, tuple):
+            qkv = torch.cat([_apply(p, x) for p in layer.qkv], dim=-1)
         else:
-            qkv = torch.cat([attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)], dim=-1)
+            qkv = F.linear(x, layer.qkv)
         heads = self.heads + self.kv_heads
         qk = torch.matmul(qkv[:, : heads * dim].view(rows, heads, dim), rotation)  # rotary, queries and keys at once
         value = qkv[:, heads * dim :].view(rows, self.kv_heads, dim)
-        self.pool.write(layer.index, (step.write_pages, step.write_offsets), qk[:, self.heads :], value)
+        self.attention.write(layer.index, step.write_pages, step.write_offsets, qk[:, self.heads :], value, step.layout)
         out = self.attention.self_attention(layer.index, qk[:, : self.heads], step.layout)
-        hidden = _add_projected(hidden, attn.o_proj, out)
-        return self._mlp(layer, hidden)
+        return self._mlp(layer, _add_projected(hidden, layer.output, out))
 
     def _cross(self, layer: Layer, hidden: torch.Tensor, step: StepInputs) -> torch.Tensor:
-        module, attn = layer.module, layer.module.cross_attn
         rows = hidden.shape[0]
-        x = self._norm(module.input_layernorm, hidden)
-        query = self._norm(attn.q_norm, attn.q_proj(x).view(rows, self.heads, self.head_dim))
+        x = _norm(hidden, layer.norms[0])
+        query = _norm(_apply(layer.qkv[0], x).view(rows, self.heads, self.head_dim), layer.norms[2])  # type: ignore[index]
         out = self.attention.cross_attention(layer.index, query, step.layout)
-        hidden = _add_projected(hidden, attn.o_proj, out, layer.gates[0])
+        hidden = _add_projected(hidden, layer.output, out, layer.gates[0])
         return self._mlp(layer, hidden, step.row_mask)
 
     def _mlp(self, layer: Layer, hidden: torch.Tensor, row_mask: torch.Tensor | None = None) -> torch.Tensor:
         """The layer's MLP added to ``hidden`` (a cross-attention layer's scaled by its gate, and zero for a row
         that sees no tile)."""
-        module, mlp = layer.module, layer.module.mlp
-        x = self._norm(module.post_attention_layernorm, hidden)
-        if layer.gate_up is not None:
-            gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
+        x = _norm(hidden, layer.norms[1])
+        if isinstance(layer.gate_up, tuple):
+            gate, up = (_apply(p, x) for p in layer.gate_up)
         else:
-            gate, up = mlp.gate_proj(x), mlp.up_proj(x)
+            gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
         inner = F.silu(gate) * up
         if row_mask is None:
-            return _add_projected(hidden, mlp.down_proj, inner)
-        return torch.addcmul(hidden, mlp.down_proj(inner), row_mask[:, None], value=layer.gates[1])
+            return _add_projected(hidden, layer.down, inner)
+        down = inner @ layer.down if isinstance(layer.down, torch.Tensor) else layer.down(inner)
+        return torch.addcmul(hidden, down, row_mask[:, None], value=layer.gates[1])
 
 
-def _add_projected(hidden: torch.Tensor, linear: torch.nn.Linear, x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
-    """``hidden + scale · linear(x)``: one ``addmm`` for a plain weight; a quantized layer runs its own module."""
-    weight = linear.weight
-    if linear.bias is None and type(weight.data) is torch.Tensor:
-        return torch.addmm(hidden, x, weight.t(), alpha=scale)
-    return hidden + scale * linear(x) if scale != 1.0 else hidden + linear(x)
+def _norm(x: torch.Tensor, norm: tuple[torch.Tensor, float]) -> torch.Tensor:
+    return F.rms_norm(x, (x.shape[-1],), norm[0], norm[1])
+
+
+def _add_projected(hidden: torch.Tensor, weight: Projection, x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """``hidden + scale · x @ weight``: one ``addmm`` for a plain (transposed) weight; a quantized layer runs its
+    own module."""
+    if isinstance(weight, torch.Tensor):
+        return torch.addmm(hidden, x, weight, alpha=scale)
+    return hidden + scale * weight(x) if scale != 1.0 else hidden + weight(x)
 
 
 def _number(value: torch.Tensor) -> float:

@@ -182,6 +182,7 @@ class RunningRows:
         self.sampling: RowSampling | None = None
         self.staging = Staging(device)
         self._images: ImageLayout | None = None  # the layout's image part, until rows change
+        self.version = 0  # counts the changes of who the rows are (the attention's kept lines follow it)
         self._page_columns = torch.arange(pool.shape.page_tokens, device=device)
         # Byte counters (the metrics of the same names).
         self.copied_bytes = 0  # keys/values moved because rows joined, left or were preempted
@@ -349,6 +350,7 @@ class RunningRows:
             self.sampling = self.sampling.cat(sampling)
         self.rows.extend(rows)
         self._images = None
+        self.version += 1
 
     def keep(self, keep: list[int]) -> None:
         """Drop every row not listed: their pages go back to the pool; nobody else's cache moves."""
@@ -360,6 +362,7 @@ class RunningRows:
                 self.pool.release(row.place.pages + row.place.image_pages)
                 row.place = None
         self._images = None
+        self.version += 1
         if not keep:
             self.rows, self.next_tokens, self.sampling = [], None, None
             return
@@ -425,12 +428,15 @@ class RunningRows:
             blocks = table[owners, columns]
             layout = Layout(n, max_text=width * page, max_image=images.width * s.image_page_tokens,
                             tile_pages=images.tile_pages, tile_offsets=images.tile_offsets, tile_rows=images.tile_rows)  # fmt: skip
-            if n <= DENSE_ROWS:  # one product over a scratch batch: each block's slot, each row's live tokens
-                positions, w_pages, w_offsets, layout.text_pages, layout.text_slots, seen_t = self.staging.send(
-                    [lengths, write_pages, lengths % page, blocks, owners * width + columns, seen]
+            if n <= DENSE_ROWS:  # one product over lines of blocks: each block's slot, each row's live tokens
+                write_slots = np.arange(n) * width + lengths // page
+                sent = [lengths, write_pages, lengths % page, blocks, owners * width + columns, seen, write_slots]
+                positions, w_pages, w_offsets, layout.text_pages, layout.text_slots, seen_t, layout.write_slots = (
+                    self.staging.send(sent)
                 )
                 layout.text_mask = live_mask(seen_t, width * page)
                 layout.tile_slots, layout.image_mask = images.slots, images.mask
+                layout.text_epoch, layout.image_epoch = (self.version, n, width), (self.version, n)
             else:  # per block: its row, and which of its tokens are the row's
                 valid = np.minimum(page, seen[owners] - page * columns)
                 positions, w_pages, w_offsets, layout.text_pages, layout.text_rows, valid_counts = self.staging.send(
