@@ -66,6 +66,7 @@ def test_the_paged_step_follows_the_stock_forward_row_by_row(worker, group, dens
     stock forward to float precision and pick the same token, with either form of the reference attention
     (the one product over lines kept between steps and written into, or over lines gathered every layer)."""
     monkeypatch.setattr("vlm_demo.engine.rows.DENSE_ROWS", 16 if dense else 0)
+    monkeypatch.setattr("vlm_demo.engine.rows.DENSE_PADDING", float("inf"))  # the product whatever the padding
     monkeypatch.setattr("vlm_demo.engine.attention.HELD_BYTES", 256 * 2**20 if held else 0)
     rows, step = paged(worker)
     batch = requests(worker, JOBS)

@@ -50,6 +50,7 @@ def test_padded_static_steps_give_each_row_its_unpadded_logits(worker, dense, mo
     bucket (inert rows in the null pages). Positions, lengths (past page boundaries), rows leaving and joining
     change between steps; every real row gets the same logits and the same token."""
     monkeypatch.setattr("vlm_demo.engine.rows.DENSE_ROWS", 16 if dense else 0)
+    monkeypatch.setattr("vlm_demo.engine.rows.DENSE_PADDING", float("inf"))  # the product whatever the padding
     plain_step = TextDecodeStep.over_pool(worker.model, worker.dtype, pages=400)
     padded_step = TextDecodeStep.over_pool(worker.model, worker.dtype, pages=400)
     plain = RunningRows(plain_step.pool, plain_step.attention, worker.device, worker.dtype)

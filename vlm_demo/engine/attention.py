@@ -9,20 +9,23 @@ Two kernels, one contract (``Layout`` in, ``[rows, heads × head dim]`` out):
 - ``reference``: torch operations any device runs (the CPU's path, and the GPU's when the fast kernel is
   missing). Keys and values are gathered block by block — a text page, or an image tile — so it reads
   whole text pages (at most ``page_tokens - 1`` tokens of slack per row) and exactly the tiles' tokens.
-  Up to ``DENSE_ROWS`` rows, the gathered blocks are placed in a dense batch of lines (row ``r``'s blocks
-  in its own line, the rest of the line masked) and one fused product runs per layer: its work is rows ×
-  the longest row. Each layer keeps its lines between steps while the layout's ``epoch`` holds (the same
+  Up to ``DENSE_ROWS`` rows, and when the padding costs little (the lines read at most ``DENSE_PADDING``
+  times the rows' own blocks), the gathered blocks are placed in a dense batch of lines (row ``r``'s blocks
+  in its own line, the rest of the line masked) and one fused product runs per layer: its work and its reads
+  are rows × the longest row. Each layer keeps its lines between steps while the layout's ``epoch`` holds (the same
   rows, the same table width): the step's new keys/values are written into them as into the pool, so a
   step gathers from the pool only after rows joined or left or the longest row opened a page (kept up to
-  ``HELD_BYTES``; past that one scratch batch is gathered again every layer). Past ``DENSE_ROWS``, the
-  softmax runs per block and combines per row by its maximum (split-KV, as flash-decoding does).
+  ``HELD_BYTES``; past that one scratch batch is gathered again every layer). Otherwise the softmax runs
+  per block and combines per row by its maximum (split-KV, as flash-decoding does): more operations, no
+  padding; its text blocks are gathered every step (head-major, for the products), its tiles only when
+  rows change (kept within the same ``HELD_BYTES``).
 - ``flash``: FlashAttention's paged variable-length kernel from torch itself
   (``aten._flash_attention_forward`` with a block table and per-row key counts), on CUDA in 16-bit
   floats; it reads exactly each row's live tokens in place. It is used only when this torch has it
   and it agrees with the reference on a probe at start (else the reference runs, and the log says so).
 
-What each step read is counted from the layout on the host (``read_tokens``), for the
-``vlm_attention_read_bytes_total`` and ``vlm_attention_live_bytes_total`` counters.
+What each step read is counted from the layout on the host (``read_tokens``: the dense reference's whole lines,
+padding included), for the ``vlm_attention_read_bytes_total`` and ``vlm_attention_live_bytes_total`` counters.
 """
 
 from __future__ import annotations
@@ -39,6 +42,9 @@ from vlm_demo.engine.pages import PagePool
 log = logging.getLogger(__name__)
 
 DENSE_ROWS = 16  # up to this many rows the reference attention takes one masked product (few operations)
+DENSE_PADDING = (
+    1.15  # ... when its lines (as long as the longest row) read at most this much more than the rows' blocks
+)
 HELD_BYTES = 256 * 2**20  # the dense reference's lines kept between steps, at most (all layers together)
 
 
@@ -92,11 +98,13 @@ def split_softmax(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                   valid: torch.Tensor | None, count: int, scale: float) -> torch.Tensor:  # fmt: skip
     """Attention of ``count`` rows' queries ``[count, kv heads, group, dim]`` over ragged blocks of keys.
 
-    ``keys``/``values`` are ``[blocks, tokens, kv heads, dim]``; ``rows[b]`` is block ``b``'s row and
+    ``keys``/``values`` are ``[blocks, kv heads, tokens, dim]``; ``rows[b]`` is block ``b``'s row and
     ``valid`` masks tokens that are not the row's (``None``: all are). Each block's scores are
-    normalised by the row's maximum, then summed per row: the exact softmax, computed block-wise."""
+    normalised by the row's maximum, then summed per row: the exact softmax, computed block-wise. Each
+    block's products are its own (a batched product per block), and a row's blocks are summed in their
+    order, so a row's result does not depend on the other rows'."""
     q = query.index_select(0, rows)  # [blocks, kv heads, group, dim]
-    scores = torch.matmul(q, keys.permute(0, 2, 3, 1)) * scale  # [blocks, kv heads, group, tokens]
+    scores = torch.matmul(q, keys.transpose(-1, -2)) * scale  # [blocks, kv heads, group, tokens]
     if valid is not None:
         scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
     block_max = scores.amax(dim=-1)  # [blocks, kv heads, group]
@@ -104,7 +112,7 @@ def split_softmax(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     row_max = row_max.scatter_reduce(0, rows[:, None, None].expand_as(block_max), block_max, "amax")
     weights = torch.exp(scores - row_max.index_select(0, rows)[..., None])
     total = torch.zeros_like(row_max).index_add_(0, rows, weights.sum(dim=-1))
-    mixed = torch.matmul(weights, values.transpose(1, 2))  # [blocks, kv heads, group, dim]
+    mixed = torch.matmul(weights, values)  # [blocks, kv heads, group, dim]
     out = torch.zeros((count, *mixed.shape[1:]), dtype=mixed.dtype, device=mixed.device).index_add_(0, rows, mixed)
     return out / total[..., None]
 
@@ -132,6 +140,7 @@ class PagedAttention:
             wanted = "reference"
         self.kernel = wanted
         self._held: dict[int, _Lines] = {}  # layer -> the dense lines it keeps between steps
+        self._tiles: dict[int, tuple] = {}  # cross layer -> (image epoch, the rows' tiles' keys, values) per block
         self._scratch: dict[tuple[int, ...], _Lines] = {}  # one batch of lines for layers that keep none
 
     # ---- the step's two attentions ------------------------------------------------------------
@@ -141,9 +150,13 @@ class PagedAttention:
         lines this layer keeps for the layout (so they stay what a gather would give)."""
         self.pool.write(layer, (pages, offsets), keys, values)
         held = self._held.get(layer)
-        if held is not None and held.epoch is not None and held.epoch == layout.text_epoch:
+        if held is None:
+            return
+        if held.epoch is not None and held.epoch == layout.text_epoch:
             held.keys.index_put_((layout.write_slots, offsets), keys)  # type: ignore[arg-type]
             held.values.index_put_((layout.write_slots, offsets), values)  # type: ignore[arg-type]
+        else:  # a step that does not use them: they miss this token from now on
+            held.epoch = None
 
     def self_attention(self, layer: int, query: torch.Tensor, layout: Layout) -> torch.Tensor:
         """``[rows, heads, dim]`` queries over each row's text tokens -> ``[rows, heads × dim]``."""
@@ -156,7 +169,11 @@ class PagedAttention:
             lines = self._lines(layer, layout.text_epoch, layout.text_slots, layout.text_mask, keys.shape[1],  # type: ignore[arg-type]
                                 lambda: (keys.index_select(0, pages), values.index_select(0, pages)))  # fmt: skip
             return self._dense(query, lines, layout.text_mask)
-        gathered_k, gathered_v = keys.index_select(0, layout.text_pages), values.index_select(0, layout.text_pages)
+        pages = layout.text_pages
+        gathered_k, gathered_v = (
+            keys.transpose(1, 2).index_select(0, pages),
+            values.transpose(1, 2).index_select(0, pages),
+        )
         return self._reference(query, gathered_k, gathered_v, layout.text_rows, layout.text_valid, layout.rows)
 
     def cross_attention(self, layer: int, query: torch.Tensor, layout: Layout) -> torch.Tensor:
@@ -170,7 +187,13 @@ class PagedAttention:
             lines = self._lines(layer, layout.image_epoch, layout.tile_slots, layout.image_mask, self.shape.patches,  # type: ignore[arg-type]
                                 lambda: (keys[where], values[where]))  # fmt: skip
             return self._dense(query, lines, layout.image_mask)
-        return self._reference(query, keys[where], values[where], layout.tile_rows, None, layout.rows)
+        tiles = self._tiles.get(layer)
+        if tiles is None or layout.image_epoch is None or tiles[0] != layout.image_epoch:  # kept while rows stay
+            tiles = (layout.image_epoch, *(t[where].transpose(1, 2).contiguous() for t in (keys, values)))
+            self._tiles.pop(layer, None)
+            if layout.image_epoch is not None and self._kept_bytes() + 2 * tiles[1].nbytes <= HELD_BYTES:
+                self._tiles[layer] = tiles
+        return self._reference(query, tiles[1], tiles[2], layout.tile_rows, None, layout.rows)
 
     def _dense(self, query: torch.Tensor, lines: _Lines, mask: torch.Tensor) -> torch.Tensor:
         """One fused attention over the rows' lines (the query heads of a key/value head as its query length)."""
@@ -193,13 +216,12 @@ class PagedAttention:
         shape = (mask.shape[0] * mask.shape[-1] // block, block, *keys.shape[2:])
         if held is None or held.keys.shape != shape or held.keys.dtype != keys.dtype or held.keys.device != keys.device:
             size = 2 * keys[:1, :1].nbytes * shape[0] * block
-            kept = sum(2 * h.keys.nbytes for i, h in self._held.items() if i != layer and h.epoch is not None)
-            if epoch is None or kept + size > HELD_BYTES:  # not kept: one scratch batch for every layer
+            self._held.pop(layer, None)
+            if epoch is None or self._kept_bytes() + size > HELD_BYTES:  # not kept: one scratch batch for every layer
                 held = self._scratch.get(shape)
                 if held is None or held.keys.dtype != keys.dtype or held.keys.device != keys.device:
                     held = _Lines(keys.new_zeros(shape), keys.new_zeros(shape), None)
                     self._scratch = {shape: held}
-                self._held.pop(layer, None)
                 epoch = None
             else:
                 held = _Lines(keys.new_zeros(shape), keys.new_zeros(shape), None)
@@ -209,6 +231,11 @@ class PagedAttention:
         if epoch is not None:
             self._held[layer] = held
         return held
+
+    def _kept_bytes(self) -> int:
+        """What the reference keeps between steps: dense lines and gathered tiles (at most ``HELD_BYTES``)."""
+        lines = sum(2 * h.keys.nbytes for h in self._held.values() if h.epoch is not None)
+        return lines + sum(2 * t[1].nbytes for t in self._tiles.values())
 
     def _reference(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, rows: torch.Tensor,
                    valid: torch.Tensor | None, count: int) -> torch.Tensor:  # fmt: skip
@@ -249,8 +276,9 @@ class PagedAttention:
             counts = torch.tensor([page] * (pages - 1) + [page - 5, 7], device=device)
             valid = torch.arange(page, device=device)[None, :] < counts[:, None]
             slow = self._reference(
-                query, keys.index_select(0, blocks), values.index_select(0, blocks), owners, valid, 2
-            )
+                query, keys.transpose(1, 2).index_select(0, blocks), values.transpose(1, 2).index_select(0, blocks),
+                owners, valid, 2,
+            )  # fmt: skip
             keys[:pages].copy_(saved[0])
             values[:pages].copy_(saved[1])
             error = (fast.float() - slow.float()).abs().max().item()
@@ -263,9 +291,14 @@ class PagedAttention:
             return False
 
     # ---- accounting ---------------------------------------------------------------------------
-    def read_tokens(self, text_lengths: list[int], image_tokens: list[int]) -> tuple[int, int]:
-        """Text and image-state tokens this kernel reads for rows of these lengths (per layer)."""
+    def read_tokens(self, text_lengths: list[int], image_tokens: list[int],
+                    lines: tuple[int, int] | None = None) -> tuple[int, int]:  # fmt: skip
+        """Text and image-state tokens this kernel reads for rows of these lengths (per layer); ``lines``: the
+        dense reference's line lengths (text, image), when it runs (it reads each row's whole line, padding
+        included)."""
         if self.kernel == "flash":
             return sum(text_lengths), sum(image_tokens)
+        if lines is not None:
+            return len(text_lengths) * lines[0], len(image_tokens) * lines[1]
         page = self.shape.page_tokens
         return sum(-(-n // page) * page for n in text_lengths), sum(image_tokens)

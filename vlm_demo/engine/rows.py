@@ -20,7 +20,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from vlm_demo.engine.attention import DENSE_ROWS, Layout, PagedAttention, live_mask
+from vlm_demo.engine.attention import DENSE_PADDING, DENSE_ROWS, Layout, PagedAttention, live_mask
 from vlm_demo.engine.pages import PagePool
 from vlm_demo.engine.request import Request
 from vlm_demo.engine.sampler import RowSampling
@@ -410,7 +410,14 @@ class RunningRows:
         seen = lengths + 1
         images = self._image_layout(places)
         tiles = [p.tiles * s.patches for p in places[:real]]
-        read_text, read_image = self.attention.read_tokens(real_seen, tiles)
+        lines = None  # the dense reference's line lengths, where it pays
+        if images.mask is not None:
+            lines = (width * page, images.mask.shape[-1])
+            exact = self.attention.read_tokens(real_seen, tiles)
+            per_token = (s.text_bytes_per_token, s.image_bytes_per_token)
+            if n * np.dot(lines, per_token) > DENSE_PADDING * np.dot(exact, per_token):
+                lines = None
+        read_text, read_image = self.attention.read_tokens(real_seen, tiles, lines)
         self.read_bytes += read_text * s.text_bytes_per_token + read_image * s.image_bytes_per_token
         self.live_bytes += sum(real_seen) * s.text_bytes_per_token + sum(tiles) * s.image_bytes_per_token
         self.written_bytes += real * s.text_bytes_per_token
@@ -427,8 +434,9 @@ class RunningRows:
             owners, columns = np.nonzero(np.arange(width)[None, :] < used[:, None])
             blocks = table[owners, columns]
             layout = Layout(n, max_text=width * page, max_image=images.width * s.image_page_tokens,
-                            tile_pages=images.tile_pages, tile_offsets=images.tile_offsets, tile_rows=images.tile_rows)  # fmt: skip
-            if n <= DENSE_ROWS:  # one product over lines of blocks: each block's slot, each row's live tokens
+                            tile_pages=images.tile_pages, tile_offsets=images.tile_offsets, tile_rows=images.tile_rows,
+                            image_epoch=(self.version, n))  # fmt: skip
+            if lines is not None:  # one product over lines of blocks: each block's slot, each row's live tokens
                 write_slots = np.arange(n) * width + lengths // page
                 sent = [lengths, write_pages, lengths % page, blocks, owners * width + columns, seen, write_slots]
                 positions, w_pages, w_offsets, layout.text_pages, layout.text_slots, seen_t, layout.write_slots = (
@@ -436,7 +444,7 @@ class RunningRows:
                 )
                 layout.text_mask = live_mask(seen_t, width * page)
                 layout.tile_slots, layout.image_mask = images.slots, images.mask
-                layout.text_epoch, layout.image_epoch = (self.version, n, width), (self.version, n)
+                layout.text_epoch = (self.version, n, width)
             else:  # per block: its row, and which of its tokens are the row's
                 valid = np.minimum(page, seen[owners] - page * columns)
                 positions, w_pages, w_offsets, layout.text_pages, layout.text_rows, valid_counts = self.staging.send(
