@@ -200,12 +200,15 @@ def start_triton(
 def stop_triton(proc: subprocess.Popen, http_port: int | None = None) -> None:
     """SIGTERM (PyTriton ignores SIGINT in the background), then wait until tritonserver has let go of the port.
 
-    The launcher can exit while its tritonserver child still drains in-flight requests (up to 30 s).
+    The launcher can exit while its tritonserver child still drains in-flight requests (up to 30 s). The
+    launcher itself first lets answers in flight finish (``unload_models``: up to 120 s, then 5 s for clients to
+    hang up), so it gets that long before it is killed: answers a stopped web replica left running can take a
+    while on a busy box.
     """
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
         try:
-            proc.wait(60)
+            proc.wait(150)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(10)
