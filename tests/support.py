@@ -201,9 +201,8 @@ def stop_triton(proc: subprocess.Popen, http_port: int | None = None) -> None:
     """SIGTERM (PyTriton ignores SIGINT in the background), then wait until tritonserver has let go of the port.
 
     The launcher can exit while its tritonserver child still drains in-flight requests (up to 30 s). The
-    launcher itself first lets answers in flight finish (``unload_models``: up to 120 s, then 5 s for clients to
-    hang up), so it gets that long before it is killed: answers a stopped web replica left running can take a
-    while on a busy box.
+    launcher itself first gives answers in flight 60 s to finish, then ends them and unloads (up to 120 s more),
+    then gives clients 5 s to hang up: it gets that long before it is killed.
     """
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)

@@ -28,14 +28,14 @@ import sys
 import sysconfig
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from vlm_demo import REPO_ROOT, logs
 from vlm_demo.config import Config, build_parser, config_from_namespace
-from vlm_demo.errors import DemoError
+from vlm_demo.errors import DemoError, EngineStoppedError
 from vlm_demo.request import DEFAULT_MAX_NEW_TOKENS, Limits
 from vlm_demo.triton import contract
 from vlm_demo.triton.contract import ENSEMBLE_MODEL, GENERATE_MODEL, SAMPLING_INPUTS, error_text
@@ -46,6 +46,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+ANSWERS_GRACE_S = 60.0  # on SIGTERM, answers in flight get this long to finish; then they are ended
 EXIT_TIMEOUT_S = 5  # tritonserver's wait for clients to hang up once the models are unloaded (its default: 30)
 MISSING_PYTRITON = (
     "python -m vlm_demo.triton.serve needs PyTriton, which this Python does not have: install "
@@ -63,10 +64,11 @@ class _GenerateModel:
     pieces to the loop.
     """
 
-    def __init__(self, engine: Engine, limits: Limits, default_max_tokens: int) -> None:
+    def __init__(self, engine: Engine, limits: Limits, default_max_tokens: int, stopping: threading.Event) -> None:
         self.engine = engine
         self.limits = limits
         self.default_max_tokens = default_max_tokens
+        self.stopping = stopping  # set when the server ends the answers still running at its stop
 
     async def __call__(self, requests: list[Any]) -> Any:
         loop = asyncio.get_running_loop()
@@ -78,6 +80,8 @@ class _GenerateModel:
             try:
                 while True:
                     kind, payload = await pieces.get()
+                    if kind == "error" and isinstance(payload, EngineStoppedError) and self.stopping.is_set():
+                        break  # ended by the server's own stop, after the grace: the stream just ends
                     if kind == "error":
                         raise RuntimeError(error_text(payload) if isinstance(payload, DemoError) else str(payload))
                     if kind == "end":
@@ -125,8 +129,9 @@ def _wire(kind: type) -> type:
     return bytes if kind is np.object_ else kind
 
 
-def bind_models(triton: Any, engine: Engine, config: Config) -> None:
-    """Bind both contracts to a PyTriton ``Triton`` instance."""
+def bind_models(triton: Any, engine: Engine, config: Config, stopping: threading.Event | None = None) -> None:
+    """Bind both contracts to a PyTriton ``Triton`` instance (``stopping``: set when the server's stop ends the
+    answers still running)."""
     from pytriton.model_config import DynamicBatcher, ModelConfig, Tensor
 
     default_tokens = min(DEFAULT_MAX_NEW_TOKENS, config.max_new_tokens)
@@ -151,7 +156,7 @@ def bind_models(triton: Any, engine: Engine, config: Config) -> None:
     )
     triton.bind(
         model_name=GENERATE_MODEL,
-        infer_func=_GenerateModel(engine, Limits.from_config(config), default_tokens),
+        infer_func=_GenerateModel(engine, Limits.from_config(config), default_tokens, stopping or threading.Event()),
         inputs=[
             Tensor(name=contract.TEXT_INPUT, dtype=bytes, shape=(1,)),
             Tensor(name=contract.IMAGE_INPUT, dtype=bytes, shape=(-1,), optional=True),
@@ -261,8 +266,14 @@ def serve(config: Config, http_port: int, grpc_port: int, metrics_port: int, hos
     triton = Triton(
         config=triton_config_for(config, http_port, grpc_port, metrics_port, host, gpu=gpu), security_config=security
     )
+    stopping = threading.Event()
+
+    def end_answers() -> None:
+        stopping.set()
+        engine.shutdown()
+
     try:
-        bind_models(triton, engine, config)  # before the server starts: the models load with their parameters
+        bind_models(triton, engine, config, stopping)  # before the server starts: the models load with their parameters
         log.info(
             "Triton starting to serve %s and %s on http://%s:%d and grpc://%s:%d",
             ENSEMBLE_MODEL,
@@ -272,7 +283,8 @@ def serve(config: Config, http_port: int, grpc_port: int, metrics_port: int, hos
             host,
             grpc_port,
         )
-        run_until_stopped(triton, f"{host}:{http_port}", [ENSEMBLE_MODEL, GENERATE_MODEL], security.access_token)
+        run_until_stopped(triton, f"{host}:{http_port}", [ENSEMBLE_MODEL, GENERATE_MODEL], security.access_token,
+                          overdue=end_answers)  # fmt: skip
     finally:
         triton.stop()
         engine.shutdown()
@@ -374,7 +386,8 @@ def build_arg_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def run_until_stopped(triton: Any, address: str, models: Sequence[str], token: str | None) -> None:
+def run_until_stopped(triton: Any, address: str, models: Sequence[str], token: str | None,
+                      overdue: Callable[[], None] | None = None) -> None:  # fmt: skip
     """Start tritonserver and serve until SIGTERM or SIGINT (a service manager, ``docker stop``, Ctrl+C, a test)
     or until it dies; then unload the models, so the caller's ``triton.stop()`` finds nothing running.
 
@@ -382,7 +395,9 @@ def run_until_stopped(triton: Any, address: str, models: Sequence[str], token: s
     keep-alive connection never does) and then exits without unloading anything: its model processes died
     mid-way and left shared memory for Python's resource tracker to reclaim ("leaked shared_memory objects").
     Unloading first lets requests in flight finish and every model process end cleanly; PyTriton's stop then
-    removes its workspace (``~/.cache/pytriton/workspace_*``). SIGINT is handled too: a server started in the
+    removes its workspace (``~/.cache/pytriton/workspace_*``). Answers still running after ``ANSWERS_GRACE_S``
+    (PyTriton does not tell a model that a client hung up, so a gone client's answer runs to its end) are
+    ended through ``overdue``. SIGINT is handled too: a server started in the
     background has it ignored otherwise."""
     stopping = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
@@ -394,21 +409,28 @@ def run_until_stopped(triton: Any, address: str, models: Sequence[str], token: s
         if not triton.is_alive():
             log.error("tritonserver or a model process stopped on its own; shutting down")
             return
-    log.info("stopping: unloading the models (answers in flight finish first)")
-    unload_models(address, models, token)
+    log.info("stopping: unloading the models (answers in flight get %.0f s to finish)", ANSWERS_GRACE_S)
+    if not unload_models(address, models, token, ANSWERS_GRACE_S) and overdue is not None:
+        log.warning("answers were still running after %.0f s: ending them", ANSWERS_GRACE_S)
+        overdue()  # every stream ends ("the server shut down"), so the models' handlers can finish
+        unload_models(address, models, token, request=False)
     log.info("stopping tritonserver (it gives open client connections up to %d s to close)", EXIT_TIMEOUT_S)
 
 
-def unload_models(address: str, models: Sequence[str], token: str | None, timeout_s: float = 120) -> None:
+def unload_models(
+    address: str, models: Sequence[str], token: str | None, timeout_s: float = 120, request: bool = True
+) -> bool:
     """Unload ``models`` through Triton's model-control API and wait until it is done: Triton unloads in the
-    background, and with strict readiness it says the server is ready again once no model is unloading."""
+    background, and with strict readiness it says the server is ready again once no model is unloading.
+    Whether it was done within ``timeout_s`` (a model waits for the answers it is streaming); ``request=False``
+    only waits (for an unload asked before)."""
     import tritonclient.http as httpclient
 
     headers = {"triton-access-token": token} if token else None
     client = httpclient.InferenceServerClient(address)
     deadline = time.monotonic() + timeout_s
     try:
-        for name in models:
+        for name in models if request else ():
             client.unload_model(name, headers=headers)
         while time.monotonic() < deadline and (
             any(client.is_model_ready(name) for name in models) or not client.is_server_ready()
@@ -416,8 +438,11 @@ def unload_models(address: str, models: Sequence[str], token: str | None, timeou
             time.sleep(0.2)
         if time.monotonic() >= deadline:
             log.warning("the models were still unloading after %.0f s", timeout_s)
+            return False
+        return True
     except Exception as err:  # noqa: BLE001 - tritonserver already gone: nothing left to unload
         log.warning("could not unload the models before stopping: %s", err)
+        return True
     finally:
         client.close()
 
