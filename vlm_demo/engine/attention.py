@@ -42,9 +42,8 @@ from vlm_demo.engine.pages import PagePool
 log = logging.getLogger(__name__)
 
 DENSE_ROWS = 16  # up to this many rows the reference attention takes one masked product (few operations)
-DENSE_PADDING = (
-    1.15  # ... when its lines (as long as the longest row) read at most this much more than the rows' blocks
-)
+# ... and when its lines (as long as the longest row) read at most this much more than the rows' blocks
+DENSE_PADDING = 1.15
 HELD_BYTES = 256 * 2**20  # the dense reference's lines kept between steps, at most (all layers together)
 
 
@@ -164,12 +163,11 @@ class PagedAttention:
         if self.kernel == "flash":
             return self._flash(query, keys, values, layout.text_table, layout.text_lengths, layout.max_text,
                                layout.query_starts)  # fmt: skip
+        pages = layout.text_pages
         if layout.text_mask is not None:
-            pages = layout.text_pages
             lines = self._lines(layer, layout.text_epoch, layout.text_slots, layout.text_mask, keys.shape[1],  # type: ignore[arg-type]
                                 lambda: (keys.index_select(0, pages), values.index_select(0, pages)))  # fmt: skip
             return self._dense(query, lines, layout.text_mask)
-        pages = layout.text_pages
         gathered_k, gathered_v = (
             keys.transpose(1, 2).index_select(0, pages),
             values.transpose(1, 2).index_select(0, pages),

@@ -410,14 +410,14 @@ class RunningRows:
         seen = lengths + 1
         images = self._image_layout(places)
         tiles = [p.tiles * s.patches for p in places[:real]]
-        lines = None  # the dense reference's line lengths, where it pays
+        read_text, read_image = self.attention.read_tokens(real_seen, tiles)
+        lines = None  # the dense reference's line lengths, where it pays: then it reads those lines whole
         if images.mask is not None:
-            lines = (width * page, images.mask.shape[-1])
-            exact = self.attention.read_tokens(real_seen, tiles)
+            dense = (width * page, images.mask.shape[-1])
             per_token = (s.text_bytes_per_token, s.image_bytes_per_token)
-            if n * np.dot(lines, per_token) > DENSE_PADDING * np.dot(exact, per_token):
-                lines = None
-        read_text, read_image = self.attention.read_tokens(real_seen, tiles, lines)
+            if n * np.dot(dense, per_token) <= DENSE_PADDING * np.dot((read_text, read_image), per_token):
+                lines = dense
+                read_text, read_image = self.attention.read_tokens(real_seen, tiles, lines)
         self.read_bytes += read_text * s.text_bytes_per_token + read_image * s.image_bytes_per_token
         self.live_bytes += sum(real_seen) * s.text_bytes_per_token + sum(tiles) * s.image_bytes_per_token
         self.written_bytes += real * s.text_bytes_per_token
