@@ -100,6 +100,15 @@ class Config:
             "min": 0,
         },
     )
+    stream_every_ms: float = field(
+        default=20.0,
+        metadata={
+            "group": "engine",
+            "help": "The engine hands its clients new text at most this often (a request's first words and its end "
+            "at once); 0: every step. Each hand-over wakes every client with news.",
+            "min": 0,
+        },
+    )
     max_queue: int = field(
         default=128, metadata={"group": "engine", "help": "Waiting requests beyond this get 'server busy'.", "min": 1}
     )

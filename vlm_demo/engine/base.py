@@ -5,9 +5,11 @@ this base (:mod:`~vlm_demo.engine.dynamic`, :mod:`~vlm_demo.engine.continuous`);
 :func:`vlm_demo.engine.make_engine` picks one. ``add_request`` queues a request under the client's id
 (its ``rid``); ``step()`` runs the engine one step and returns a :class:`~vlm_demo.engine.ipc.Step`
 with what every client's request did. Tests call ``step()`` directly; :meth:`Engine.start` starts a
-thread that loops it and hands each Step to ``sink`` — by default this process's
+thread that loops it and hands the Steps to ``sink`` — by default this process's
 :class:`~vlm_demo.engine.streams.StreamTable`, whose handles ``submit`` returns; the engine process
-sends them down its pipe instead.
+sends them down its pipe instead. The thread hands them over merged, at most every ``--stream-every-ms``
+(a request's first words, its end and an idle engine at once): each hand-over wakes every client with news,
+and a client in the engine's process takes the interpreter from the engine to read it.
 
 Failure helpers live here because both modes retry the same way: a failed attempt's memory is released
 (:func:`release`) before anything is retried, and a request that fails on its own gets one specific
@@ -120,6 +122,7 @@ class Engine:
         self.memory: MemoryPlan = plan_for(worker, self.config)  # in the engine process, after the weights load
         self.max_batch_size = self.memory.max_batch_size
         self.weights = weights_label(worker.model)  # "fp8", "int8", "int4" or the dtype: /health, /metrics, the page
+        self.stream_every_s = self.config.stream_every_ms / 1000.0
         self.scheduler = Scheduler(self.max_batch_size, self.config.batch_window_ms / 1000.0, self.config.max_queue)
         if self.config.structured_stages:
             _ = worker.grammar  # every token's text, built now (~0.5 s at 128k tokens) rather than at the first answer
@@ -128,6 +131,9 @@ class Engine:
         self.live: dict[int, Request] = {}  # rid -> its request, from the door until its end is reported
         self.outbox: list[Request] = []  # requests with news since the last Step (appended from any thread)
         self._reported = (-1, 0.0)  # the queue's change count and the time of the last Step with stats
+        self._held: Step | None = None  # Steps not handed to ``sink`` yet, merged
+        self._handed = 0.0  # when ``sink`` was last handed Steps
+        self._urgent = False  # the held Steps end a request or bring its first words
         self.batches_run = 0
         self.failpoint: Callable[[str], None] | None = failpoints_from_env()  # fault drills only; see faults.py
         self.on_fatal: Callable[[BaseException], None] | None = None  # called once the engine thread died
@@ -151,8 +157,8 @@ class Engine:
         try:
             while not self._stop.is_set():
                 step = self.step()
-                if step:
-                    self.sink(step)
+                if step or self._held is not None:
+                    self._hand_over(step)
         except BaseException as exc:  # noqa: BLE001 - the engine thread must never end without saying so
             log.critical("the engine thread stopped: %r", exc, exc_info=exc)
             self._die(exc)
@@ -176,7 +182,19 @@ class Engine:
         self._abandon_running(running)
         for request in list(self.live.values()):
             request.fail(running)
-        self.sink(self.collect(Step()))
+        self._hand_over(self.collect(Step()), now=True)
+
+    def _hand_over(self, step: Step, now: bool = False) -> None:
+        """Give ``sink`` this Step with the ones held back, merged: at once when they end a request or bring its
+        first words, or nothing runs; else once ``--stream-every-ms`` passed since the last hand-over (clients
+        then get a few tokens at a time, and wake up a few times less)."""
+        held = step if self._held is None else self._held.merge(step)
+        clock = time.monotonic()
+        if now or self._urgent or clock - self._handed >= self.stream_every_s or not self.running_rows():
+            self._held, self._urgent, self._handed = None, False, clock
+            self.sink(held)
+        else:
+            self._held = held
 
     def _failpoint(self, point: str) -> None:
         if self.failpoint is not None:
@@ -248,9 +266,11 @@ class Engine:
                 step.tokens.append((rid, len(ids), new))
                 request.sent_tokens = len(ids)
             if len(request.text) > request.sent_chars:
+                self._urgent |= request.sent_chars == 0  # its first words: time to first token is not held back
                 step.text.append((rid, request.text[request.sent_chars :]))
                 request.sent_chars = len(request.text)
             if request.done:
+                self._urgent = True
                 del self.live[rid]
                 self.clients.give_back(request.client)
                 step.ended.append(Ended(rid, request.result, request.error))

@@ -39,7 +39,7 @@ class DynamicEngine(Engine):
 
     def step(self) -> Step:
         """One batch (waiting a little for one): ``generate`` for all of it, each of its steps reported to
-        ``sink`` as it happens; returns the last Step."""
+        ``sink`` as it happens (paced as the engine thread paces Steps); returns the last Step."""
         batch = self.scheduler.next_batch(timeout=0.5)
         if batch:
             self._execute(batch)
@@ -52,7 +52,7 @@ class DynamicEngine(Engine):
 
     def _on_token(self) -> bool:
         """After each of ``generate``'s steps: report it; True stops the batch (the engine is stopping)."""
-        self.sink(self._report())
+        self._hand_over(self._report())
         return self._stop.is_set()
 
     def _execute(self, batch: list[Request]) -> None:
