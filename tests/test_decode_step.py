@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from vlm_demo.engine.attention import fewest_bands
 from vlm_demo.engine.decode_step import TextDecodeStep
 from vlm_demo.engine.request import Request
 from vlm_demo.engine.rows import Row, RunningRows
@@ -56,17 +57,18 @@ def stock_step(worker, cache, token: torch.Tensor, position: int, inputs: dict) 
 
 
 @pytest.mark.parametrize(
-    ("dense", "held"),
-    [(True, True), (True, False), (False, False)],
-    ids=["one-masked-product", "one-masked-product-gathered-each-step", "block-by-block"],
+    ("dense", "held", "padding"),
+    [(True, True, float("inf")), (True, False, float("inf")), (True, True, 1.0), (False, False, float("inf"))],
+    ids=["one-masked-product", "one-masked-product-gathered-each-step", "a-product-per-band", "block-by-block"],
 )
 @pytest.mark.parametrize("group", [1, 3], ids=["joined-one-by-one", "prefilled-together"])
-def test_the_paged_step_follows_the_stock_forward_row_by_row(worker, group, dense, held, monkeypatch) -> None:
+def test_the_paged_step_follows_the_stock_forward_row_by_row(worker, group, dense, held, padding, monkeypatch) -> None:
     """90 steps (past several page boundaries, a row leaving mid-flight): every row's logits match its own
-    stock forward to float precision and pick the same token, with either form of the reference attention
-    (the one product over lines kept between steps and written into, or over lines gathered every layer)."""
+    stock forward to float precision and pick the same token, with each form of the reference attention
+    (one product over lines kept between steps and written into, or over lines gathered every layer; with no
+    padding allowed, one product per band of rows as long as each other, the bands changing as rows grow)."""
     monkeypatch.setattr("vlm_demo.engine.rows.DENSE_ROWS", 16 if dense else 0)
-    monkeypatch.setattr("vlm_demo.engine.rows.DENSE_PADDING", float("inf"))  # the product whatever the padding
+    monkeypatch.setattr("vlm_demo.engine.rows.DENSE_PADDING", padding)  # inf: one product whatever the padding
     monkeypatch.setattr("vlm_demo.engine.attention.HELD_BYTES", 256 * 2**20 if held else 0)
     rows, step = paged(worker)
     batch = requests(worker, JOBS)
@@ -79,6 +81,7 @@ def test_the_paged_step_follows_the_stock_forward_row_by_row(worker, group, dens
             out = worker.model(**inputs, use_cache=True, logits_to_keep=1)
         alone.append([out.cache, out.logits[:, -1].argmax(-1), request.prompt_tokens, inputs])
     live = [0, 1, 2]
+    bands = set()
     for n in range(90):
         if n == 40:  # a row leaves mid-flight: the others' pages stay where they are
             pages_before = [list(r.place.pages) for r in rows.rows]
@@ -88,14 +91,28 @@ def test_the_paged_step_follows_the_stock_forward_row_by_row(worker, group, dens
                 ::2
             ]
         with torch.inference_mode():
-            got = worker.decode(step, rows.step_inputs())
+            inputs = rows.step_inputs()
+            got = worker.decode(step, inputs)
             want = torch.cat([stock_step(worker, *alone[i][:1], alone[i][1], alone[i][2], alone[i][3]) for i in live])
+        bands.add(len(inputs.layout.text_bands or ()))
         assert torch.allclose(got, want, atol=1e-4, rtol=1e-4), f"step {n}: {(got - want).abs().max()}"
         assert torch.equal(got.argmax(-1), want.argmax(-1)), f"step {n}"
         tokens = want.argmax(-1)
         rows.advance(tokens)
         for j, i in enumerate(live):
             alone[i][1], alone[i][2] = tokens[j : j + 1], alone[i][2] + 1
+    assert bands == {0} if not dense else bands == {1} if padding > 2 else max(bands) >= 2, bands  # each form ran
+
+
+def test_bands_are_the_fewest_that_keep_the_padding_allowed() -> None:
+    """Rows longest first (blocks each): the fewest bands whose lines fit the budget, the fewest blocks among those."""
+    assert fewest_bands([5, 5, 5], 15, 4) == [3]
+    assert fewest_bands([10, 9, 2, 2], 40, 4) == [4]  # one band: every row as long as the longest
+    assert fewest_bands([10, 9, 2, 2], 24, 4) == [2, 2]  # 2 × 10 + 2 × 2
+    assert fewest_bands([10, 9, 2, 2], 23, 4) == [1, 1, 2]  # no padding left at all
+    assert fewest_bands([10, 9, 2, 2], 23, 2) is None  # two bands read at least 24
+    assert fewest_bands([10, 9, 2, 2], 22, 4) is None  # less than the rows' own blocks
+    assert fewest_bands([], 0, 4) == []
 
 
 def test_a_row_in_a_batch_gets_its_logits_alone(worker) -> None:

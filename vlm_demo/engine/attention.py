@@ -9,30 +9,32 @@ Two kernels, one contract (``Layout`` in, ``[rows, heads × head dim]`` out):
 - ``reference``: torch operations any device runs (the CPU's path, and the GPU's when the fast kernel is
   missing). Keys and values are gathered block by block — a text page, or an image tile — so it reads
   whole text pages (at most ``page_tokens - 1`` tokens of slack per row) and exactly the tiles' tokens.
-  Up to ``DENSE_ROWS`` rows, and when the padding costs little (the lines read at most ``DENSE_PADDING``
-  times the rows' own blocks), the gathered blocks are placed in a dense batch of lines (row ``r``'s blocks
-  in its own line, the rest of the line masked) and one fused product runs per layer: its work and its reads
-  are rows × the longest row. Each layer keeps its lines between steps while the layout's ``epoch`` holds (the same
-  rows, the same table width): the step's new keys/values are written into them as into the pool, so a
-  step gathers from the pool only after rows joined or left or the longest row opened a page (kept up to
-  ``HELD_BYTES``; past that one scratch batch is gathered again every layer). Otherwise the softmax runs
-  per block and combines per row by its maximum (split-KV, as flash-decoding does): more operations, no
-  padding; its text blocks are gathered every step (head-major, for the products), its tiles only when
-  rows change (kept within the same ``HELD_BYTES``).
+  Up to ``DENSE_ROWS`` rows the step runs its rows longest first, cut into at most ``DENSE_BANDS`` *bands*
+  of neighbouring rows (the fewest whose padding costs little: all the bands' lines read at most
+  ``DENSE_PADDING`` times the rows' own blocks). A band's rows' blocks are placed in a dense batch of lines
+  (row ``r``'s blocks in its own line, the rest of the line masked), and one fused product runs per band and
+  layer: its work and its reads are the band's rows × its longest row. Each layer keeps its lines between
+  steps while the layout's ``epoch`` holds (the same rows, the same bands, each band within the room it was
+  given to grow): the step's new keys/values are written into them as into the pool, so a step gathers from
+  the pool only after rows joined or left or a band outgrew its room (kept up to ``HELD_BYTES``; past that
+  one scratch batch is gathered again every layer). Otherwise the softmax runs per block and combines per
+  row by its maximum (split-KV, as flash-decoding does): many more operations, no padding; its text blocks
+  are gathered every step (head-major, for the products), its tiles only when rows change (kept within the
+  same ``HELD_BYTES``).
 - ``flash``: FlashAttention's paged variable-length kernel from torch itself
   (``aten._flash_attention_forward`` with a block table and per-row key counts), on CUDA in 16-bit
   floats; it reads exactly each row's live tokens in place. It is used only when this torch has it
   and it agrees with the reference on a probe at start (else the reference runs, and the log says so).
 
-What each step read is counted from the layout on the host (``read_tokens``: the dense reference's whole lines,
-padding included), for the ``vlm_attention_read_bytes_total`` and ``vlm_attention_live_bytes_total`` counters.
+What each step read is counted from the layout on the host (the dense reference's whole lines, padding
+included), for the ``vlm_attention_read_bytes_total`` and ``vlm_attention_live_bytes_total`` counters.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -41,9 +43,10 @@ from vlm_demo.engine.pages import PagePool
 
 log = logging.getLogger(__name__)
 
-DENSE_ROWS = 16  # up to this many rows the reference attention takes one masked product (few operations)
-# ... and when its lines (as long as the longest row) read at most this much more than the rows' blocks
+DENSE_ROWS = 16  # up to this many rows the reference attention takes masked products over lines (few operations)
+# ... when the lines (each as long as its band's longest row) read at most this much more than the rows' blocks
 DENSE_PADDING = 1.15
+DENSE_BANDS = 4  # ... in at most this many bands of rows (each band one product per layer)
 HELD_BYTES = 256 * 2**20  # the dense reference's lines kept between steps, at most (all layers together)
 
 
@@ -68,15 +71,38 @@ class Layout:
     tile_pages: torch.Tensor | None = None  # [tiles, patches] long: the page of every image-state token of a tile
     tile_offsets: torch.Tensor | None = None  # [tiles, patches] long
     tile_rows: torch.Tensor | None = None  # [tiles] long
-    # Up to DENSE_ROWS rows: where each block goes in the scratch batch, and which of its tokens are live.
-    text_slots: torch.Tensor | None = None  # [blocks] long: row × the table's width + the page's column
-    text_mask: torch.Tensor | None = None  # [rows, 1, 1, width × page tokens] bool: the row's own tokens
+    # Up to DENSE_ROWS rows: the bands, where each block goes in the lines, and which of its tokens are live.
+    text_bands: tuple[Band, ...] | None = None  # None: the block-by-block softmax
+    # [blocks] long: the block's line block (its band's base + row × room + column); with ``text_pages``, only
+    # on a step whose lines are gathered (not kept from the last step)
+    text_slots: torch.Tensor | None = None
+    # Each band's mask, [band rows, 1, 1, width × page tokens]: 0 on the row's own tokens, else -inf.
+    text_masks: tuple[torch.Tensor, ...] | None = None
+    image_bands: tuple[Band, ...] | None = None
     tile_slots: torch.Tensor | None = None  # [tiles] long: row × the widest row's tiles + the tile
-    image_mask: torch.Tensor | None = None  # [rows, 1, 1, tiles × patches] bool
+    image_masks: tuple[torch.Tensor, ...] | None = None  # [rows, 1, 1, tiles × patches] (one band), as ``text_masks``
     # Which blocks sit where in the dense lines: equal epochs, equal placement (the lines can be kept).
     text_epoch: tuple[int, ...] | None = None
     image_epoch: tuple[int, ...] | None = None
     write_slots: torch.Tensor | None = None  # [rows] long: the line block that takes each row's new token
+    # The step runs its rows longest first: where each of the engine's rows is in the step (None: in order).
+    restore: torch.Tensor | None = None  # [rows] long
+
+
+@dataclass(frozen=True)
+class Band:
+    """The step's rows ``start:stop`` in dense lines ``width`` blocks long, each line given ``room`` blocks (so it
+    can grow without being gathered again), from block ``base`` of the layer's lines."""
+
+    start: int
+    stop: int
+    width: int
+    room: int
+    base: int
+
+    @property
+    def blocks(self) -> int:
+        return (self.stop - self.start) * self.room
 
 
 @dataclass
@@ -86,11 +112,16 @@ class _Lines:
     keys: torch.Tensor  # [rows × width, block tokens, kv heads, dim]
     values: torch.Tensor
     epoch: tuple[int, ...] | None
+    # (base, rows, room) -> a band's keys and values as the product takes them, [rows, kv heads, room tokens, dim]
+    views: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
 
-def live_mask(lengths: torch.Tensor, columns: int) -> torch.Tensor:
-    """``[rows, 1, 1, columns]``: True on each row's first ``lengths[r]`` tokens (the dense reference's mask)."""
-    return (torch.arange(columns, device=lengths.device)[None, :] < lengths[:, None])[:, None, None, :]
+def live_mask(lengths: torch.Tensor, columns: int, dtype: torch.dtype) -> torch.Tensor:
+    """``[rows, 1, 1, columns]``: 0 on each row's first ``lengths[r]`` tokens, minus infinity past them (the dense
+    reference's mask, added to the scores: built once a step, where a boolean mask is turned into this by every
+    product)."""
+    live = torch.arange(columns, device=lengths.device)[None, :] < lengths[:, None]
+    return torch.zeros(live.shape, dtype=dtype, device=lengths.device).masked_fill_(~live, float("-inf"))[:, None, None]
 
 
 def split_softmax(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, rows: torch.Tensor,
@@ -164,10 +195,10 @@ class PagedAttention:
             return self._flash(query, keys, values, layout.text_table, layout.text_lengths, layout.max_text,
                                layout.query_starts)  # fmt: skip
         pages = layout.text_pages
-        if layout.text_mask is not None:
-            lines = self._lines(layer, layout.text_epoch, layout.text_slots, layout.text_mask, keys.shape[1],  # type: ignore[arg-type]
+        if layout.text_bands is not None:
+            lines = self._lines(layer, layout.text_epoch, layout.text_slots, layout.text_bands, keys.shape[1],  # type: ignore[arg-type]
                                 lambda: (keys.index_select(0, pages), values.index_select(0, pages)))  # fmt: skip
-            return self._dense(query, lines, layout.text_mask)
+            return self._dense(query, lines, layout.text_masks, layout.text_bands)  # type: ignore[arg-type]
         gathered_k, gathered_v = (
             keys.transpose(1, 2).index_select(0, pages),
             values.transpose(1, 2).index_select(0, pages),
@@ -181,10 +212,10 @@ class PagedAttention:
             return self._flash(query, keys, values, layout.image_table, layout.image_lengths, layout.max_image,
                                layout.query_starts)  # fmt: skip
         where = (layout.tile_pages, layout.tile_offsets)
-        if layout.image_mask is not None:
-            lines = self._lines(layer, layout.image_epoch, layout.tile_slots, layout.image_mask, self.shape.patches,  # type: ignore[arg-type]
+        if layout.image_bands is not None:
+            lines = self._lines(layer, layout.image_epoch, layout.tile_slots, layout.image_bands, self.shape.patches,  # type: ignore[arg-type]
                                 lambda: (keys[where], values[where]))  # fmt: skip
-            return self._dense(query, lines, layout.image_mask)
+            return self._dense(query, lines, layout.image_masks, layout.image_bands)  # type: ignore[arg-type]
         tiles = self._tiles.get(layer)
         if tiles is None or layout.image_epoch is None or tiles[0] != layout.image_epoch:  # kept while rows stay
             tiles = (layout.image_epoch, *(t[where].transpose(1, 2).contiguous() for t in (keys, values)))
@@ -193,25 +224,44 @@ class PagedAttention:
                 self._tiles[layer] = tiles
         return self._reference(query, tiles[1], tiles[2], layout.tile_rows, None, layout.rows)
 
-    def _dense(self, query: torch.Tensor, lines: _Lines, mask: torch.Tensor) -> torch.Tensor:
-        """One fused attention over the rows' lines (the query heads of a key/value head as its query length)."""
+    def _dense(self, query: torch.Tensor, lines: _Lines, masks: tuple[torch.Tensor, ...],
+               bands: tuple[Band, ...]) -> torch.Tensor:  # fmt: skip
+        """One fused attention per band over its rows' lines (the query heads of a key/value head as its query
+        length); the bands' rows follow each other, so their outputs are the step's rows in order."""
         rows, heads, dim = query.shape[0], self.shape.kv_heads, self.shape.head_dim
-        k = lines.keys.view(rows, -1, heads, dim).transpose(1, 2)
-        v = lines.values.view(rows, -1, heads, dim).transpose(1, 2)
+        block = lines.keys.shape[1]
         q = query.view(rows, heads, self.group, dim)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
+        outs = []
+        for band, mask in zip(bands, masks, strict=True):
+            count = band.stop - band.start
+            where = (band.base, count, band.room)
+            k, v = lines.views.get(where) or lines.views.setdefault(where, tuple(  # type: ignore[assignment]
+                t[band.base : band.base + band.blocks].view(count, -1, heads, dim).transpose(1, 2)
+                for t in (lines.keys, lines.values)
+            ))  # fmt: skip
+            if band.width < band.room:  # the lines' room to grow is not read
+                k, v = k[:, :, : band.width * block], v[:, :, : band.width * block]
+            qb = q if count == rows else q[band.start : band.stop]
+            outs.append(F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, scale=self.scale))
+        out = outs[0] if len(outs) == 1 else torch.cat(outs)
         return out.reshape(rows, self.heads * dim).to(query.dtype)
 
-    def _lines(self, layer: int, epoch: tuple[int, ...] | None, slots: torch.Tensor, mask: torch.Tensor, block: int,
-               gather: Callable[[], tuple[torch.Tensor, torch.Tensor]]) -> _Lines:  # fmt: skip
+    def lines_kept(self, epoch: tuple[int, ...]) -> bool:
+        """Whether every self-attention layer keeps its lines for this placement (then the step need not say where
+        the blocks are: nothing is gathered)."""
+        return all((h := self._held.get(layer)) is not None and h.epoch == epoch for layer in self.shape.self_layers)
+
+    def _lines(self, layer: int, epoch: tuple[int, ...] | None, slots: torch.Tensor, bands: tuple[Band, ...],
+               block: int, gather: Callable[[], tuple[torch.Tensor, torch.Tensor]]) -> _Lines:  # fmt: skip
         """This layer's dense lines for the layout: the ones it kept if they hold this ``epoch``, else the blocks
-        ``gather`` reads from the pool placed at ``slots`` (of ``mask``'s rows × width blocks; a slot no row fills
-        keeps finite old values, which the mask hides)."""
+        ``gather`` reads from the pool placed at ``slots`` (of the bands' blocks; a slot no row fills keeps
+        finite old values, which the mask hides)."""
         held = self._held.get(layer)
         if held is not None and epoch is not None and held.epoch == epoch:
             return held
+        assert slots is not None, "the step said its lines were kept, so it did not say where the blocks are"
         keys, values = gather()
-        shape = (mask.shape[0] * mask.shape[-1] // block, block, *keys.shape[2:])
+        shape = (bands[-1].base + bands[-1].blocks, block, *keys.shape[2:])
         if held is None or held.keys.shape != shape or held.keys.dtype != keys.dtype or held.keys.device != keys.device:
             size = 2 * keys[:1, :1].nbytes * shape[0] * block
             self._held.pop(layer, None)
@@ -226,6 +276,7 @@ class PagedAttention:
         held.keys.index_copy_(0, slots, keys)
         held.values.index_copy_(0, slots, values)
         held.epoch = epoch
+        held.views.clear()  # a new placement: the bands' views are made again as asked (they do not pile up)
         if epoch is not None:
             self._held[layer] = held
         return held
@@ -289,14 +340,37 @@ class PagedAttention:
             return False
 
     # ---- accounting ---------------------------------------------------------------------------
-    def read_tokens(self, text_lengths: list[int], image_tokens: list[int],
-                    lines: tuple[int, int] | None = None) -> tuple[int, int]:  # fmt: skip
-        """Text and image-state tokens this kernel reads for rows of these lengths (per layer); ``lines``: the
-        dense reference's line lengths (text, image), when it runs (it reads each row's whole line, padding
-        included)."""
+    def read_tokens(self, text_lengths: list[int], image_tokens: list[int]) -> tuple[int, int]:
+        """Text and image-state tokens this kernel reads for rows of these lengths (per layer), block by block
+        (the dense reference's lines are counted where they are built, padding included)."""
         if self.kernel == "flash":
             return sum(text_lengths), sum(image_tokens)
-        if lines is not None:
-            return len(text_lengths) * lines[0], len(image_tokens) * lines[1]
         page = self.shape.page_tokens
         return sum(-(-n // page) * page for n in text_lengths), sum(image_tokens)
+
+
+def fewest_bands(used: list[int], budget: float, most: int) -> list[int] | None:
+    """How many rows each band takes: the fewest bands (at most ``most``) of rows sorted longest first whose lines
+    (each band's rows × its first row's ``used`` blocks) take at most ``budget`` blocks, the fewest blocks among
+    those; ``None`` when no such split exists."""
+    n = len(used)
+    if n == 0:
+        return []
+    best: list[float] = [0.0] + [float("inf")] * n  # least blocks for the first j rows in the bands so far
+    cuts: list[list[int]] = []
+    for _ in range(most):
+        nxt, cut = [float("inf")] * (n + 1), [0] * (n + 1)
+        for j in range(1, n + 1):
+            for i in range(j):
+                blocks = best[i] + (j - i) * used[i]
+                if blocks < nxt[j]:
+                    nxt[j], cut[j] = blocks, i
+        best = nxt
+        cuts.append(cut)
+        if best[n] <= budget:
+            sizes, j = [], n
+            for cut in reversed(cuts):
+                sizes.append(j - cut[j])
+                j = cut[j]
+            return sizes[::-1]
+    return None

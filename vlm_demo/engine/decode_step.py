@@ -166,6 +166,8 @@ class TextDecodeStep:
             step, rotate = here[layer.device]
             hidden = hidden.to(layer.device)
             hidden = self._cross(layer, hidden, step) if layer.cross else self._self(layer, hidden, rotate, step)
+        if inputs.layout.restore is not None:  # the step ran its rows in another order: back to the engine's
+            hidden = hidden.index_select(0, inputs.layout.restore.to(hidden.device))
         norm = self.final_norm
         hidden = _norm(hidden.to(norm[0].device), norm)
         return self.lm_head(hidden.to(self.lm_head.weight.device)).float()

@@ -14,13 +14,23 @@ are rebuilt only then.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
 import torch
 
-from vlm_demo.engine.attention import DENSE_PADDING, DENSE_ROWS, Layout, PagedAttention, live_mask
+from vlm_demo.engine.attention import (
+    DENSE_BANDS,
+    DENSE_PADDING,
+    DENSE_ROWS,
+    Band,
+    Layout,
+    PagedAttention,
+    fewest_bands,
+    live_mask,
+)
 from vlm_demo.engine.pages import PagePool
 from vlm_demo.engine.request import Request
 from vlm_demo.engine.sampler import RowSampling
@@ -165,7 +175,8 @@ class ImageLayout:
     tile_rows: torch.Tensor
     row_mask: torch.Tensor  # [rows] model dtype: 0 for a row that sees no tile
     slots: torch.Tensor | None  # [tiles] long: the dense reference's scratch slot of each tile
-    mask: torch.Tensor | None  # [rows, 1, 1, widest tiles × patches] bool: the dense reference's mask
+    mask: torch.Tensor | None  # [rows, 1, 1, widest tiles × patches]: the dense reference's mask (0 or -inf)
+    most: int  # tiles of the widest row (the dense reference's line)
 
 
 class RunningRows:
@@ -182,6 +193,8 @@ class RunningRows:
         self.sampling: RowSampling | None = None
         self.staging = Staging(device)
         self._images: ImageLayout | None = None  # the layout's image part, until rows change
+        self._order: tuple[tuple[int, int], list[int] | None, torch.Tensor | None, torch.Tensor | None] | None = None
+        self._banding: tuple[tuple[int, int], list[int], list[int]] | None = None  # the bands' sizes and rooms
         self.version = 0  # counts the changes of who the rows are (the attention's kept lines follow it)
         self._page_columns = torch.arange(pool.shape.page_tokens, device=device)
         # Byte counters (the metrics of the same names).
@@ -228,14 +241,18 @@ class RunningRows:
 
     def states(self) -> list[RowState]:
         """Each row as the plan weighs it: whose it is, what it wrote, whether it may be handed back, and
-        the pages it would give back."""
+        the pages it would give back (counted if the plan asks: that walks its page list)."""
         owners = self.pool.owners
+
+        def own(place: Placement | None) -> Callable[[], int]:
+            return lambda: sum(owners(p) == 1 for p in place.pages + place.image_pages) if place else 0
+
         return [
             RowState(
                 row.beam.request.client if row.beam is not None else row.request.client,
                 len(row.streamer.ids),
                 row.beam is None and row.request.visible and not row.streamer.done,
-                sum(owners(p) == 1 for p in row.place.pages + row.place.image_pages) if row.place else 0,
+                own(row.place),
             )
             for row in self.rows
         ]
@@ -382,7 +399,9 @@ class RunningRows:
         """The next step's inputs: every row writes its next token at position ``length`` (taking a page
         when it opens one; the plan made sure enough are free) and attends to ``length + 1`` tokens. With
         ``pad_to``, inert rows follow up to that many (a CUDA graph's size): they write into the pool's null
-        pages and read only those."""
+        pages and read only those. Where the reference's dense lines may run, the step takes its rows longest
+        first (their order only changes when rows join or leave: all grow a token a step), and the layout
+        says where each row went."""
         s, page = self.shape, self.shape.page_tokens
         places: list[Any] = [row.place for row in self.rows]
         for row in self.rows:
@@ -396,66 +415,124 @@ class RunningRows:
                     raise RuntimeError("no free page for the next token (the plan should have made room)")
                 place.pages += taken
         real = len(places)
-        real_seen = [p.length + 1 for p in places]
-        if pad_to is not None and pad_to > real:
+        n = max(real, pad_to or 0)
+        dense = self.attention.kernel != "flash" and n <= DENSE_ROWS
+        order, restore = self._step_order(places, n) if dense else (None, None)
+        if order is not None:
+            places = [places[i] for i in self._order[1]]  # type: ignore[index, union-attr]
+        if n > real:
             null = self.pool.null_pages()
-            places += [Placement(null[:1], 0, null[1:], 1, False) for _ in range(pad_to - real)]
-        n = len(places)
+            places += [Placement(null[:1], 0, null[1:], 1, False) for _ in range(n - real)]
         lengths = np.fromiter((p.length for p in places), dtype=np.int64, count=n)
-        width = max(len(p.pages) for p in places)
-        table = np.zeros((n, width), dtype=np.int64)
-        for r, place in enumerate(places):
-            table[r, : len(place.pages)] = place.pages
-        write_pages = table[np.arange(n), lengths // page]
+        write_pages = np.fromiter((p.pages[-1] for p in places), dtype=np.int64, count=n)  # the new token's page
         seen = lengths + 1
+        used = -(-seen // page)  # each row's pages (its last one takes the new token)
+        width = int(used.max())
         images = self._image_layout(places)
         tiles = [p.tiles * s.patches for p in places[:real]]
-        read_text, read_image = self.attention.read_tokens(real_seen, tiles)
-        lines = None  # the dense reference's line lengths, where it pays: then it reads those lines whole
+        read_text, read_image = self.attention.read_tokens(seen[:real].tolist(), tiles)
+        bands = None  # the dense reference's bands of rows, where they pay: then they read their lines whole
         if images.mask is not None:
-            dense = (width * page, images.mask.shape[-1])
             per_token = (s.text_bytes_per_token, s.image_bytes_per_token)
-            if n * np.dot(dense, per_token) <= DENSE_PADDING * np.dot((read_text, read_image), per_token):
-                lines = dense
-                read_text, read_image = self.attention.read_tokens(real_seen, tiles, lines)
+            image_lines = real * images.mask.shape[-1]
+            exact = np.dot((read_text, read_image), per_token)
+            bands = self._bands(
+                used, real, (DENSE_PADDING * exact - image_lines * per_token[1]) / (per_token[0] * page)
+            )
+            if bands is not None:
+                read_text = page * sum((min(b.stop, real) - b.start) * b.width for b in bands)
+                read_image = image_lines
         self.read_bytes += read_text * s.text_bytes_per_token + read_image * s.image_bytes_per_token
-        self.live_bytes += sum(real_seen) * s.text_bytes_per_token + sum(tiles) * s.image_bytes_per_token
+        self.live_bytes += int(seen[:real].sum()) * s.text_bytes_per_token + sum(tiles) * s.image_bytes_per_token
         self.written_bytes += real * s.text_bytes_per_token
+        offsets = lengths % page
         if self.attention.kernel == "flash":  # the kernel reads the tables: one row of page numbers per row
             starts = np.arange(n + 1, dtype=np.int64)
             positions, w_pages, w_offsets, text_table, text_lengths, starts = self.staging.send(
-                [lengths, write_pages, lengths % page, table, seen, starts]
+                [lengths, write_pages, offsets, _table(places, width), seen, starts]
             )
             layout = Layout(n, max_text=width * page, max_image=images.width * s.image_page_tokens,
                             text_table=text_table.int(), text_lengths=text_lengths.int(), query_starts=starts.int(),
                             image_table=images.table, image_lengths=images.lengths)  # fmt: skip
         else:  # the reference gathers pages: the blocks each row reads, and how much of each is its own
-            used = -(-seen // page)
-            owners, columns = np.nonzero(np.arange(width)[None, :] < used[:, None])
-            blocks = table[owners, columns]
             layout = Layout(n, max_text=width * page, max_image=images.width * s.image_page_tokens,
                             tile_pages=images.tile_pages, tile_offsets=images.tile_offsets, tile_rows=images.tile_rows,
-                            image_epoch=(self.version, n))  # fmt: skip
-            if lines is not None:  # one product over lines of blocks: each block's slot, each row's live tokens
-                write_slots = np.arange(n) * width + lengths // page
-                sent = [lengths, write_pages, lengths % page, blocks, owners * width + columns, seen, write_slots]
-                positions, w_pages, w_offsets, layout.text_pages, layout.text_slots, seen_t, layout.write_slots = (
-                    self.staging.send(sent)
+                            image_epoch=(self.version, n), restore=restore)  # fmt: skip
+            if (
+                bands is not None
+            ):  # one product per band over lines of blocks: each block's slot, each row's live tokens
+                line = np.empty(n, dtype=np.int64)  # where each row's line starts
+                for band in bands:
+                    line[band.start : band.stop] = band.base + band.room * np.arange(band.stop - band.start)
+                layout.text_epoch = (self.version, n, *(b.room for b in bands), *(b.stop for b in bands))
+                sent = [lengths, write_pages, offsets, seen, line + lengths // page]
+                if not self.attention.lines_kept(layout.text_epoch):  # the lines are gathered: where blocks go
+                    owners, columns = np.nonzero(np.arange(width)[None, :] < used[:, None])
+                    sent += [_table(places, width)[owners, columns], line[owners] + columns]
+                positions, w_pages, w_offsets, seen_t, layout.write_slots, *gather = self.staging.send(sent)
+                if gather:
+                    layout.text_pages, layout.text_slots = gather
+                mask = live_mask(seen_t, bands[0].width * page, self.dtype)
+                layout.text_masks = tuple(
+                    mask[b.start : b.stop, ..., : b.width * page] if len(bands) > 1 else mask for b in bands
                 )
-                layout.text_mask = live_mask(seen_t, width * page)
-                layout.tile_slots, layout.image_mask = images.slots, images.mask
-                layout.text_epoch = (self.version, n, width)
+                layout.text_bands = bands
+                layout.tile_slots, layout.image_masks = images.slots, (images.mask,)
+                layout.image_bands = (Band(0, n, images.most, images.most, 0),)
             else:  # per block: its row, and which of its tokens are the row's
+                owners, columns = np.nonzero(np.arange(width)[None, :] < used[:, None])
                 valid = np.minimum(page, seen[owners] - page * columns)
                 positions, w_pages, w_offsets, layout.text_pages, layout.text_rows, valid_counts = self.staging.send(
-                    [lengths, write_pages, lengths % page, blocks, owners, valid]
+                    [lengths, write_pages, offsets, _table(places, width)[owners, columns], owners, valid]
                 )
                 layout.text_valid = self._page_columns[None, :] < valid_counts[:, None]
         assert self.next_tokens is not None
-        tokens = self.next_tokens
+        tokens = self.next_tokens if order is None else self.next_tokens.index_select(0, order)
         if n > real:
             tokens = torch.cat([tokens, tokens.new_zeros(n - real)])
         return StepInputs(tokens, positions, w_pages, w_offsets, images.row_mask, layout)
+
+    def _step_order(self, places: list[Any], n: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The rows longest first (``None`` when they are in that order already): the engine's row of each step
+        row, and the step row of each of the ``n`` rows (inert ones last); kept while the rows stay."""
+        key = (self.version, n)
+        if self._order is None or self._order[0] != key:
+            order = sorted(range(len(places)), key=lambda i: -places[i].length)
+            if order == sorted(order):
+                self._order = (key, None, None, None)
+            else:
+                restore = np.concatenate([np.argsort(order), np.arange(len(places), n)])
+                sent = self.staging.send([np.asarray(order, dtype=np.int64), restore], persist=True)
+                self._order = (key, order, *sent)
+        return self._order[2], self._order[3]
+
+    def _bands(self, used: np.ndarray, real: int, budget: float) -> tuple[Band, ...] | None:
+        """The dense reference's bands over the step's rows (longest first; ``used``: each one's blocks), whose real
+        rows' lines take at most ``budget`` blocks (``None``: none do). The last step's bands stay while they
+        fit (their lines are kept); a band whose first row outgrew its room is given more (gathered again)."""
+        key = (self.version, len(used))
+        if self._banding is not None and self._banding[0] == key:
+            sizes, rooms = self._banding[1], self._banding[2]
+            starts = np.cumsum([0, *sizes[:-1]])
+            if sum((min(start + size, real) - start) * used[start] for start, size in zip(starts, sizes)) > budget:
+                self._banding = None
+        if self._banding is None or self._banding[0] != key:
+            chosen = fewest_bands(used[:real].tolist(), budget, DENSE_BANDS)
+            if chosen is None:
+                self._banding = None
+                return None
+            sizes, rooms = chosen, [0] * len(chosen)
+            sizes[-1] += len(used) - real  # the inert rows ride in the last band
+        bands, base, start = [], 0, 0
+        for i, size in enumerate(sizes):
+            width = int(used[start])
+            if width > rooms[i]:
+                rooms[i] = width + max(2, width // 4)  # room to grow a few pages without a new gather
+            bands.append(Band(start, start + size, width, rooms[i], base))
+            base += size * rooms[i]
+            start += size
+        self._banding = (key, sizes, rooms)
+        return tuple(bands)
 
     def _image_layout(self, places: list[Any]) -> ImageLayout:
         """The image part of the layout and the rows' MLP masks (rebuilt when rows join or leave)."""
@@ -494,7 +571,7 @@ class RunningRows:
         dense = self.attention.kernel != "flash" and n <= DENSE_ROWS
         self._images = ImageLayout(n, width, table_t.int(), lengths_t.int(), pages_t, offsets_t, rows_t,
                                    mask_t.to(self.dtype), slots_t if dense else None,
-                                   live_mask(lengths_t, most * s.patches) if dense else None)  # fmt: skip
+                                   live_mask(lengths_t, most * s.patches, self.dtype) if dense else None, most)  # fmt: skip
         return self._images
 
     def advance(self, tokens: torch.Tensor) -> None:
@@ -523,6 +600,14 @@ def _tokens(cached: torch.Tensor, source: torch.Tensor, patches: int) -> torch.T
         tiles = cached.view(rows, heads, -1, patches, dim).permute(0, 2, 3, 1, 4).reshape(-1, patches, heads, dim)
         return tiles.index_select(0, source).reshape(-1, heads, dim)
     return cached.transpose(1, 2).reshape(-1, heads, dim).index_select(0, source)
+
+
+def _table(places: list[Any], width: int) -> np.ndarray:
+    """``[rows, width]``: each row's text pages, left-aligned (unused entries 0)."""
+    table = np.zeros((len(places), width), dtype=np.int64)
+    for r, place in enumerate(places):
+        table[r, : len(place.pages)] = place.pages
+    return table
 
 
 def _addresses(pages: list[int], tokens: int, per_page: int) -> np.ndarray:

@@ -50,7 +50,11 @@ class RowState:
     client: str
     written: int  # tokens it has written
     movable: bool  # a plain answer (a search's rows are not handed back)
-    pages: int  # pages it would give back by leaving
+    count_pages: Callable[[], int]  # the pages it would give back by leaving (counted only when a plan asks)
+
+    @property
+    def pages(self) -> int:
+        return self.count_pages()
 
 
 @dataclass
