@@ -116,12 +116,12 @@ class _Lines:
     views: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
 
-def live_mask(lengths: torch.Tensor, columns: int, dtype: torch.dtype) -> torch.Tensor:
+def live_mask(columns: torch.Tensor, lengths: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``[rows, 1, 1, columns]``: 0 on each row's first ``lengths[r]`` tokens, minus infinity past them (the dense
-    reference's mask, added to the scores: built once a step, where a boolean mask is turned into this by every
-    product)."""
-    live = torch.arange(columns, device=lengths.device)[None, :] < lengths[:, None]
-    return torch.zeros(live.shape, dtype=dtype, device=lengths.device).masked_fill_(~live, float("-inf"))[:, None, None]
+    reference's mask, added to the scores; ``columns``: ``arange`` of the line's tokens). Built once a step: a
+    boolean mask is turned into this by every product."""
+    live = columns[None, :] < lengths[:, None]
+    return torch.where(live, 0.0, float("-inf")).to(dtype)[:, None, None]
 
 
 def split_softmax(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, rows: torch.Tensor,

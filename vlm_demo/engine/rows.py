@@ -194,9 +194,10 @@ class RunningRows:
         self.staging = Staging(device)
         self._images: ImageLayout | None = None  # the layout's image part, until rows change
         self._order: tuple[tuple[int, int], list[int] | None, torch.Tensor | None, torch.Tensor | None] | None = None
-        self._banding: tuple[tuple[int, int], list[int], list[int]] | None = None  # the bands' sizes and rooms
+        self._banding: _Banding | None = None  # the bands the last step ran
         self.version = 0  # counts the changes of who the rows are (the attention's kept lines follow it)
         self._page_columns = torch.arange(pool.shape.page_tokens, device=device)
+        self._range = self._page_columns  # ``_columns``
         # Byte counters (the metrics of the same names).
         self.copied_bytes = 0  # keys/values moved because rows joined, left or were preempted
         self.written_bytes = 0  # keys/values written for generated tokens
@@ -472,7 +473,7 @@ class RunningRows:
                 positions, w_pages, w_offsets, seen_t, layout.write_slots, *gather = self.staging.send(sent)
                 if gather:
                     layout.text_pages, layout.text_slots = gather
-                mask = live_mask(seen_t, bands[0].width * page, self.dtype)
+                mask = live_mask(self._columns(bands[0].width * page), seen_t, self.dtype)
                 layout.text_masks = tuple(
                     mask[b.start : b.stop, ..., : b.width * page] if len(bands) > 1 else mask for b in bands
                 )
@@ -492,6 +493,12 @@ class RunningRows:
             tokens = torch.cat([tokens, tokens.new_zeros(n - real)])
         return StepInputs(tokens, positions, w_pages, w_offsets, images.row_mask, layout)
 
+    def _columns(self, count: int) -> torch.Tensor:
+        """``arange(count)`` on the device (kept, and grown as lines grow)."""
+        if self._range.numel() < count:
+            self._range = torch.arange(max(count, 2 * self._range.numel()), device=self.device)
+        return self._range[:count]
+
     def _step_order(self, places: list[Any], n: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The rows longest first (``None`` when they are in that order already): the engine's row of each step
         row, and the step row of each of the ``n`` rows (inert ones last); kept while the rows stay."""
@@ -510,29 +517,27 @@ class RunningRows:
         """The dense reference's bands over the step's rows (longest first; ``used``: each one's blocks), whose real
         rows' lines take at most ``budget`` blocks (``None``: none do). The last step's bands stay while they
         fit (their lines are kept); a band whose first row outgrew its room is given more (gathered again)."""
-        key = (self.version, len(used))
-        if self._banding is not None and self._banding[0] == key:
-            sizes, rooms = self._banding[1], self._banding[2]
-            starts = np.cumsum([0, *sizes[:-1]])
-            if sum((min(start + size, real) - start) * used[start] for start, size in zip(starts, sizes)) > budget:
-                self._banding = None
-        if self._banding is None or self._banding[0] != key:
-            chosen = fewest_bands(used[:real].tolist(), budget, DENSE_BANDS)
-            if chosen is None:
-                self._banding = None
-                return None
-            sizes, rooms = chosen, [0] * len(chosen)
-            sizes[-1] += len(used) - real  # the inert rows ride in the last band
-        bands, base, start = [], 0, 0
-        for i, size in enumerate(sizes):
-            width = int(used[start])
-            if width > rooms[i]:
-                rooms[i] = width + max(2, width // 4)  # room to grow a few pages without a new gather
-            bands.append(Band(start, start + size, width, rooms[i], base))
-            base += size * rooms[i]
-            start += size
-        self._banding = (key, sizes, rooms)
-        return tuple(bands)
+        key, kept = (self.version, len(used)), self._banding
+        if kept is not None and kept.key == key:
+            widths = used[kept.starts]
+            if int(np.dot(kept.real_rows, widths)) <= budget:
+                if not np.array_equal(widths, kept.widths):  # a band's first row opened a page
+                    kept.widths = widths
+                    kept.rooms = np.where(widths > kept.rooms, widths + np.maximum(2, widths // 4), kept.rooms)
+                    kept.bands = _lay_out(kept.starts, kept.sizes, widths, kept.rooms)
+                return kept.bands
+        chosen = fewest_bands(used[:real].tolist(), budget, DENSE_BANDS)
+        if chosen is None:
+            self._banding = None
+            return None
+        sizes = np.asarray(chosen, dtype=np.int64)
+        sizes[-1] += len(used) - real  # the inert rows ride in the last band
+        starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+        widths = used[starts]
+        rooms = widths + np.maximum(2, widths // 4)  # room to grow a few pages without a new gather
+        real_rows = np.minimum(starts + sizes, real) - starts
+        self._banding = _Banding(key, starts, sizes, real_rows, widths, rooms, _lay_out(starts, sizes, widths, rooms))
+        return self._banding.bands
 
     def _image_layout(self, places: list[Any]) -> ImageLayout:
         """The image part of the layout and the rows' MLP masks (rebuilt when rows join or leave)."""
@@ -571,7 +576,7 @@ class RunningRows:
         dense = self.attention.kernel != "flash" and n <= DENSE_ROWS
         self._images = ImageLayout(n, width, table_t.int(), lengths_t.int(), pages_t, offsets_t, rows_t,
                                    mask_t.to(self.dtype), slots_t if dense else None,
-                                   live_mask(lengths_t, most * s.patches, self.dtype) if dense else None, most)  # fmt: skip
+                                   live_mask(self._columns(most * s.patches), lengths_t, self.dtype) if dense else None, most)  # fmt: skip
         return self._images
 
     def advance(self, tokens: torch.Tensor) -> None:
@@ -600,6 +605,27 @@ def _tokens(cached: torch.Tensor, source: torch.Tensor, patches: int) -> torch.T
         tiles = cached.view(rows, heads, -1, patches, dim).permute(0, 2, 3, 1, 4).reshape(-1, patches, heads, dim)
         return tiles.index_select(0, source).reshape(-1, heads, dim)
     return cached.transpose(1, 2).reshape(-1, heads, dim).index_select(0, source)
+
+
+@dataclass
+class _Banding:
+    """The bands the last step ran (kept while the rows stay and they fit the padding allowed)."""
+
+    key: tuple[int, int]  # the rows' version, and the step's rows
+    starts: np.ndarray
+    sizes: np.ndarray
+    real_rows: np.ndarray  # the rows of each band that are not inert
+    widths: np.ndarray  # each band's first row's blocks
+    rooms: np.ndarray
+    bands: tuple[Band, ...]
+
+
+def _lay_out(starts: np.ndarray, sizes: np.ndarray, widths: np.ndarray, rooms: np.ndarray) -> tuple[Band, ...]:
+    """The bands, one after the other in the lines (each row of a band ``room`` blocks)."""
+    bases = np.concatenate([[0], np.cumsum(sizes * rooms)[:-1]])
+    return tuple(
+        Band(int(a), int(a + n), int(w), int(r), int(b)) for a, n, w, r, b in zip(starts, sizes, widths, rooms, bases)
+    )
 
 
 def _table(places: list[Any], width: int) -> np.ndarray:
