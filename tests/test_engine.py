@@ -16,6 +16,7 @@ from support import door
 
 from vlm_demo.config import Config
 from vlm_demo.engine.base import Engine as BaseEngine
+from vlm_demo.engine.continuous import ContinuousEngine
 from vlm_demo.engine.dynamic import DynamicEngine
 from vlm_demo.engine.streamer import STOP_TEXT, RowStreamer
 from vlm_demo.errors import (
@@ -127,7 +128,7 @@ def test_six_colours_in_one_batch_each_get_their_own_colour(make_engine) -> None
 
 
 def test_streamed_deltas_concatenate_to_the_final_text(make_engine) -> None:
-    engine = make_engine(max_batch_size=2, batch_window_ms=200)
+    engine = make_engine(max_batch_size=2, batch_window_ms=200, stream_every_ms=0)  # every step's text on its own
     a = engine.submit(door(solid_image("blue", 64, 64), "Give the colour.", GREEDY))
     b = engine.submit(door(solid_image("yellow", 80, 40), "Describe the image.", GREEDY))
     for handle in (a, b):
@@ -138,6 +139,27 @@ def test_streamed_deltas_concatenate_to_the_final_text(make_engine) -> None:
         assert not any("\ufffd" in d for d in deltas)  # no half characters
         assert "→" in text  # the multi-byte character the tiny model writes
         assert text.endswith(STOP_TEXT)
+
+
+@pytest.mark.parametrize("kind", [DynamicEngine, ContinuousEngine], ids=["dynamic", "continuous"])
+def test_clients_get_first_words_and_the_end_at_once_and_the_rest_merged(worker, kind) -> None:
+    """Handed over at most every 30 s, an answer still shows its first words at once and all the rest as soon as
+    it ends, in one piece; handed over after every step, it streams token by token."""
+    for every in (30_000.0, 0.0):
+        engine = kind(worker, Config(max_batch_size=2, batch_window_ms=0.0, stream_every_ms=every)).start()
+        try:
+            began = time.monotonic()
+            handle = engine.submit(door(solid_image("blue", 64, 64), "Describe the image.", GREEDY))
+            deltas = list(handle.stream(timeout=60))
+            took = time.monotonic() - began
+            text = handle.result().text
+        finally:
+            engine.shutdown()
+        assert "".join(deltas) == text and text.endswith(STOP_TEXT)
+        if every:
+            assert len(deltas) == 2 and took < 20, (len(deltas), took)  # the first words; the rest with the end
+        else:
+            assert len(deltas) > 10, len(deltas)
 
 
 @pytest.mark.parametrize("native", [True, False], ids=["DecodeStream", "python-window"])

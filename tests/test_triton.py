@@ -290,7 +290,7 @@ def test_triton_answers_equal_the_local_engine(server, engine, scheme, model):
     stages = parse_stages(text, final=True)
     assert stages.summary and stages.caption and stages.reasoning and "blue" in stages.conclusion
     if model == GENERATE_MODEL:
-        assert len(pieces) > 10  # streamed token by token, not one blob
+        assert len(pieces) > 2  # streamed as it was written (a few tokens every 20 ms), not one blob
     result = stream.result(1)
     assert result.completion_tokens > 0 and result.finish_reason == "stop"
     assert result.batch_size >= 1 and result.decode_s > 0  # how the served engine ran it, as Triton returned it

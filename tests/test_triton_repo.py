@@ -95,7 +95,7 @@ def load_model_py(model: str, engine: BaseEngine):
 
 @pytest.fixture(scope="module")
 def engine(worker):
-    eng = DynamicEngine(worker).start()
+    eng = DynamicEngine(worker, Config(stream_every_ms=0)).start()  # every token on its own: model.py streams it so
     yield eng
     eng.shutdown()
 

@@ -107,7 +107,8 @@ class Band:
 
 @dataclass
 class _Lines:
-    """One layer's dense batch of lines (keys and values), and the placement it holds (``None``: scratch)."""
+    """One layer's gathered keys and values, and the placement they hold (``None``: scratch): the dense batch of
+    lines, or the block-by-block softmax's tiles (``[tiles, kv heads, patches, dim]``)."""
 
     keys: torch.Tensor  # [rows × width, block tokens, kv heads, dim]
     values: torch.Tensor
@@ -170,7 +171,7 @@ class PagedAttention:
             wanted = "reference"
         self.kernel = wanted
         self._held: dict[int, _Lines] = {}  # layer -> the dense lines it keeps between steps
-        self._tiles: dict[int, tuple] = {}  # cross layer -> (image epoch, the rows' tiles' keys, values) per block
+        self._tiles: dict[int, _Lines] = {}  # cross layer -> its rows' tiles gathered head-major, one block per tile
         self._scratch: dict[tuple[int, ...], _Lines] = {}  # one batch of lines for layers that keep none
 
     # ---- the step's two attentions ------------------------------------------------------------
@@ -217,12 +218,12 @@ class PagedAttention:
                                 lambda: (keys[where], values[where]))  # fmt: skip
             return self._dense(query, lines, layout.image_masks, layout.image_bands)  # type: ignore[arg-type]
         tiles = self._tiles.get(layer)
-        if tiles is None or layout.image_epoch is None or tiles[0] != layout.image_epoch:  # kept while rows stay
-            tiles = (layout.image_epoch, *(t[where].transpose(1, 2).contiguous() for t in (keys, values)))
+        if tiles is None or layout.image_epoch is None or tiles.epoch != layout.image_epoch:  # kept while rows stay
+            tiles = _Lines(*(t[where].transpose(1, 2).contiguous() for t in (keys, values)), layout.image_epoch)
             self._tiles.pop(layer, None)
-            if layout.image_epoch is not None and self._kept_bytes() + 2 * tiles[1].nbytes <= HELD_BYTES:
+            if layout.image_epoch is not None and self._kept_bytes() + 2 * tiles.keys.nbytes <= HELD_BYTES:
                 self._tiles[layer] = tiles
-        return self._reference(query, tiles[1], tiles[2], layout.tile_rows, None, layout.rows)
+        return self._reference(query, tiles.keys, tiles.values, layout.tile_rows, None, layout.rows)
 
     def _dense(self, query: torch.Tensor, lines: _Lines, masks: tuple[torch.Tensor, ...],
                bands: tuple[Band, ...]) -> torch.Tensor:  # fmt: skip
@@ -284,7 +285,7 @@ class PagedAttention:
     def _kept_bytes(self) -> int:
         """What the reference keeps between steps: dense lines and gathered tiles (at most ``HELD_BYTES``)."""
         lines = sum(2 * h.keys.nbytes for h in self._held.values() if h.epoch is not None)
-        return lines + sum(2 * t[1].nbytes for t in self._tiles.values())
+        return lines + sum(2 * t.keys.nbytes for t in self._tiles.values())
 
     def _reference(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, rows: torch.Tensor,
                    valid: torch.Tensor | None, count: int) -> torch.Tensor:  # fmt: skip

@@ -78,9 +78,13 @@ class Step:
         return bool(self.text or self.tokens or self.beams or self.ended or self.batch_sizes or self.stats)
 
     def merge(self, later: Step) -> Step:
-        """This step followed by ``later``, as one message (the latest stats and queue win)."""
+        """This step followed by ``later``, as one message (each request's new text in one piece; the latest
+        stats and queue win)."""
+        text: dict[int, str] = {}
+        for rid, piece in self.text + later.text:
+            text[rid] = text.get(rid, "") + piece
         return Step(
-            self.text + later.text,
+            list(text.items()),
             self.tokens + later.tokens,
             self.beams + later.beams,
             self.ended + later.ended,
