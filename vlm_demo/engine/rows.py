@@ -459,9 +459,8 @@ class RunningRows:
             layout = Layout(n, max_text=width * page, max_image=images.width * s.image_page_tokens,
                             tile_pages=images.tile_pages, tile_offsets=images.tile_offsets, tile_rows=images.tile_rows,
                             image_epoch=(self.version, n), restore=restore)  # fmt: skip
-            if (
-                bands is not None
-            ):  # one product per band over lines of blocks: each block's slot, each row's live tokens
+            if bands is not None:
+                # one product per band over lines of blocks: each row's line, its new token's slot, its live tokens
                 line = np.empty(n, dtype=np.int64)  # where each row's line starts
                 for band in bands:
                     line[band.start : band.stop] = band.base + band.room * np.arange(band.stop - band.start)
