@@ -250,16 +250,22 @@ class PagedAttention:
     def lines_kept(self, epoch: tuple[int, ...]) -> bool:
         """Whether every self-attention layer keeps its lines for this placement (then the step need not say where
         the blocks are: nothing is gathered)."""
-        return all((h := self._held.get(layer)) is not None and h.epoch == epoch for layer in self.shape.self_layers)
+        return all(self._kept(layer, epoch) is not None for layer in self.shape.self_layers)
+
+    def _kept(self, layer: int, epoch: tuple[int, ...] | None) -> _Lines | None:
+        """The lines this layer keeps, if they hold this placement."""
+        held = self._held.get(layer)
+        return held if held is not None and epoch is not None and held.epoch == epoch else None
 
     def _lines(self, layer: int, epoch: tuple[int, ...] | None, slots: torch.Tensor, bands: tuple[Band, ...],
                block: int, gather: Callable[[], tuple[torch.Tensor, torch.Tensor]]) -> _Lines:  # fmt: skip
         """This layer's dense lines for the layout: the ones it kept if they hold this ``epoch``, else the blocks
         ``gather`` reads from the pool placed at ``slots`` (of the bands' blocks; a slot no row fills keeps
         finite old values, which the mask hides)."""
+        kept = self._kept(layer, epoch)
+        if kept is not None:
+            return kept
         held = self._held.get(layer)
-        if held is not None and epoch is not None and held.epoch == epoch:
-            return held
         assert slots is not None, "the step said its lines were kept, so it did not say where the blocks are"
         keys, values = gather()
         shape = (bands[-1].base + bands[-1].blocks, block, *keys.shape[2:])

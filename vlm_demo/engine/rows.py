@@ -418,9 +418,9 @@ class RunningRows:
         real = len(places)
         n = max(real, pad_to or 0)
         dense = self.attention.kernel != "flash" and n <= DENSE_ROWS
-        order, restore = self._step_order(places, n) if dense else (None, None)
-        if order is not None:
-            places = [places[i] for i in self._order[1]]  # type: ignore[index, union-attr]
+        rank, order, restore = self._step_order(places, n) if dense else (None, None, None)
+        if rank is not None:
+            places = [places[i] for i in rank]
         if n > real:
             null = self.pool.null_pages()
             places += [Placement(null[:1], 0, null[1:], 1, False) for _ in range(n - real)]
@@ -450,7 +450,7 @@ class RunningRows:
         if self.attention.kernel == "flash":  # the kernel reads the tables: one row of page numbers per row
             starts = np.arange(n + 1, dtype=np.int64)
             positions, w_pages, w_offsets, text_table, text_lengths, starts = self.staging.send(
-                [lengths, write_pages, offsets, _table(places, width), seen, starts]
+                [lengths, write_pages, offsets, _table([p.pages for p in places], width), seen, starts]
             )
             layout = Layout(n, max_text=width * page, max_image=images.width * s.image_page_tokens,
                             text_table=text_table.int(), text_lengths=text_lengths.int(), query_starts=starts.int(),
@@ -467,8 +467,8 @@ class RunningRows:
                 layout.text_epoch = (self.version, n, *(b.room for b in bands), *(b.stop for b in bands))
                 sent = [lengths, write_pages, offsets, seen, line + lengths // page]
                 if not self.attention.lines_kept(layout.text_epoch):  # the lines are gathered: where blocks go
-                    owners, columns = np.nonzero(np.arange(width)[None, :] < used[:, None])
-                    sent += [_table(places, width)[owners, columns], line[owners] + columns]
+                    blocks, owners, columns = _blocks(places, used, width)
+                    sent += [blocks, line[owners] + columns]
                 positions, w_pages, w_offsets, seen_t, layout.write_slots, *gather = self.staging.send(sent)
                 if gather:
                     layout.text_pages, layout.text_slots = gather
@@ -480,10 +480,10 @@ class RunningRows:
                 layout.tile_slots, layout.image_masks = images.slots, (images.mask,)
                 layout.image_bands = (Band(0, n, images.most, images.most, 0),)
             else:  # per block: its row, and which of its tokens are the row's
-                owners, columns = np.nonzero(np.arange(width)[None, :] < used[:, None])
+                blocks, owners, columns = _blocks(places, used, width)
                 valid = np.minimum(page, seen[owners] - page * columns)
                 positions, w_pages, w_offsets, layout.text_pages, layout.text_rows, valid_counts = self.staging.send(
-                    [lengths, write_pages, offsets, _table(places, width)[owners, columns], owners, valid]
+                    [lengths, write_pages, offsets, blocks, owners, valid]
                 )
                 layout.text_valid = self._page_columns[None, :] < valid_counts[:, None]
         assert self.next_tokens is not None
@@ -498,9 +498,12 @@ class RunningRows:
             self._range = torch.arange(max(count, 2 * self._range.numel()), device=self.device)
         return self._range[:count]
 
-    def _step_order(self, places: list[Any], n: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def _step_order(
+        self, places: list[Any], n: int
+    ) -> tuple[list[int] | None, torch.Tensor | None, torch.Tensor | None]:
         """The rows longest first (``None`` when they are in that order already): the engine's row of each step
-        row, and the step row of each of the ``n`` rows (inert ones last); kept while the rows stay."""
+        row (on the host and on the device), and the step row of each of the ``n`` rows (inert ones last); kept
+        while the rows stay."""
         key = (self.version, n)
         if self._order is None or self._order[0] != key:
             order = sorted(range(len(places)), key=lambda i: -places[i].length)
@@ -510,7 +513,7 @@ class RunningRows:
                 restore = np.concatenate([np.argsort(order), np.arange(len(places), n)])
                 sent = self.staging.send([np.asarray(order, dtype=np.int64), restore], persist=True)
                 self._order = (key, order, *sent)
-        return self._order[2], self._order[3]
+        return self._order[1:]
 
     def _bands(self, used: np.ndarray, real: int, budget: float) -> tuple[Band, ...] | None:
         """The dense reference's bands over the step's rows (longest first; ``used``: each one's blocks), whose real
@@ -545,12 +548,11 @@ class RunningRows:
         s = self.shape
         n = len(places)
         width = max(1, max(len(p.image_pages) for p in places))
-        table = np.zeros((n, width), dtype=np.int64)
+        table = _table([p.image_pages for p in places], width)
         tile_pages, tile_offsets, tile_rows, tile_slots = [], [], [], []
         tokens = np.arange(s.patches)
         most = max(1, max(p.tiles for p in places))
         for r, place in enumerate(places):
-            table[r, : len(place.image_pages)] = place.image_pages
             pages = np.asarray(place.image_pages, dtype=np.int64)
             for t in range(place.tiles):
                 at = t * s.patches + tokens
@@ -627,12 +629,19 @@ def _lay_out(starts: np.ndarray, sizes: np.ndarray, widths: np.ndarray, rooms: n
     )
 
 
-def _table(places: list[Any], width: int) -> np.ndarray:
-    """``[rows, width]``: each row's text pages, left-aligned (unused entries 0)."""
-    table = np.zeros((len(places), width), dtype=np.int64)
-    for r, place in enumerate(places):
-        table[r, : len(place.pages)] = place.pages
+def _table(pages: list[list[int]], width: int) -> np.ndarray:
+    """``[rows, width]``: each row's pages, left-aligned (unused entries 0)."""
+    table = np.zeros((len(pages), width), dtype=np.int64)
+    for r, own in enumerate(pages):
+        table[r, : len(own)] = own
     return table
+
+
+def _blocks(places: list[Any], used: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The text blocks the step's rows read (each row's first ``used`` pages, row by row): their pages, rows and
+    columns."""
+    owners, columns = np.nonzero(np.arange(width)[None, :] < used[:, None])
+    return _table([p.pages for p in places], width)[owners, columns], owners, columns
 
 
 def _addresses(pages: list[int], tokens: int, per_page: int) -> np.ndarray:

@@ -80,9 +80,9 @@ class _GenerateModel:
             try:
                 while True:
                     kind, payload = await pieces.get()
-                    if kind == "error" and isinstance(payload, EngineStoppedError) and self.stopping.is_set():
-                        break  # ended by the server's own stop, after the grace: the stream just ends
                     if kind == "error":
+                        if isinstance(payload, EngineStoppedError) and self.stopping.is_set():
+                            break  # ended by the server's own stop, after the grace: the stream just ends
                         raise RuntimeError(error_text(payload) if isinstance(payload, DemoError) else str(payload))
                     if kind == "end":
                         break
