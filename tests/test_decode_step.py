@@ -67,9 +67,10 @@ def test_the_paged_step_follows_the_stock_forward_row_by_row(worker, group, dens
     stock forward to float precision and pick the same token, with each form of the reference attention
     (one product over lines kept between steps and written into, or over lines gathered every layer; with no
     padding allowed, one product per band of rows as long as each other, the bands changing as rows grow)."""
-    monkeypatch.setattr("vlm_demo.engine.rows.DENSE_ROWS", 16 if dense else 0)
-    monkeypatch.setattr("vlm_demo.engine.rows.DENSE_PADDING", padding)  # inf: one product whatever the padding
-    monkeypatch.setattr("vlm_demo.engine.attention.HELD_BYTES", 256 * 2**20 if held else 0)
+    monkeypatch.setattr("vlm_demo.engine.attention.reference.DENSE_ROWS", 16 if dense else 0)
+    # inf: one product whatever the padding
+    monkeypatch.setattr("vlm_demo.engine.attention.reference.DENSE_PADDING", padding)
+    monkeypatch.setattr("vlm_demo.engine.attention.reference.HELD_BYTES", 256 * 2**20 if held else 0)
     rows, step = paged(worker)
     batch = requests(worker, JOBS)
     for start in range(0, len(batch), group):

@@ -116,9 +116,20 @@ def test_a_dry_run_on_cpu_goes_through_every_stage(tiny_dir, tmp_path, monkeypat
     assert {"build model", "batched vs single", "benchmark", "join/evict peak"} <= set(report["stage_s"])
     peak = report["peak_run"]  # the planned row limit (8 on CPU) filled, rows joining and leaving
     assert peak["planned_rows"] == peak["max_batch_size"] == peak["requests"] == 8 and peak["errors"] == 0
-    assert peak["shrunk"] is None and list(report["skipped"]) == ["decode graphs", "weight formats"]  # GPU figures
+    assert peak["shrunk"] is None and set(report["skipped"]) == {"decode attention: flash", "weight formats"}
     assert report["skipped"]["weight formats"].startswith("needs a CUDA GPU")
-    assert report["skipped"]["decode graphs"].startswith("needs CUDA: capture and replay are CUDA's")
+    assert report["skipped"]["decode attention: flash"] == "needs CUDA"
+    # a stage per kernel: the reference, and Triton under its interpreter (conftest sets TRITON_INTERPRET=1)
+    attention = report["decode_attention"]
+    assert set(attention) == {"flash", "triton", "reference"} and attention["flash"]["skipped"] == "needs CUDA"
+    for name in ("triton", "reference"):
+        assert attention[name]["decode_attention"] == name and attention[name]["nan_steps"] == 0
+        assert set(attention[name]["rows"]) == {"1", "8"} and attention[name]["rows"]["8"]["eager_tokens_per_s"] > 0
+        assert attention[name]["attention_kernels"], name  # the profiler saw its attention operators
+    assert attention["triton"]["probe"]["nan_steps"] == 0 and attention["triton"]["probe"]["steps"] == 2
+    assert {"decode attention: triton", "decode attention: reference"} <= set(report["stage_s"])
+    assert report["decode_attention_auto"]["kernel"] == "reference"  # a CPU: no failure
+    assert report["decode_attention_auto"]["passed_over"][0] == "flash: needs CUDA"
     assert report["budget_s"] == gpucheck.BUDGET_S and report["deadline_s"] == gpucheck.DEADLINE_S <= 420
 
 
@@ -145,7 +156,8 @@ def test_a_run_out_of_budget_skips_what_does_not_fit_and_says_why(tiny_dir, tmp_
     assert report["failed"] == [] and report["budget_s"] == 0 and report["memory_plan"]["max_batch_size"] == 8
     skipped = report["skipped"]
     budget = {"batched vs single", "written-out step vs stock", "decode at batch 1", "join/evict peak"}
-    assert set(skipped) == budget | {"decode graphs", "weight formats"}  # GPU figures: not on CPU, whatever the budget
+    gpu_only = {"decode attention: flash", "weight formats"}
+    assert set(skipped) == budget | gpu_only  # GPU figures: not on CPU, whatever the budget
     assert all(skipped[name].startswith("time budget: ") for name in budget), skipped
     assert [(r["mode"], r["concurrency"]) for r in report["runs"]] == [
         ("unbatched", 1),

@@ -3,6 +3,8 @@ replay are CUDA's), rows padded to a graph's bucket with inert rows, every per-s
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 from support import door
@@ -44,15 +46,22 @@ def join(worker, rows: RunningRows, jobs) -> None:
               sampling.sample(prefill.logits), sampling)  # fmt: skip
 
 
-@pytest.mark.parametrize("dense", [True, False], ids=["one-masked-product", "block-by-block"])
-def test_padded_static_steps_give_each_row_its_unpadded_logits(worker, dense, monkeypatch) -> None:
+@pytest.mark.parametrize(
+    ("kernel", "dense"),
+    [("reference", True), ("reference", False), ("triton", False)],
+    ids=["reference-one-masked-product", "reference-block-by-block", "triton-block-tables"],
+)
+def test_padded_static_steps_give_each_row_its_unpadded_logits(worker, kernel, dense, monkeypatch) -> None:
     """Two running batches of the same rows: one stepped plainly, one through the static buffers, padded to its
     bucket (inert rows in the null pages). Positions, lengths (past page boundaries), rows leaving and joining
-    change between steps; every real row gets the same logits and the same token."""
-    monkeypatch.setattr("vlm_demo.engine.rows.DENSE_ROWS", 16 if dense else 0)
-    monkeypatch.setattr("vlm_demo.engine.rows.DENSE_PADDING", float("inf"))  # the product whatever the padding
-    plain_step = TextDecodeStep.over_pool(worker.model, worker.dtype, pages=400)
-    padded_step = TextDecodeStep.over_pool(worker.model, worker.dtype, pages=400)
+    change between steps; every real row gets the same logits and the same token. With the Triton kernel
+    (interpreted) the static buffers hold its block tables, as a CUDA graph replays them."""
+    monkeypatch.setattr("vlm_demo.engine.attention.reference.DENSE_ROWS", 16 if dense else 0)
+    monkeypatch.setattr(
+        "vlm_demo.engine.attention.reference.DENSE_PADDING", float("inf")
+    )  # the product whatever the padding
+    plain_step = TextDecodeStep.over_pool(worker.model, worker.dtype, pages=400, kernel=kernel)
+    padded_step = TextDecodeStep.over_pool(worker.model, worker.dtype, pages=400, kernel=kernel)
     plain = RunningRows(plain_step.pool, plain_step.attention, worker.device, worker.dtype)
     padded = RunningRows(padded_step.pool, padded_step.attention, worker.device, worker.dtype)
     graphs = DecodeGraphs(
@@ -122,8 +131,12 @@ def test_the_engine_pads_to_buckets_and_answers_exactly_as_unpadded(worker, monk
     assert padded == plain
 
 
-def test_cuda_graphs_on_without_cuda_is_refused_clearly(worker) -> None:
+def test_cuda_graphs_on_without_cuda_is_refused_clearly_and_auto_says_why_they_are_off(worker, caplog) -> None:
     step = TextDecodeStep.over_pool(worker.model, worker.dtype, pages=64)
-    with pytest.raises(ModelLoadError, match="--cuda-graphs on needs CUDA"):
+    with pytest.raises(ModelLoadError, match=r"--cuda-graphs on needs CUDA \(this engine runs on cpu\)"):
         decode_graphs(step, 4, Config(cuda_graphs="on"), worker)
-    assert not decode_graphs(step, 4, Config(cuda_graphs="auto"), worker).captured  # auto: eager on the CPU
+    with caplog.at_level(logging.INFO, logger="vlm_demo.engine.graphs"):
+        assert not decode_graphs(step, 4, Config(cuda_graphs="auto"), worker).captured  # auto: eager on the CPU
+        decode_graphs(step, 4, Config(cuda_graphs="off"), worker)
+    assert "decode step: no CUDA graphs: replaying it needs CUDA (this engine runs on cpu)" in caplog.text
+    assert "decode step: no CUDA graphs (--cuda-graphs off)" in caplog.text

@@ -23,14 +23,36 @@ def model():
     return kernels.narrow_model("cpu")
 
 
-def test_the_step_launches_at_most_800_kernels_at_one_and_eight_rows() -> None:
-    report = kernels.report()
+@pytest.fixture(scope="module")
+def report() -> dict:
+    return kernels.report()
+
+
+def test_the_step_launches_at_most_800_kernels_at_one_and_eight_rows(report) -> None:
     for step in (report, report["cpu"]):
         assert set(step["kernels_per_decode_step"]) == {"1", "8"}
         assert all(0 < n <= 800 for n in step["kernels_per_decode_step"].values()), step["kernels_per_decode_step"]
     assert report["stock_forward"]["kernels_per_decode_step"]["1"] > 2 * report["kernels_per_decode_step"]["1"]
-    assert report["by_op"]["_flash_attention_forward"] == 40  # one attention call per layer, 40 layers
-    assert report["by_op"]["rms_norm"] == 89  # 2 per layer, a query norm per cross layer, the final one
+    by_op = report["by_op"]  # the kernel auto takes on CUDA with this torch: one attention call per layer, 40 layers
+    if report["decode_attention"] == "flash":
+        assert by_op["_flash_attention_forward"] == 40
+    else:  # a torch without the paged flash call (2.11): Triton's, split and merged over a tile's 1601 states
+        assert report["decode_attention"] == "triton" and "flash" in report["unavailable"]
+        assert by_op["paged_decode_attention"] + by_op["paged_decode_attention_split"] == 40
+        assert by_op["merge_decode_splits"] == by_op["paged_decode_attention_split"] == 8
+    assert by_op["rms_norm"] == 89  # 2 per layer, a query norm per cross layer, the final one
+
+
+def test_every_decode_attention_is_counted_and_triton_stays_within_450(report) -> None:
+    by_kernel = report["by_decode_attention"]
+    assert set(by_kernel) == {"flash", "triton", "reference"}
+    assert by_kernel[report["decode_attention"]] == report["kernels_per_decode_step"]
+    assert set(by_kernel["triton"]) == {"1", "8"} and all(0 < n <= 450 for n in by_kernel["triton"].values())
+    assert by_kernel["reference"] == report["cpu"]["kernels_per_decode_step"]
+    flash = by_kernel["flash"]
+    assert (flash is None) == ("flash" in report["unavailable"])
+    if flash is not None:  # the Triton step is flash's, with its attention split in two where a tile is long
+        assert by_kernel["triton"]["1"] == flash["1"] + 8
 
 
 @pytest.mark.parametrize("rows", [1, 8])

@@ -109,3 +109,26 @@ def test_the_engine_publishes_its_memory_plan(worker) -> None:
         engine.shutdown()
     assert stats.max_batch_size == CPU_BATCH_SIZE and stats.kv_budget_bytes == 0
     assert stats.kv_bytes_per_token == KVShape.of(worker.model.config, worker.dtype).bytes_per_token > 0
+
+
+def test_the_plan_keeps_the_reference_attentions_gathers_out_of_the_cache_budget() -> None:
+    """On an H100 with the reference decode attention (a torch without a fast kernel): each row's peak gathers
+    (a cross layer's four tiles: keys and values, gathered then made head-major) are reserved beside its cache,
+    so the rows and the budget shrink; flash and triton read in place and reserve nothing."""
+    from vlm_demo.engine.attention import KERNELS
+    from vlm_demo.engine.pages import PageShape
+
+    shape = PageShape.of(FULL, torch.bfloat16, 256)
+    working = KERNELS["reference"].working_bytes(shape, 32, 1, 4, 2048 + 128)
+    assert working == 3 * 4 * 1601 * (8 * 128 + 32) * 2  # ~39 MB a row: 8.2 GB at 210 rows, as measured on paper
+    assert all(KERNELS[k].working_bytes(shape, 32, 210, 4, 2176) == 0 for k in ("flash", "triton"))
+    free, total = after_loading(H100)
+    fast = plan(KV, Config(max_new_tokens=2048), cuda=True, free=free, total=total)
+    slow = plan(KV, Config(max_new_tokens=2048), cuda=True, free=free, total=total, working_per_row=working)
+    assert slow.max_batch_size < fast.max_batch_size and slow.kv_budget_bytes < fast.kv_budget_bytes
+    reserved = slow.max_batch_size * working
+    assert slow.kv_budget_bytes + reserved <= fast.kv_budget_bytes  # the gathers fit beside the cache
+    assert slow.max_batch_size * (KV.batch_bytes(1, 2176, tiles=1) + working) <= fast.kv_budget_bytes
+    assert f"GiB kept for the decode attention's gathers ({slow.max_batch_size} rows)" in slow.source
+    fixed = plan(KV, Config(max_batch_size=64), cuda=True, free=free, total=total, working_per_row=working)
+    assert fixed.max_batch_size == 64 and fixed.kv_budget_bytes == fast.kv_budget_bytes - 64 * working

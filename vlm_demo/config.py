@@ -164,9 +164,12 @@ class Config:
         default="auto",
         metadata={
             "group": "engine",
-            "help": "Continuous mode's decode attention over the page pool: flash (FlashAttention's paged kernel, "
-            "CUDA, 16-bit), reference (torch operations, any device) or auto (flash where it passes a probe at start).",
-            "choices": ("auto", "flash", "reference"),
+            "help": "Continuous mode's decode attention over the page pool: flash (FlashAttention's paged kernel in "
+            "torch >= 2.12, CUDA, 16-bit), triton (our paged Triton kernel, CUDA with any torch; on a CPU only under "
+            "TRITON_INTERPRET=1, for tests), reference (torch operations, any device) or auto (on CUDA flash where "
+            "it passes a probe of random steps at start, else triton, else reference; on a CPU reference). The log "
+            "says which ran and why the faster ones did not.",
+            "choices": ("auto", "flash", "triton", "reference"),
         },
     )
     cuda_graphs: str = field(
@@ -175,7 +178,7 @@ class Config:
             "group": "engine",
             "help": "Continuous mode: replay the decode step from CUDA graphs captured at start, one per bucket of rows "
             "(one launch per step instead of hundreds; a little GPU memory per bucket): on, off, or auto (on with "
-            "CUDA and FlashAttention's paged kernel).",
+            "CUDA and the flash or triton decode attention; the log says why when off).",
             "choices": ("auto", "on", "off"),
         },
     )

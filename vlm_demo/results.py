@@ -90,7 +90,7 @@ class EngineStats:
     kv_pages_free: int = 0
     kv_page_bytes: int = 0
     kv_bytes_per_tile: int = 0  # one tile's image states (a picture holds only the tiles it shows)
-    decode_attention: str = ""  # continuous mode: "flash" (FlashAttention's paged kernel) or "reference"
+    decode_attention: str = ""  # continuous mode: "flash", "triton" or "reference" (engine/attention)
     cuda_graphs: int = 0  # decode graphs captured (0: the step runs eagerly)
     graph_pool_bytes: int = 0  # GPU memory the captured graphs hold
     # Running totals (the Prometheus counters of the same names, with ``vlm_`` and ``_total``).

@@ -44,6 +44,11 @@ class Health:
         """How the served model's weights are stored ("fp8", "int8", "bf16"…), "" where it is not known (Triton)."""
         return self.engine.weights if self.engine is not None else ""
 
+    @property
+    def decode_attention(self) -> str:
+        """The continuous engine's decode-attention kernel ("flash", "triton", "reference"), else ""."""
+        return self.engine.decode_attention if self.engine is not None else ""
+
     def details(self) -> dict[str, Any]:
         """Everything but ``ready`` and ``queue_depth``, flat (``/health``'s ``details``)."""
         out: dict[str, Any] = dataclasses.asdict(self.engine) if self.engine is not None else {}

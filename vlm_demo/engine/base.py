@@ -116,10 +116,11 @@ class Engine:
     batching: ClassVar[str] = ""
     supports_stage_beam: ClassVar[bool] = False  # forking candidates out of a running batch needs continuous batching
 
-    def __init__(self, worker: Worker, config: Config | None = None) -> None:
+    def __init__(self, worker: Worker, config: Config | None = None, working_per_row: int = 0) -> None:
         self.worker = worker
         self.config = config or Config(batching=self.batching)
-        self.memory: MemoryPlan = plan_for(worker, self.config)  # in the engine process, after the weights load
+        # in the engine process, after the weights load (``working_per_row``: the decode attention's, per row)
+        self.memory: MemoryPlan = plan_for(worker, self.config, working_per_row)
         self.max_batch_size = self.memory.max_batch_size
         self.weights = weights_label(worker.model)  # "fp8", "int8", "int4" or the dtype: /health, /metrics, the page
         self.stream_every_s = self.config.stream_every_ms / 1000.0

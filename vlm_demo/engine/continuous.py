@@ -26,13 +26,15 @@ import logging
 import time
 
 from vlm_demo.config import Config
+from vlm_demo.engine.attention import choose
 from vlm_demo.engine.base import Engine, error_for, is_fatal_device_error, is_out_of_memory, release
 from vlm_demo.engine.beam import StageBeam
-from vlm_demo.engine.decode_step import TextDecodeStep, page_shape
+from vlm_demo.engine.decode_step import TextDecodeStep, layer_devices, page_shape
 from vlm_demo.engine.graphs import decode_graphs
 from vlm_demo.engine.image_cache import ImageStates
 from vlm_demo.engine.ipc import Step
 from vlm_demo.engine.joining import Joiner
+from vlm_demo.engine.memory import PROMPT_TOKENS
 from vlm_demo.engine.request import Request, Resume
 from vlm_demo.engine.rows import Row, RunningRows
 from vlm_demo.engine.worker import Worker
@@ -49,9 +51,15 @@ class ContinuousEngine(Engine):
     supports_stage_beam = True
 
     def __init__(self, worker: Worker, config: Config | None = None) -> None:
-        super().__init__(worker, config)
-        pages = self.memory.pool_pages(page_shape(worker.model, worker.dtype))
-        self.decoder = TextDecodeStep.over_pool(worker.model, worker.dtype, pages, self.config.decode_attention)
+        config = config or Config(batching=self.batching)
+        shape = page_shape(worker.model, worker.dtype)
+        heads = worker.model.config.get_text_config().num_attention_heads
+        device = next(iter(layer_devices(worker.model).values()))
+        kernel = choose(shape, heads, device, config.decode_attention)  # before the plan: it reserves its memory
+        row = config.max_new_tokens + PROMPT_TOKENS
+        super().__init__(worker, config, kernel.working_bytes(shape, heads, 1, shape.max_tiles, row))
+        pages = self.memory.pool_pages(shape)
+        self.decoder = TextDecodeStep.over_pool(worker.model, worker.dtype, pages, kernel)
         self.rows = RunningRows(self.decoder.pool, self.decoder.attention, worker.device, worker.dtype)
         self.graphs = decode_graphs(self.decoder, self.max_batch_size, self.config, worker)
         self.joiner = Joiner(worker, self.rows, self.config.structured_stages)

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from vlm_demo.engine.attention import Layout, PagedAttention
+from vlm_demo.engine.attention import PagedAttention, choose, moved
 from vlm_demo.engine.pages import PagePool, PageShape, page_tokens_for
 from vlm_demo.engine.rows import StepInputs
 
@@ -124,12 +124,16 @@ def _apply(weight: Projection, x: torch.Tensor) -> torch.Tensor:
 
 class TextDecodeStep:
     @classmethod
-    def over_pool(cls, model: Any, dtype: torch.dtype, pages: int, kernel: str = "auto") -> TextDecodeStep:
-        """A step over a pool of ``pages`` pages allocated now (``kernel``: the decode attention's)."""
+    def over_pool(cls, model: Any, dtype: torch.dtype, pages: int,
+                  kernel: str | type[PagedAttention] = "auto") -> TextDecodeStep:  # fmt: skip
+        """A step over a pool of ``pages`` pages allocated now (``kernel``: the decode attention, or a
+        ``--decode-attention`` choice to make now)."""
         shape = page_shape(model, dtype)
-        pool = PagePool(shape, pages, layer_devices(model))
         heads = model.config.get_text_config().num_attention_heads
-        return cls(model, PagedAttention(pool, heads, shape.head_dim**-0.5, kernel))
+        if isinstance(kernel, str):
+            kernel = choose(shape, heads, next(iter(layer_devices(model).values())), kernel)
+        pool = PagePool(shape, pages, layer_devices(model))
+        return cls(model, kernel(pool, heads, shape.head_dim**-0.5))
 
     def __init__(self, model: Any, attention: PagedAttention) -> None:
         self.text = model.model.language_model
@@ -235,7 +239,7 @@ def _number(value: torch.Tensor) -> float:
 
 
 def _moved(inputs: StepInputs, device: torch.device) -> StepInputs:
-    layout = Layout(**{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in vars(inputs.layout).items()})
+    layout = moved(inputs.layout, device)
     return StepInputs(
         inputs.input_ids.to(device),
         inputs.positions.to(device),

@@ -14,7 +14,8 @@ replays them with one launch. Graphs replay fixed shapes and fixed addresses, so
 
 Sampling stays outside the graph: which rows sample, and with what temperature and seed, changes as rows
 join and leave (a few kernels on the logits). Prefill, a step with more rows or longer page tables than the
-buffers hold, and the reference attention (its gather plan is ragged) run eagerly.
+buffers hold, and the reference attention (its gather plan is ragged) run eagerly. Both block-table kernels
+(``flash`` and ``triton``) are captured: the Triton kernel is compiled by the warm-up before its capture.
 
 The CPU runs the same static-buffer step eagerly — only capture and replay are CUDA's — so the tests cover
 the code the GPU runs.
@@ -28,7 +29,7 @@ import time
 import torch
 
 from vlm_demo.config import Config
-from vlm_demo.engine.attention import Layout
+from vlm_demo.engine.attention.tables import TableAttention, Tables
 from vlm_demo.engine.decode_step import TextDecodeStep
 from vlm_demo.engine.rows import StepInputs
 from vlm_demo.errors import ModelLoadError
@@ -41,22 +42,34 @@ GRAPH_PROMPT_TOKENS = 2048  # a row's prompt (a conversation's earlier turns inc
 
 def decode_graphs(step: TextDecodeStep, max_rows: int, config: Config, worker: object) -> DecodeGraphs:
     """The continuous engine's decode path, with its graphs captured when ``--cuda-graphs`` says so (auto: on
-    with CUDA and the fast attention kernel, the model on one device)."""
+    with CUDA and a block-table attention kernel, flash or triton, the model on one device); the log says why
+    when they are not."""
     shape = step.attention.shape
     device, dtype = worker.device, worker.dtype  # type: ignore[attr-defined]
     text_width = shape.text_pages(config.max_new_tokens + GRAPH_PROMPT_TOKENS)
     image_width = shape.image_pages(shape.max_tiles * shape.patches)
     graphs = DecodeGraphs(step, max_rows, text_width, image_width, device, dtype)
-    single = len({str(layer.device) for layer in step.layers}) == 1
-    able = torch.device(device).type == "cuda" and step.attention.kernel == "flash" and single
-    if config.cuda_graphs == "on" and not able:
-        raise ModelLoadError(
-            f"--cuda-graphs on needs CUDA, FlashAttention's paged kernel and the text model on one device; this "
-            f"engine runs on {device} with the {step.attention.kernel} attention: use --cuda-graphs auto or off."
-        )
-    if config.cuda_graphs != "off" and able:
+    why = graphs_missing(step, device)
+    if config.cuda_graphs == "on" and why:
+        raise ModelLoadError(f"--cuda-graphs on {why}: use --cuda-graphs auto or off.")
+    if config.cuda_graphs == "off":
+        log.info("decode step: no CUDA graphs (--cuda-graphs off)")
+    elif why:
+        log.info("decode step: no CUDA graphs: replaying it %s", why)
+    else:
         graphs.capture()
     return graphs
+
+
+def graphs_missing(step: TextDecodeStep, device: torch.device | str) -> str:
+    """What replaying the decode step from CUDA graphs needs that this engine lacks (empty: nothing)."""
+    if torch.device(device).type != "cuda":
+        return f"needs CUDA (this engine runs on {torch.device(device).type})"
+    if not step.attention.graphable:
+        return f"needs a block-table decode attention, flash or triton (this engine runs the {step.attention.kernel})"
+    if len({str(layer.device) for layer in step.layers}) != 1:
+        return "needs the text model on one device (it is spread over several)"
+    return ""
 
 
 def buckets(max_rows: int) -> list[int]:
@@ -74,44 +87,30 @@ class StaticInputs:
     """A step's input tensors in buffers that never move: the largest shape of each, allocated once; a step's
     inputs are copied into the front of each."""
 
-    def __init__(self, rows: int, text_width: int, image_width: int, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(self, rows: int, tables: Tables | None, device: torch.device, dtype: torch.dtype) -> None:
         def longs(*shape: int) -> torch.Tensor:
             return torch.zeros(shape, dtype=torch.long, device=device)
 
-        def ints(*shape: int) -> torch.Tensor:
-            return torch.zeros(shape, dtype=torch.int32, device=device)
-
-        self.rows, self.text_width, self.image_width = rows, text_width, image_width
+        self.rows = rows
         self.input_ids, self.positions, self.write_pages, self.write_offsets = (longs(rows) for _ in range(4))
         self.row_mask = torch.zeros(rows, dtype=dtype, device=device)
-        self.text_table, self.text_lengths = ints(rows, text_width), ints(rows)
-        self.image_table, self.image_lengths = ints(rows, image_width), ints(rows)
-        self.query_starts = torch.arange(rows + 1, dtype=torch.int32, device=device)
+        self.tables = tables  # the attention's block tables (None: a kernel with ragged inputs, passed through)
 
     def fits(self, inputs: StepInputs) -> bool:
         layout = inputs.layout
         if layout.rows > self.rows:
             return False
-        return layout.text_table is None or (
-            layout.text_table.shape[1] <= self.text_width and layout.image_table.shape[1] <= self.image_width  # type: ignore[union-attr]
-        )
+        return self.tables is None or self.tables.fits(layout)
 
-    def view(self, rows: int, page_tokens: int, image_page_tokens: int, like: Layout | None = None) -> StepInputs:
-        """The first ``rows`` rows of every buffer, as the step's inputs: the fast kernel's tables from the buffers;
-        the reference attention's ragged plan, which no graph takes, passed through from ``like``."""
-        if like is not None and like.text_table is None:
-            layout = like
+    def view(self, rows: int, like: StepInputs | None = None) -> StepInputs:
+        """The first ``rows`` rows of every buffer, as the step's inputs: the block tables from the buffers (with
+        ``like``'s bounds when it runs eagerly); another kernel's ragged inputs, which no graph takes, passed
+        through from ``like``."""
+        if self.tables is None:
+            assert like is not None, "a kernel with ragged inputs is never captured"
+            layout = like.layout
         else:
-            layout = Layout(
-                rows,
-                max_text=self.text_width * page_tokens,
-                max_image=self.image_width * image_page_tokens,
-                text_table=self.text_table[:rows],
-                text_lengths=self.text_lengths[:rows],
-                image_table=self.image_table[:rows],
-                image_lengths=self.image_lengths[:rows],
-                query_starts=self.query_starts[: rows + 1],
-            )
+            layout = self.tables.view(rows, like.layout if like is not None else None)
         return StepInputs(
             self.input_ids[:rows],
             self.positions[:rows],
@@ -126,12 +125,8 @@ class StaticInputs:
         n, layout = inputs.layout.rows, inputs.layout
         for name in ("input_ids", "positions", "write_pages", "write_offsets", "row_mask"):
             getattr(self, name)[:n].copy_(getattr(inputs, name), non_blocking=True)
-        if layout.text_table is None:
-            return
-        self.text_table[:n, : layout.text_table.shape[1]].copy_(layout.text_table, non_blocking=True)
-        self.text_lengths[:n].copy_(layout.text_lengths, non_blocking=True)
-        self.image_table[:n, : layout.image_table.shape[1]].copy_(layout.image_table, non_blocking=True)  # type: ignore[union-attr]
-        self.image_lengths[:n].copy_(layout.image_lengths, non_blocking=True)  # type: ignore[arg-type]
+        if self.tables is not None:
+            self.tables.load(layout)
 
 
 class DecodeGraphs:
@@ -143,7 +138,13 @@ class DecodeGraphs:
         self.step = step
         self.shape = step.attention.shape
         self.sizes = buckets(max_rows)
-        self.static = StaticInputs(max_rows, text_width, image_width, device, dtype)
+        attention = step.attention
+        tables = (
+            attention.static(max_rows, text_width, image_width, device)
+            if isinstance(attention, TableAttention)
+            else None
+        )
+        self.static = StaticInputs(max_rows, tables, device, dtype)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.capture_s = 0.0
         self.pool_bytes = 0
@@ -172,24 +173,22 @@ class DecodeGraphs:
             self.replays += 1
             return logits
         self.eager_steps += 1
-        return self.step(self.static.view(rows, self.shape.page_tokens, self.shape.image_page_tokens, inputs.layout))
+        return self.step(self.static.view(rows, inputs))
 
     def capture(self) -> None:
-        """Record one graph per bucket, largest first, in one memory pool, after a warm-up each (CUDA, with the
-        fast attention kernel: the inputs are the null pages', so the pool's contents are not touched)."""
+        """Record one graph per bucket, largest first, in one memory pool, after a warm-up each (CUDA, with a
+        block-table attention kernel: the inputs are the null pages', so the pool's contents are not touched)."""
         device = self.static.input_ids.device
         torch.cuda.synchronize(device)
         start, before = time.perf_counter(), torch.cuda.memory_allocated(device)
         pool = torch.cuda.graph_pool_handle()
         null = self.step.pool.null_pages()
         self.static.write_pages.fill_(null[0])
-        self.static.text_table.fill_(null[0])
-        self.static.image_table[:, : len(null) - 1].copy_(torch.tensor(null[1:], dtype=torch.int32))
-        self.static.text_lengths.fill_(1)
-        self.static.image_lengths.fill_(1)
+        assert self.static.tables is not None
+        self.static.tables.point_at(null)
         side = torch.cuda.Stream(device)
         for size in reversed(self.sizes):
-            inputs = self.static.view(size, self.shape.page_tokens, self.shape.image_page_tokens)
+            inputs = self.static.view(size)
             side.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(side), torch.inference_mode():
                 for _ in range(2):

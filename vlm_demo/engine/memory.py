@@ -142,9 +142,12 @@ def plan(
     cuda: bool,
     free: int = 0,
     total: int = 0,
+    working_per_row: int = 0,
 ) -> MemoryPlan:
     """The plan for a model whose cache has shape ``kv``: from ``config`` where it says, else from
-    ``free`` GPU memory (bytes, measured after loading) on CUDA, else CPU defaults."""
+    ``free`` GPU memory (bytes, measured after loading) on CUDA, else CPU defaults. ``working_per_row``: what
+    the decode attention takes per row beyond the activations (the reference's gathers), reserved on CUDA
+    for every row the plan admits."""
     row_tokens = config.max_new_tokens + PROMPT_TOKENS
     one_row = row_bytes(kv, config.max_new_tokens)  # a four-tile picture: the most one answer can need
     small_row = kv.batch_bytes(1, row_tokens, tiles=1) if kv.bytes_per_tile else one_row
@@ -184,6 +187,18 @@ def plan(
         )
     else:
         rows = CPU_BATCH_SIZE
+    if cuda and working_per_row and config.kv_budget_gb <= 0:
+        if config.max_batch_size <= 0:  # the rows that fit with their working memory beside their cache
+            rows = max(1, min(MAX_AUTO_BATCH_SIZE, budget // (small_row + working_per_row)))
+        budget -= rows * working_per_row
+        source += f"; {rows * working_per_row / GiB:.1f} GiB kept for the decode attention's gathers ({rows} rows)"
+        if budget < one_row:
+            raise ModelLoadError(
+                f"After loading and the decode attention's working memory ({rows * working_per_row / GiB:.1f} GiB "
+                f"at {rows} rows), the GPU has no room for even one answer of {config.max_new_tokens} tokens: "
+                f"use a faster decode attention (--decode-attention auto), a lower --max-batch-size or fewer bits "
+                f"per weight."
+            )
     if cuda and budget and budget // one_row < MIN_ROWS:
         log.warning(
             "only %d rows of %d tokens fit in %.1f GiB: this GPU is too small to serve a batch usefully",
@@ -194,7 +209,7 @@ def plan(
     return MemoryPlan(kv, rows, budget, source, row_tokens)
 
 
-def plan_for(worker: Worker, config: Config) -> MemoryPlan:
+def plan_for(worker: Worker, config: Config, working_per_row: int = 0) -> MemoryPlan:
     """The plan for a loaded worker (the engine process calls this once, after loading)."""
     kv = KVShape.of(worker.model.config, worker.dtype)
     device = torch.device(worker.device)
@@ -204,7 +219,7 @@ def plan_for(worker: Worker, config: Config) -> MemoryPlan:
     free, total = torch.cuda.mem_get_info(device)
     # Blocks PyTorch's allocator holds but no tensor uses (an earlier engine's cache) are ours too.
     free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-    memory = plan(kv, config, cuda=True, free=free, total=total)
+    memory = plan(kv, config, cuda=True, free=free, total=total, working_per_row=working_per_row)
     log.info(
         "memory plan: %s -> %d rows, KV budget %.1f GiB",
         memory.source,

@@ -518,7 +518,11 @@ def main(argv: list[str] | None = None) -> list[RunResult]:
     if args.count_kernels:
         from vlm_demo.tools import kernels
 
-        print(json.dumps(kernels.report(), indent=2))
+        counted = kernels.report()
+        print(json.dumps(counted, indent=2))
+        if args.json_path:
+            with open(args.json_path, "w") as out:
+                json.dump(counted, out, indent=2)
         return []
     if args.page_load:
         from vlm_demo.tools import page_load

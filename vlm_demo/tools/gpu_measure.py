@@ -430,11 +430,13 @@ def batch1_decode(worker: Worker, tokens: int = 128) -> float:
         engine.shutdown()
 
 
-def graph_figures(worker: Worker, row_counts: tuple[int, ...] = (1, 8, 32, 128), length: int = 512,
-                  steps: int = 20) -> dict[str, Any]:  # fmt: skip
-    """The decode step alone, eagerly and replayed from CUDA graphs, at each row count (rows of ``length``
-    tokens and a one-tile picture): tokens/s (rows ÷ step time), the graphs' capture time and memory pool, and
-    the attention kernels one profiled eager step ran. No client threads: the step is timed by itself."""
+def attention_figures(worker: Worker, kernel: str, row_counts: tuple[int, ...] = (1, 8, 32, 128), length: int = 512,
+                      steps: int = 20) -> dict[str, Any]:  # fmt: skip
+    """The decode step alone with decode attention ``kernel`` (a ``--decode-attention`` choice), eagerly and (on
+    CUDA, for a block-table kernel) replayed from CUDA graphs, at each row count (rows of ``length`` tokens and a
+    one-tile picture): tokens/s (rows ÷ step time), the steps whose logits were not all finite, the graphs'
+    capture time and memory pool, and the attention kernels one profiled eager step ran (the GPU's kernels; on a
+    CPU its operators). No client threads: the step is timed by itself."""
     from vlm_demo.config import Config
     from vlm_demo.engine.decode_step import page_shape
     from vlm_demo.engine.graphs import bucket_for, decode_graphs
@@ -442,50 +444,66 @@ def graph_figures(worker: Worker, row_counts: tuple[int, ...] = (1, 8, 32, 128),
 
     shape = page_shape(worker.model, worker.dtype)
     most = max(row_counts)
-    pages = most * (shape.text_pages(length + steps + 1) + shape.image_pages(shape.patches)) + 16
-    decoder = TextDecodeStep.over_pool(worker.model, worker.dtype, pages)
+    pages = most * (shape.text_pages(length + 2 * steps + 4) + shape.image_pages(shape.patches)) + 16
+    decoder = TextDecodeStep.over_pool(worker.model, worker.dtype, pages, kernel)
     graphs = decode_graphs(decoder, most, Config(cuda_graphs="auto", max_new_tokens=length), worker)
     figures: dict[str, Any] = {"decode_attention": decoder.attention.kernel, "captured": len(graphs.graphs),
-                               "capture_s": graphs.capture_s, "pool_bytes": graphs.pool_bytes, "rows": {}}  # fmt: skip
+                               "capture_s": graphs.capture_s, "pool_bytes": graphs.pool_bytes, "rows": {},
+                               "nan_steps": 0, "steps": 0}  # fmt: skip
     for rows in row_counts:
         running = synthetic_rows(decoder, rows, worker.device, length, worker.dtype)
         with torch.inference_mode():
             inputs = running.step_inputs(pad_to=bucket_for(rows, graphs.sizes) if graphs.captured else None)
-            entry = {"eager_tokens_per_s": rows / _step_seconds(decoder, inputs, steps, worker.device)}
+            seconds, bad = _step_seconds(decoder, inputs, steps, worker.device)
+            entry = {"eager_tokens_per_s": rows / seconds}
+            figures["nan_steps"] += bad
+            figures["steps"] += steps + 1
             if graphs.captured:
-                entry["graphs_tokens_per_s"] = rows / _step_seconds(graphs, inputs, steps, worker.device)
+                seconds, bad = _step_seconds(graphs, inputs, steps, worker.device)
+                entry["graphs_tokens_per_s"] = rows / seconds
+                figures["nan_steps"] += bad
+                figures["steps"] += steps + 1
         running.keep([])
         figures["rows"][str(rows)] = entry
     figures["attention_kernels"] = attention_kernels(decoder, worker, length)
     return figures
 
 
-def _step_seconds(step: Any, inputs: Any, steps: int, device: torch.device) -> float:
-    """Seconds one call of ``step(inputs)`` takes on the GPU, over ``steps`` calls after one warm-up."""
-    step(inputs)
-    torch.cuda.synchronize(device)
+def _step_seconds(step: Any, inputs: Any, steps: int, device: torch.device) -> tuple[float, int]:
+    """Seconds one call of ``step(inputs)`` takes, over ``steps`` calls after one warm-up, and how many of the
+    calls gave logits that were not all finite (counted on the device, read once at the end)."""
+    cuda = device.type == "cuda"
+    bad = (~torch.isfinite(step(inputs))).any().int()
+    if cuda:
+        torch.cuda.synchronize(device)
     start = time.perf_counter()
     for _ in range(steps):
-        step(inputs)
-    torch.cuda.synchronize(device)
-    return (time.perf_counter() - start) / steps
+        logits = step(inputs)
+    if cuda:
+        torch.cuda.synchronize(device)
+    seconds = (time.perf_counter() - start) / steps
+    return seconds, int(bad + (~torch.isfinite(logits)).any().int())
 
 
 def attention_kernels(decoder: Any, worker: Worker, length: int) -> list[str]:
-    """The GPU kernels one eager decode step of 8 rows ran whose names say attention (which backend ran)."""
+    """The kernels one eager decode step of 8 rows ran whose names say attention (which backend ran): the GPU's,
+    or on a CPU the operators'."""
     from torch.profiler import ProfilerActivity, profile
 
     from vlm_demo.tools.kernels import synthetic_rows
 
+    cuda = worker.device.type == "cuda"
     running = synthetic_rows(decoder, 8, worker.device, length, worker.dtype)
     with torch.inference_mode():
         inputs = running.step_inputs()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
             decoder(inputs)
-            torch.cuda.synchronize(worker.device)
+            if cuda:
+                torch.cuda.synchronize(worker.device)
     running.keep([])
     names = {event.key for event in prof.key_averages()}
-    return sorted(n for n in names if any(k in n.lower() for k in ("flash", "fmha", "attention", "attn", "sdpa")))
+    words = ("flash", "fmha", "attention", "attn", "sdpa", "_split_attention", "_merge")
+    return sorted(n for n in names if any(k in n.lower() for k in words))
 
 
 def ratios(results: list[dict[str, Any]]) -> dict[int, dict[str, float]]:

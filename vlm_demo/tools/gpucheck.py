@@ -13,10 +13,13 @@ random bf16 weights directly on the GPU and measures, in order (:mod:`vlm_demo.t
    required: bf16 kernels depend on the batch shape), the written-out decode step vs the stock forward;
 4. speed: decode tokens/s at batch 1 next to the bound from the bytes a decode step reads; unbatched,
    dynamic and continuous batching at concurrency 1, 8 and 32, each run isolated, with its peak memory;
-5. weight formats: the same model with fp8 (compute capability 8.9+) and int8 weights next to bf16,
+5. decode attention: the kernel ``auto`` takes (a CUDA device that ends on the reference fails the check,
+   naming why), then a stage per kernel this torch can run (flash, triton, reference): its probe, the step
+   eagerly and replayed from CUDA graphs at 1-128 rows, NaN steps, the profiler's attention kernels;
+6. weight formats: the same model with fp8 (compute capability 8.9+) and int8 weights next to bf16,
    measured alike: weight bytes, decode tokens/s at 1 and 32 rows, peak memory, greedy tokens against
    bf16's (skipped, with the reason, on CPU);
-6. the planned row limit filled (rows joining and leaving) to check the join/evict peak.
+7. the planned row limit filled (rows joining and leaving) to check the join/evict peak.
 
 Device time is scarce (15 minutes a session, 10 a command, and a rerun must fit), so the run keeps to
 a time budget and loses nothing it measured. No optional stage or benchmark run starts unless its
@@ -84,7 +87,10 @@ NEED_S = {
     "written-out step vs stock": 10.0,
     "bandwidth": 5.0,
     "decode at batch 1": 15.0,
-    "decode graphs": 60.0,  # capture 13 buckets, time eager and replayed steps at 1-128 rows, one profiled step
+    # each: its probe, capture 13 buckets, time eager and replayed steps at 1-128 rows, one profiled step
+    "decode attention: flash": 50.0,
+    "decode attention: triton": 60.0,  # and compiling its two kernels
+    "decode attention: reference": 40.0,  # eager only
     "weights: bf16": 30.0,  # greedy tokens, batch-1 decode, one wave of 32 answers
     "weights: quantized": 50.0,  # the same, plus building the model again and quantizing it
 }
@@ -334,7 +340,7 @@ def run(args: argparse.Namespace, report: Report, device: Any, clock: Clock) -> 
     if worker is not None:
         levels = tuple(int(x) for x in args.levels.split(",") if x.strip())
         speed(stages, worker, levels, args.requests)
-        decode_graphs(stages, worker)
+        decode_attention(stages, worker)
         weight_formats(stages, worker, processor, args.model)
         peak(stages, worker, args.peak_rows, max(levels, default=1))
     return finish(report, clock)
@@ -444,17 +450,45 @@ def speed(stages: Stages, worker: Any, levels: tuple[int, ...], requests: int) -
         stages.fail("benchmark runs failed: " + "; ".join(failed_runs))
 
 
-def decode_graphs(stages: Stages, worker: Any) -> None:
-    """5. The decode step eagerly and from CUDA graphs at 1, 8, 32 and 128 rows, the graphs' capture time and
-    memory, and which attention kernels a step ran. CPU: skipped (capture and replay are CUDA's)."""
+def decode_attention(stages: Stages, worker: Any) -> None:
+    """5. The decode attention: which kernel ``auto`` takes here (a CUDA device that ends on the reference fails
+    the check, saying why), then a stage per kernel this torch can run — its probe, the decode step eagerly and
+    (flash, triton) replayed from CUDA graphs at 1, 8, 32 and 128 rows, the profiler's attention kernels, the steps
+    whose logits were not finite. A kernel that cannot run here is skipped with the reason. On a CPU: the
+    reference, and Triton under its interpreter when ``TRITON_INTERPRET=1`` (1 and 8 short rows)."""
+    from vlm_demo.engine.attention import KERNELS, check, decide
+    from vlm_demo.engine.decode_step import layer_devices, page_shape
     from vlm_demo.tools import gpu_measure as measure
 
-    name = "decode graphs"
-    if worker.device.type != "cuda":
-        why = "needs CUDA: capture and replay are CUDA's (tests/test_graphs.py runs the same static-buffer step on CPU)"
-        stages.skip(name, why)
-        return
-    stages.report["decode_graphs"] = stages.run(name, measure.graph_figures, worker, need_s=NEED_S[name])
+    report, cuda = stages.report, worker.device.type == "cuda"
+    shape = page_shape(worker.model, worker.dtype)
+    heads = worker.model.config.get_text_config().num_attention_heads
+    device = next(iter(layer_devices(worker.model).values()))
+    chosen, passed_over = stages.run("decode attention: auto", decide, shape, heads, device) or (None, [])
+    auto = chosen.name if chosen is not None else None
+    report["decode_attention_auto"] = {"kernel": auto, "passed_over": passed_over}
+    if cuda and auto == "reference":
+        stages.fail(f"the CUDA device ends on the reference decode attention ({'; '.join(passed_over)})")
+    figures = report.setdefault("decode_attention", {})
+    for name in KERNELS:
+        stage = f"decode attention: {name}"
+        need_s = NEED_S[stage] if cuda else None
+        if need_s is not None and stages.clock.left() < need_s:
+            stages.skip(stage, "time budget: none left")
+            continue
+        missing, probed = check(name, shape, heads, device, asked=True)
+        probe = vars(probed) if probed is not None else None
+        if missing is not None:
+            figures[name] = {"skipped": missing, "probe": probe}
+            stages.skip(stage, missing)
+            continue
+        rows, length, steps = ((1, 8, 32, 128), 512, 20) if cuda else ((1, 8), 24, 2)
+        measured = stages.run(stage, measure.attention_figures, worker, name, rows, length, steps, need_s=need_s)
+        figures[name] = {**(measured or {}), "probe": probe}
+        if measured and measured["nan_steps"]:
+            stages.fail(f"{stage}: {measured['nan_steps']} of {measured['steps']} decode steps gave NaN logits")
+        if name == auto and measured:
+            report["decode_graphs"] = measured
 
 
 def weight_formats(stages: Stages, worker: Any, processor: Any, model: str) -> None:
@@ -598,6 +632,20 @@ def print_report(report: dict[str, Any]) -> None:
                 f"{(figures['peak_memory_bytes'] or 0) / GB:.1f} GB; first token differing from bf16's greedy: "
                 f"{figures.get('first_diff_vs_bf16', '(the reference)')}"
             )
+    auto = report.get("decode_attention_auto") or {}
+    if auto:
+        print(f"decode attention (auto): {auto['kernel']}" + "".join(f"; {why}" for why in auto["passed_over"]))
+    for name, figures in (report.get("decode_attention") or {}).items():
+        if "rows" not in figures:
+            print(f"decode attention {name}: {figures.get('skipped', 'failed')}")
+            continue
+        steps = ", ".join(
+            f"{rows} rows {_num(entry['eager_tokens_per_s'], '.0f')}"
+            + (f"/{entry['graphs_tokens_per_s']:.0f}" if "graphs_tokens_per_s" in entry else "")
+            for rows, entry in figures["rows"].items()
+        )
+        print(f"decode attention {name}: tokens/s eager/replayed {steps}; NaN steps {figures['nan_steps']} of "
+              f"{figures['steps']}; kernels {', '.join(figures['attention_kernels']) or 'n/a'}")  # fmt: skip
     if report.get("peak_run"):
         peak = report["peak_run"]
         print(f"join/evict peak: {peak}")

@@ -5,10 +5,14 @@ so at small batch sizes their number, not the arithmetic, sets the speed. This c
 11B structure — 40 text layers, cross-attention at 3, 8, …, 38, 32 query and 8 key/value heads — at
 narrow widths (head dim 8, random weights; the number of operations does not depend on the widths):
 
-- ``kernels_per_decode_step``: the engine's decode step as it runs on CUDA, with FlashAttention's paged
-  kernel: the real step code dispatched on shape-only (``meta``) tensors, since that kernel has no CPU
-  implementation;
-- ``cpu``: the same step as it runs on a CPU, with the reference attention (its torch operations): a step
+- ``by_decode_attention``: the engine's decode step with each decode-attention kernel — ``flash``
+  (FlashAttention's paged call) and ``triton`` (our Triton kernel, its custom operators) as they run on CUDA,
+  the real step code dispatched on shape-only (``meta``) tensors since neither runs on a CPU; ``reference``
+  as it runs on a CPU. A kernel this torch cannot run is ``null``, and ``unavailable`` says why (torch 2.11 has
+  no paged flash call);
+- ``kernels_per_decode_step``: the step with the kernel ``auto`` takes on CUDA with this torch
+  (``decode_attention`` names it): flash where its call exists, else triton;
+- ``cpu``: the step as it runs on a CPU, with the reference attention (its torch operations): a step
   like the one before it, and ``after_rows_change`` the first step after rows joined or left, where the
   reference gathers its lines from the pool again;
 - ``stock_forward``: the text model's own forward with a ``DynamicCache`` (what ``generate`` runs), for
@@ -98,11 +102,12 @@ def engine_step(model: Any, rows: int, kernel: str, after_a_change: bool = False
     """One decode step of ``rows`` rows as the engine runs it (``kernel``: the decode attention's): a step like
     the one before it, or with ``after_a_change`` the first after rows joined or left (where the CPU's reference
     attention gathers its lines from the pool again)."""
+    from vlm_demo.engine.attention import KERNELS
     from vlm_demo.engine.decode_step import TextDecodeStep, layer_devices
 
     device = next(iter(layer_devices(model).values()))
-    decoder = TextDecodeStep.over_pool(model, torch.float32, 8 + rows * 80, kernel="reference")
-    decoder.attention.kernel = kernel  # on meta the fast kernel runs shapes only: no probe to pass
+    # the kernel itself, not a --decode-attention choice: on meta the fast kernels run shapes only (no probe)
+    decoder = TextDecodeStep.over_pool(model, torch.float32, 8 + rows * 80, kernel=KERNELS[kernel])
     running = synthetic_rows(decoder, rows, device)
     with torch.inference_mode():
         inputs = running.step_inputs()
@@ -140,10 +145,22 @@ def stock_step(model: Any, rows: int) -> Counts:
 
 def report() -> dict[str, Any]:
     """The counts as ``bench --count-kernels`` prints them (JSON)."""
+    from vlm_demo.engine.attention.flash import schema
+
     cpu_model = narrow_model("cpu")
     meta_model = narrow_model("meta")
-    cuda = {n: engine_step(meta_model, n, "flash") for n in ROWS}
+    unavailable = {}
+    if "block_table" not in schema():
+        unavailable["flash"] = f"torch {torch.__version__.split('+')[0]} has no paged call (block_table came in 2.12)"
+    by_kernel: dict[str, dict[int, Counts] | None] = {
+        "flash": None if "flash" in unavailable else {n: engine_step(meta_model, n, "flash") for n in ROWS},
+        "triton": {n: engine_step(meta_model, n, "triton") for n in ROWS},
+    }
+    auto = "flash" if by_kernel["flash"] is not None else "triton"
+    cuda = by_kernel[auto]
+    assert cuda is not None
     cpu = {n: engine_step(cpu_model, n, "reference") for n in ROWS}
+    by_kernel["reference"] = cpu
     cpu_changed = {n: engine_step(cpu_model, n, "reference", after_a_change=True) for n in ROWS}
     stock = {n: stock_step(narrow_model("cpu"), n) for n in ROWS}
 
@@ -156,8 +173,14 @@ def report() -> dict[str, Any]:
 
     return {
         **figures(cuda),
-        "decode_attention": "flash",
-        "counted_on": "meta (the CUDA step's operations, shapes only)",
+        "decode_attention": auto,
+        "by_decode_attention": {
+            name: None if counts is None else {str(n): c.kernels for n, c in counts.items()}
+            for name, counts in by_kernel.items()
+        },
+        "unavailable": unavailable,
+        "torch": torch.__version__,
+        "counted_on": "meta (the CUDA step's operations, shapes only); reference: cpu",
         "by_op": dict(cuda[ROWS[0]].by_op.most_common()),
         "cpu": {
             **figures(cpu),

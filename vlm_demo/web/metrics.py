@@ -93,24 +93,22 @@ class _CacheCollector:
             yield CounterMetricFamily(name, text, value=value(counts))
 
 
-class _WeightsCollector:
-    """``vlm_weights_info{weights="int8"} 1``: how the served model's weights are stored, read at each scrape
-    (nothing while unknown: a remote Triton model)."""
+class _InfoCollector:
+    """``vlm_weights_info{weights="int8"} 1``, ``vlm_decode_attention_info{kernel="triton"} 1``: how the served
+    model runs, read at each scrape (nothing while unknown: a remote Triton model, a dynamic engine)."""
 
-    def __init__(self, read: Callable[[], str]) -> None:
-        self.read = read
+    def __init__(self, name: str, text: str, label: str, read: Callable[[], str]) -> None:
+        self.name, self.text, self.label, self.read = name, text, label, read
 
     def collect(self) -> Iterator[Metric]:
         try:
-            weights = self.read()
+            value = self.read()
         except Exception as err:  # a scrape must not fail because the backend is briefly unreachable
-            log.warning("weights unavailable: %r", err)
-            weights = ""
-        info = GaugeMetricFamily(
-            "vlm_weights_info", "How the model's weights are stored: fp8, int8, int4 or the dtype.", labels=["weights"]
-        )
-        if weights:
-            info.add_metric([weights], 1)
+            log.warning("%s unavailable: %r", self.label, err)
+            value = ""
+        info = GaugeMetricFamily(self.name, self.text, labels=[self.label])
+        if value:
+            info.add_metric([value], 1)
         yield info
 
 
@@ -124,6 +122,7 @@ class Metrics:
         queue_depth: Callable[[], int] | None = None,
         caches: Callable[[], CacheCounts] | None = None,
         weights: Callable[[], str] | None = None,
+        decode_attention: Callable[[], str] | None = None,
     ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.requests = Counter(
@@ -149,7 +148,14 @@ class Metrics:
         if queue_depth is not None:
             self.queue_depth.set_function(lambda: _safe(queue_depth))
         self.registry.register(_CacheCollector(caches or CacheCounts))
-        self.registry.register(_WeightsCollector(weights or str))
+        self.registry.register(_InfoCollector(
+            "vlm_weights_info", "How the model's weights are stored: fp8, int8, int4 or the dtype.", "weights",
+            weights or str,
+        ))  # fmt: skip
+        self.registry.register(_InfoCollector(
+            "vlm_decode_attention_info", "The continuous engine's decode attention: flash, triton or reference.",
+            "kernel", decode_attention or str,
+        ))  # fmt: skip
 
     # ---- backend listener ---------------------------------------------------------------------
     def on_batch(self, size: int) -> None:

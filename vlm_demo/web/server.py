@@ -76,6 +76,7 @@ def create_app(
         queue_depth=lambda: backend.health().queue_depth,
         caches=lambda: cache_counts(backend),
         weights=lambda: backend.health().weights,
+        decode_attention=lambda: backend.health().decode_attention,
     )
     backend.add_listener(metrics)
     answers = Answers(backend, config, metrics)  # every door's answers: the page's, /v1's and MCP's
