@@ -7,8 +7,10 @@ newcomer's run, and why:
 
 - the copy is what a clone of this working tree holds (tracked files and new ones git does not ignore), made a
   git repository of its own;
-- ``python -m venv`` gets ``--system-site-packages``: the packages of the Python running the tests serve the
-  installs, so nothing big is downloaded (what is missing still is, as for a newcomer);
+- ``python -m venv`` gets ``--system-site-packages`` and a ``.pth`` line naming the site-packages of the Python
+  running the tests: its packages serve the installs, so nothing big is installed again (what is missing still
+  is, as for a newcomer) — also when the tests run inside the README's own activated ``.venv``, whose packages
+  a nested venv's ``--system-site-packages`` alone does not see (it takes the interpreter behind the venv);
 - ``python app.py`` runs until its page is healthy (on a free port, through ``GRADIO_SERVER_PORT``, which the
   app honours), then it is stopped;
 - the test command runs a few tests (the docs' checks, the device tool's count of the working tree, the
@@ -22,6 +24,7 @@ import re
 import shutil
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 
 import pytest
@@ -76,7 +79,12 @@ def test_the_readmes_quick_start_and_test_command_pass_in_a_fresh_clone(tmp_path
     clone = fresh_copy(tmp_path / "clone")
     quick_start = first_bash_block("## Quick start")
     assert "python -m venv .venv" in quick_start and "\npython app.py\n" in "\n" + quick_start, quick_start
-    steps = quick_start.replace("python -m venv .venv", "python -m venv --system-site-packages .venv")
+    version = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    ours = sysconfig.get_paths()["purelib"]  # where the running tests' packages are (a venv's, when in one)
+    steps = quick_start.replace(
+        "python -m venv .venv",
+        f"python -m venv --system-site-packages .venv && echo '{ours}' > .venv/lib/{version}/site-packages/tests.pth",
+    )
     steps = re.sub(r"^python app\.py$", SERVE_UNTIL_HEALTHY, steps, flags=re.M)
     test_command = first_bash_block("## Tests")
     assert test_command.rstrip().endswith("python -m pytest -q"), test_command
@@ -100,6 +108,8 @@ def test_the_readmes_quick_start_and_test_command_pass_in_a_fresh_clone(tmp_path
     out = done.stdout
     assert done.returncode == 0, f"the README's steps failed in a fresh clone:\n{out[-4000:]}\n{done.stderr[-4000:]}"
     assert '"ready":true' in out.replace(" ", ""), out[-3000:]  # python app.py served a healthy page
+    # the runtime was not installed again: the tests' own packages served the install
+    assert "Requirement already satisfied: torch" in out and "Collecting torch" not in out, out[:3000]
     assert re.search(r"^\d+ passed", out, re.M) and " failed" not in out, out[-3000:]
     assert (clone / ".venv" / "bin" / "python").exists()
     untracked = [line for line in out.splitlines() if line.startswith("?? ")]

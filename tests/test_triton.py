@@ -94,10 +94,26 @@ def engine(worker):
     eng.shutdown()
 
 
+OPEN_BACKENDS: list[TritonBackend] = []  # closed after each test (see ``close_backends``)
+
+
 def backend_for(server, scheme: str, model: str, **overrides) -> TritonBackend:
     overrides.setdefault("triton_timeout", 60.0)
     config = Config(triton_url=server[scheme], triton_model=model, **overrides)
-    return TritonBackend.from_config(config)
+    backend = TritonBackend.from_config(config)
+    OPEN_BACKENDS.append(backend)
+    return backend
+
+
+@pytest.fixture(autouse=True)
+def close_backends():
+    """Every client a test made is closed when it ends, as a client process that ends closes its connections: a
+    backend's event loop runs on a thread of its own, so a forgotten one keeps its connections (and any gRPC
+    stream still open on them) for the whole session, where garbage collection cannot reach them — and a
+    decoupled model does not unload while a client holds its stream (the server's stop test, last)."""
+    yield
+    while OPEN_BACKENDS:
+        OPEN_BACKENDS.pop().close()
 
 
 def collect(stream) -> tuple[list[str], str]:

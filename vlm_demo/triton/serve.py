@@ -69,6 +69,7 @@ class _GenerateModel:
         self.limits = limits
         self.default_max_tokens = default_max_tokens
         self.stopping = stopping  # set when the server ends the answers still running at its stop
+        self.streaming = 0  # streams this model is answering now (the stop's log says how many are left)
 
     async def __call__(self, requests: list[Any]) -> Any:
         loop = asyncio.get_running_loop()
@@ -77,6 +78,7 @@ class _GenerateModel:
             stop = threading.Event()
             thread = threading.Thread(target=self._pump, args=(request, loop, pieces, stop), daemon=True)
             thread.start()
+            self.streaming += 1
             try:
                 while True:
                     kind, payload = await pieces.get()
@@ -88,6 +90,7 @@ class _GenerateModel:
                         break
                     yield [payload]
             finally:
+                self.streaming -= 1
                 stop.set()
 
     def _pump(
@@ -129,9 +132,9 @@ def _wire(kind: type) -> type:
     return bytes if kind is np.object_ else kind
 
 
-def bind_models(triton: Any, engine: Engine, config: Config, stopping: threading.Event | None = None) -> None:
+def bind_models(triton: Any, engine: Engine, config: Config, stopping: threading.Event | None = None) -> _GenerateModel:
     """Bind both contracts to a PyTriton ``Triton`` instance (``stopping``: set when the server's stop ends the
-    answers still running)."""
+    answers still running); returns the generate contract's model (it counts the streams it is answering)."""
     from pytriton.model_config import DynamicBatcher, ModelConfig, Tensor
 
     default_tokens = min(DEFAULT_MAX_NEW_TOKENS, config.max_new_tokens)
@@ -154,9 +157,10 @@ def bind_models(triton: Any, engine: Engine, config: Config, stopping: threading
         ),
         strict=True,
     )
+    generate = _GenerateModel(engine, Limits.from_config(config), default_tokens, stopping or threading.Event())
     triton.bind(
         model_name=GENERATE_MODEL,
-        infer_func=_GenerateModel(engine, Limits.from_config(config), default_tokens, stopping or threading.Event()),
+        infer_func=generate,
         inputs=[
             Tensor(name=contract.TEXT_INPUT, dtype=bytes, shape=(1,)),
             Tensor(name=contract.IMAGE_INPUT, dtype=bytes, shape=(-1,), optional=True),
@@ -167,6 +171,7 @@ def bind_models(triton: Any, engine: Engine, config: Config, stopping: threading
         config=ModelConfig(batching=False, decoupled=True),
     )
     name_the_model(triton, config.model)
+    return generate
 
 
 def name_the_model(triton: Any, model: str) -> None:
@@ -269,11 +274,15 @@ def serve(config: Config, http_port: int, grpc_port: int, metrics_port: int, hos
     stopping = threading.Event()
 
     def end_answers() -> None:
+        log.warning("ending the engine's answers: %d generate streams still open, %d requests in the engine",
+                    generate.streaming, len(engine.live))  # fmt: skip
         stopping.set()
         engine.shutdown()
 
     try:
-        bind_models(triton, engine, config, stopping)  # before the server starts: the models load with their parameters
+        generate = bind_models(
+            triton, engine, config, stopping
+        )  # before the server starts: the models load with their parameters
         log.info(
             "Triton starting to serve %s and %s on http://%s:%d and grpc://%s:%d",
             ENSEMBLE_MODEL,
