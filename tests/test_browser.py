@@ -22,7 +22,17 @@ from typing import Any
 import pytest
 import requests
 from gradio_client import Client, handle_file
-from support import ROOT, free_ports, metric, running_app, start_app, start_triton, stop_app, stop_triton
+from support import (
+    ROOT,
+    free_ports,
+    metric,
+    running_app,
+    server_env,
+    start_app,
+    start_triton,
+    stop_app,
+    stop_triton,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -357,13 +367,30 @@ def test_the_status_counts_tokens_and_seconds_from_ask_on(page) -> None:
     assert int(re.search(r"(\d+) tokens", counted).group(1)) > 0, counted
 
 
-def test_stop_cancels_only_this_visitor_mid_batch(server: str, page) -> None:
+@pytest.fixture(scope="module")
+def slow_server(tiny_dir: str) -> Iterator[str]:
+    """The app with every decode step taking at least 50 ms (the ``slow`` failpoint, ``engine/faults.py``): the
+    tiny model's long answer (~240 tokens) then lasts 12 s or more on any machine, so answers that must overlap
+    do, however fast the box (on the plain server each takes a fraction of a second)."""
+    env = server_env(VLM_FAULTS="forward:slow@1+")
+    with running_app("--max-batch-size", "4", "--batching", "continuous", "--response-cache-mb", "0", env=env) as url:
+        yield url
+
+
+def test_stop_cancels_only_this_visitor_mid_batch(browser, slow_server: str) -> None:
+    page = open_page(browser, slow_server)
+    try:
+        stop_one_visitor_of_two(page, slow_server)
+    finally:
+        page.close()
+
+
+def stop_one_visitor_of_two(page, server: str) -> None:
     other_visitor = Client(server, verbose=False)
     upload(page, BLUE)
     page.locator("#q textarea").fill(LONG_QUESTION)
-    # The other visitor asks at the same moment as this page, so both answers run in one batch (each takes a
-    # fraction of a second on the tiny model: waiting for the other's text first let it end before this page
-    # asked) and Stop cancels one row of a live batch.
+    # The other visitor asks at the same moment as this page, so both answers run in one batch (each lasts 12 s
+    # or more on the slowed server) and Stop cancels one row of a live batch.
     bystander = other_visitor.submit(handle_file(str(BLUE)), LONG_QUESTION, 1024, 0.0, 1.0, api_name="/ask")
     watch(page, click_when_writing("#stop", "reasoning"))
     page.locator("#ask").click()
@@ -722,3 +749,31 @@ def _cancelled(server: str) -> float:
         return metric(server, 'vlm_requests_total{outcome="cancelled"}')
     except KeyError:
         return 0.0
+
+
+def test_a_failed_start_shows_the_servers_own_message_on_the_loading_page(browser) -> None:
+    """A start that fails after the port is up (here: ``--decode-attention triton`` on a CPU without Triton's
+    interpreter) turns the loading page into the server's message and what to do, within seconds; the server
+    then ends with the same line (exit 1)."""
+    port = free_ports(1)[0]
+    env = {k: v for k, v in server_env().items() if k != "TRITON_INTERPRET"}
+    proc = start_app(port, "--decode-attention", "triton", env=env)
+    page = browser.new_page()
+    try:
+        deadline = time.monotonic() + 60
+        while True:  # the loading page answers from the server's first second
+            try:
+                page.goto(f"http://127.0.0.1:{port}/", wait_until="domcontentloaded")
+                break
+            except Exception:
+                assert time.monotonic() < deadline and proc.poll() is None, "the loading page never answered"
+                page.wait_for_timeout(200)
+        page.wait_for_function("document.querySelector('h1').textContent.includes('could not start')", timeout=15_000)
+        message = page.locator("#message").inner_text()
+        assert "--decode-attention triton: on cpu it runs only under Triton's interpreter" in message, message
+        assert "start it again" in page.locator("#hint").inner_text()
+        assert proc.wait(30) == 1
+    finally:
+        page.close()
+        if proc.poll() is None:
+            stop_app(proc)

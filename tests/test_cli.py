@@ -302,3 +302,27 @@ def test_a_fresh_clone_serves_the_shipped_tiny_model_without_building_it(tmp_pat
     assert health["ready"] and health["model"] == "tiny" and health["tiny_notice"], health
     assert not (tmp_path / ".cache" / "vlm_demo" / "tiny").exists(), "the tiny model was built instead of loaded"
     assert "building the tiny model" not in log and "Traceback" not in log.split("Shutting down")[0], log[-3000:]
+
+
+def test_a_hub_retry_is_one_log_line(caplog) -> None:
+    """huggingface_hub logs each retry as two records, and once more through a handler of its own: one line."""
+    import logging
+
+    from vlm_demo import logs
+
+    hub = logging.getLogger("huggingface_hub")
+    hub.addHandler(logging.StreamHandler())  # what importing transformers gives it
+    logs.quiet_hub_retries()
+    assert hub.handlers == [] and hub.propagate
+    http = logging.getLogger("huggingface_hub.utils._http")
+    with caplog.at_level(logging.WARNING, logger="huggingface_hub.utils._http"):
+        for attempt in (1, 2):
+            http.warning(
+                "'%s' thrown while requesting HEAD %s", "[Errno -2] Name or service not known", "https://hf.co/x"
+            )
+            http.warning("Retrying in %ds [Retry %d/5].", attempt, attempt)
+    assert [r.getMessage() for r in caplog.records] == [
+        f"'[Errno -2] Name or service not known' thrown while requesting HEAD https://hf.co/x; retrying in {n}s "
+        f"[Retry {n}/5]."
+        for n in (1, 2)
+    ]

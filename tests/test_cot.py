@@ -8,7 +8,7 @@ import re
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vlm_demo.cot import STAGES, parse_stages
+from vlm_demo.cot import CONTROL, STAGES, parse_stages
 
 WELL_FORMED = (
     "<SUMMARY>I will look at the image.</SUMMARY>\n\n"
@@ -87,17 +87,18 @@ def test_tag_reformed_across_a_dropped_tag_is_removed() -> None:
 
 _pieces = st.sampled_from(
     ["<SUMMARY>", "</SUMMARY>", "<CAPTION>", "</CAPTION>", "<REASONING>", "</REASONING>", "<CONCLUSION>",
-     "</CONCLUSION>", "<", "</", "<SUM", "MARY>", ">", "<CONC", "red", " ", "\n", "x < 5", "é", "<b>"]
+     "</CONCLUSION>", "<", "</", "<SUM", "MARY>", ">", "<CONC", "red", " ", "\n", "x < 5", "é", "<b>", "\x1f", "\t", "\x7f"]
 )  # fmt: skip
 _texts = st.lists(st.one_of(_pieces, st.text(max_size=8)), max_size=25).map("".join)
 
 
 @settings(max_examples=300, deadline=None)
 @given(_texts, st.booleans())
-def test_fuzz_never_raises_and_never_leaks_a_tag(text: str, final: bool) -> None:
+def test_fuzz_never_raises_and_never_leaks_a_tag_or_a_control_character(text: str, final: bool) -> None:
     s = parse_stages(text, final=final)
     for field in (*STAGES, "extra"):
         assert not ANY_TAG.search(s.text(field)), (field, s)
+        assert not re.search(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]", s.text(field)), (field, s)  # newline, tab: kept
     assert s.active in (None, *STAGES)
 
 
@@ -110,7 +111,7 @@ def test_fuzz_streamed_prefixes_only_ever_grow_toward_the_final_text(contents: t
     """What a viewer sees mid-stream is always a prefix of the final stage text: no flicker, no tag bits."""
     text = "".join(f"<{n.upper()}>{c}</{n.upper()}>\n" for n, c in zip(STAGES, contents, strict=True))
     final = parse_stages(text, final=True)
-    assert final.as_tuple() == tuple(c.strip() for c in contents)
+    assert final.as_tuple() == tuple(CONTROL.sub("", c).strip() for c in contents)  # control characters dropped
     for cut in range(len(text) + 1):
         partial = parse_stages(text[:cut])
         for stage in STAGES:

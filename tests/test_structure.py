@@ -8,9 +8,15 @@ the model already writes well are token-identical with and without it.
 
 from __future__ import annotations
 
+import random
+import re
+
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from support import door
 
+from vlm_demo.config import Config
 from vlm_demo.cot import STAGES, parse_stages
 from vlm_demo.engine.base import Engine
 from vlm_demo.engine.continuous import ContinuousEngine
@@ -118,6 +124,68 @@ def test_the_reserve_closes_the_running_stage_and_opens_the_conclusion(worker, g
     assert tracker.cut == "summary"
 
 
+# Pieces a hot sample writes where tags go wrong (each tokenised as the model's tokenizer splits it).
+ADVERSARIAL = ["<SUMMARY>", "</SUMMARY>", "<CAPTION>", "</CAPTION>", "<REASONING>", "</REASONING>", "<CONCLUSION>",
+               "</CONCLUSION>", "</<SUMMARY>", "</<", "</", "<", "< ", "</ ", "</cONCLUSION>", "<summary>", "</SUM",
+               "MARY>", "x < 5", "<b>bold</b>", "<<", "</>", " word", ".", "\n\n", "\x1f", "\x0e", "\r", "\t"]  # fmt: skip
+EXACT_TAG = re.compile(r"<(/?)(SUMMARY|CAPTION|REASONING|CONCLUSION)>")
+TAG_BITS = re.compile(r"<\s*/?\s*(SUMMARY|CAPTION|REASONING|CONCLUSION)|</\s*<|</\s|</$", re.I)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_adversarial_tokens_never_break_a_tag_or_write_a_control_character(worker, grammar, data) -> None:
+    """A "model" that writes any mix of tag pieces, broken tags, control characters and random byte-level
+    tokens of the tiny tokenizer (drawn again, when asked, as random tokens the redraw allows): whatever it
+    writes, the committed answer is exactly the four stages in order, each tag once and whole, no stage empty,
+    no piece of a stage tag inside a stage's text, no control character but newline and tab."""
+    size = len(grammar.texts)
+    allowed = [i for i in range(size) if i not in set(grammar.banned_ids)]
+    piece = st.sampled_from([tokens for text in ADVERSARIAL for tokens in [grammar.encode(text)]])
+    noise = st.lists(st.integers(0, size - 1), min_size=1, max_size=3)
+    script = [t for chunk in data.draw(st.lists(st.one_of(piece, noise), min_size=1, max_size=60)) for t in chunk]
+    budget = data.draw(st.integers(60, 200))
+    tracker, committed = grammar.answer(budget), []
+    rng = random.Random(data.draw(st.integers(0, 2**16)))
+    while not tracker.done and len(committed) < budget:
+        sampled = script[len(committed) % len(script)]
+        token = tracker.check(sampled, len(committed))
+        if token == RESAMPLE:
+            token = tracker.check(rng.choice(allowed), len(committed), redrawn=True)
+        committed.append(token)
+    text = worker.tokenizer.decode(committed)
+    assert tracker.done and text.endswith("</CONCLUSION>"), text
+    assert malformed(text, cut=tracker.cut is not None) is None, (malformed(text, tracker.cut is not None), text)
+
+
+def malformed(text: str, cut: bool = False) -> str | None:
+    """What is wrong with an answer's stage structure, strictly (``None``: nothing): each stage opened then
+    closed with its exact tags, in order, once; all four, or with ``cut`` (the reserve cut a stage short) those
+    written then the CONCLUSION; no stage empty; no piece of a stage tag in a stage's text; only whitespace
+    between stages, nothing before or after; no control character but newline and tab."""
+    if re.search(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]", text):
+        return "a control character"
+    tags = list(EXACT_TAG.finditer(text))
+    names = [m.group(2).lower() for m in tags[::2]]
+    if [m.group(1) for m in tags] != ["", "/"] * len(names) or [m.group(2) for m in tags[1::2]] != [
+        m.group(2) for m in tags[::2]
+    ]:
+        return "tags not in open/close pairs"
+    if names != sorted(set(names), key=STAGES.index) or not names or names[-1] != "conclusion":
+        return f"stages out of order or repeated: {names}"
+    if not cut and names != list(STAGES):
+        return f"stages missing: {names}"
+    pieces = EXACT_TAG.split(text)[::3]  # the text around the tags: before, then body, gap, body, ..., after
+    if pieces[0].strip() or pieces[-1]:
+        return "text outside the stages"
+    for i, piece in enumerate(pieces[1:-1]):
+        if i % 2 == 0 and (not piece.strip() or TAG_BITS.search(piece)):
+            return f"an empty stage or a tag's piece in its text: {piece!r}"
+        if i % 2 == 1 and piece.strip():
+            return f"text between stages: {piece!r}"
+    return None
+
+
 # ---- in the engines ----------------------------------------------------------------------------------------
 
 
@@ -141,17 +209,34 @@ def test_held_out_answers_hot_and_greedy_all_have_four_stages(engines, kind) -> 
     engine = engines(kind, max_batch_size=8)
     jobs = held_out(36, 1.3) + held_out(12, 0.0, offset=36)
     results = answers(engine, jobs)
-    broken = [r.text for r in results if not four_stages(r.text)]
+    broken = [(why, r.text) for r in results if (why := malformed(r.text, cut=r.cut_stage is not None))]
     assert not broken, broken[:3]
     unstructured = answers(engines(kind, max_batch_size=8, structured_stages=False), jobs[:36])
     assert sum(not four_stages(r.text) for r in unstructured) >= 5, "the flag should turn the structure off"
 
 
+def test_held_out_answers_with_int8_weights_are_strictly_well_formed(tiny_dir) -> None:
+    """The same 48 held-out answers (36 at temperature 1.3) on the tiny model loaded with ``--quantize int8``."""
+    from vlm_demo.engine.loader import load
+
+    engine = ContinuousEngine(load(tiny_dir, device="cpu", quantize="int8"),
+                              Config(batching="continuous", max_batch_size=8, batch_window_ms=0.0)).start()  # fmt: skip
+    try:
+        results = answers(engine, held_out(36, 1.3) + held_out(12, 0.0, offset=36))
+    finally:
+        engine.shutdown()
+    broken = [(why, r.text) for r in results if (why := malformed(r.text, cut=r.cut_stage is not None))]
+    assert not broken, broken[:3]
+
+
 def test_hundreds_of_sampled_answers_up_to_temperature_2_have_four_ordered_stages(engines) -> None:
-    engine = engines(max_batch_size=16, max_queue=256)
-    jobs = [job for t in (0.8, 1.2, 1.6, 2.0) for job in held_out(50, t, max_new_tokens=300, offset=int(t * 100))]
+    """Held-out pictures and wordings at temperatures 1.3 to 2.0 (top_p 1.0): every answer strictly well formed
+    (``malformed``: exact tags once each, in order, no piece of a tag or control character in the text)."""
+    engine = engines(max_batch_size=16, max_queue=512)
+    temperatures = (1.3, 1.6, 1.8, 2.0)
+    jobs = [job for t in temperatures for job in held_out(75, t, max_new_tokens=300, offset=int(t * 100))]
     results = answers(engine, jobs)
-    broken = [r.text for r in results if not four_stages(r.text)]
+    broken = [(why, r.text) for r in results if (why := malformed(r.text, cut=r.cut_stage is not None))]
     assert not broken, (len(broken), broken[:3])
 
 

@@ -4,7 +4,9 @@ The model writes ``<SUMMARY>…</SUMMARY><CAPTION>…</CAPTION><REASONING>…</R
 <CONCLUSION>…</CONCLUSION>``, but real outputs miss closing tags, stop mid-stage, repeat a stage or
 put text before the first tag, and while streaming the text can end inside a tag (``"<CONC"``).
 :func:`parse_stages` is a pure function of the text received so far: it never raises, never shows a
-half-written tag, and never lets a tag reach a renderer (``gr.Markdown`` would eat it as HTML).
+half-written tag, and never lets a tag reach a renderer (``gr.Markdown`` would eat it as HTML), nor a control
+character other than newline and tab (the engine's stage structure already keeps them out of answers; this is
+the panels' last filter, for a remote model's text too).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from dataclasses import dataclass
 STAGES: tuple[str, ...] = ("summary", "caption", "reasoning", "conclusion")
 
 _TAG = re.compile(r"<(/?)\s*(SUMMARY|CAPTION|REASONING|CONCLUSION)\s*>", re.IGNORECASE)
+CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")  # control characters but newline and tab
 _TAG_TEXTS = tuple(f"<{slash}{name.upper()}>" for name in STAGES for slash in ("", "/"))
 _MAX_TAG = max(len(t) for t in _TAG_TEXTS)
 
@@ -87,7 +90,7 @@ def parse_stages(text: str, final: bool = False) -> Stages:
                 parts[name].append("\n\n")  # a repeated stage continues below the first one
             active = name
     parts[active or "extra"].append(text[pos:])
-    joined = {name: _without_tags("".join(chunks)).strip() for name, chunks in parts.items()}
+    joined = {name: CONTROL.sub("", _without_tags("".join(chunks))).strip() for name, chunks in parts.items()}
     return Stages(**joined, active=active, seen=tuple(seen))
 
 

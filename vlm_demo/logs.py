@@ -31,6 +31,39 @@ def setup() -> None:
     for name in CHATTY:
         logging.getLogger(name).setLevel(logging.WARNING)
     logging.getLogger("uvicorn.error").addFilter(ordinary_shutdown)
+    quiet_hub_retries()
+
+
+def quiet_hub_retries() -> None:
+    """One line per Hugging Face Hub retry: huggingface_hub's logger has a handler of its own (each line came out
+    twice, once unformatted) and says each retry in two records (what failed, then "Retrying in 1s"), joined
+    here into one. Safe to call in every process, more than once."""
+    hub = logging.getLogger("huggingface_hub")
+    for handler in list(hub.handlers):
+        hub.removeHandler(handler)
+    hub.propagate = True
+    http = logging.getLogger("huggingface_hub.utils._http")
+    if not any(isinstance(f, _HubRetries) for f in http.filters):
+        http.addFilter(_HubRetries())
+
+
+class _HubRetries(logging.Filter):
+    """Holds a "… thrown while requesting …" record and puts it in front of the "Retrying in …" that follows (the
+    last one, after which nothing is retried, is dropped: the load's own error says why it failed)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.held: str | None = None
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if " thrown while requesting " in message:
+            self.held = message
+            return False
+        if message.startswith("Retrying in") and self.held is not None:
+            record.msg, record.args = f"{self.held}; {message[0].lower()}{message[1:]}", ()
+            self.held = None
+        return True
 
 
 def ordinary_shutdown(record: logging.LogRecord) -> bool:

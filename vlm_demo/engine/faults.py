@@ -10,7 +10,9 @@ per step when off.
 ``advance`` (the next inputs on the device), ``host_read`` (the step's one read back to the host, where
 asynchronous CUDA errors surface), ``evict`` (finished rows leave the batch) and ``generate`` (a
 dynamic batch). Kinds: ``error`` (a plain ``RuntimeError``), ``oom`` and ``device`` (a sticky CUDA
-error: ``torch.AcceleratorError``, what an illegal memory access raises). ``@N`` fires at the N-th time
+error: ``torch.AcceleratorError``, what an illegal memory access raises), and ``slow`` (no error: the point
+waits ``SLOW_S``, so that a test's answers stay in flight long enough whatever the machine's speed —
+``forward:slow@1+`` makes every decode step take at least 50 ms). ``@N`` fires at the N-th time
 the point is reached (default the first), once; ``@N+`` fires from the N-th time on.
 """
 
@@ -19,6 +21,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -27,7 +30,9 @@ import torch
 log = logging.getLogger(__name__)
 
 POINTS = ("prefill", "forward", "advance", "host_read", "evict", "generate")
+KINDS = ("error", "oom", "device", "slow")
 ENV = "VLM_FAULTS"
+SLOW_S = 0.05  # what a ``slow`` point waits
 
 
 def injected(kind: str, point: str) -> Exception:
@@ -65,8 +70,8 @@ class FailPoints:
             where, _, kind = item.partition(":")
             kind, _, when = kind.partition("@")
             kind = kind or "error"
-            if where not in POINTS or kind not in ("error", "oom", "device"):
-                raise ValueError(f"{ENV}: bad fault {item!r} (points {', '.join(POINTS)}; kinds error, oom, device)")
+            if where not in POINTS or kind not in KINDS:
+                raise ValueError(f"{ENV}: bad fault {item!r} (points {', '.join(POINTS)}; kinds {', '.join(KINDS)})")
             onwards = when.endswith("+")
             at = int(when.rstrip("+") or 1)
             faults.append(Fault(where, kind, at, onwards))
@@ -83,6 +88,9 @@ class FailPoints:
             if due is None:
                 return
             self.fired.append(f"{point}:{due.kind}")
+        if due.kind == "slow":
+            time.sleep(SLOW_S)
+            return
         raise injected(due.kind, point)
 
 

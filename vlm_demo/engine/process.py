@@ -27,6 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING
 
+from vlm_demo import logs
 from vlm_demo.config import Config
 from vlm_demo.engine.ipc import ENGINE_FAILED, Cancel, Ended, Fatal, Loading, Ready, Shutdown, Step, Submit
 from vlm_demo.errors import DemoError, GenerationError
@@ -146,6 +147,9 @@ def run(config: Config, conn: Connection) -> None:
     """Entry point of the engine process (a ``spawn`` target): load, say ready, serve until told to stop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl+C reaches the whole group: the web process decides
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s [engine]: %(message)s")
+    import transformers  # noqa: F401 - loading needs it; importing it gives huggingface_hub's logger a handler, taken off now
+
+    logs.quiet_hub_retries()
     try:
         from vlm_demo.engine import make_engine
         from vlm_demo.models.choice import choose_model

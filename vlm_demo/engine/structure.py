@@ -5,7 +5,10 @@ LLaVA-CoT answers ``<SUMMARY>…</SUMMARY> <CAPTION>…</CAPTION> <REASONING>…
 an opening tag never closed (``<SUMMARY de part…``), a stage repeated or skipped, a stage empty, an end of
 turn before the CONCLUSION. Every answer here follows the grammar: it opens with ``<SUMMARY>``, a stage is
 followed only by the next one's opening, no tag repeats or comes out of order, no stage is empty, and the
-answer ends at ``</CONCLUSION>``.
+answer ends at ``</CONCLUSION>``. Inside a stage, ``<`` starts ordinary text unless it can still become the
+closing tag; once ``</`` is written only the rest of that closing tag may follow (``</<SUMMARY>`` is closed as
+``</SUMMARY>``). No token that writes a control character (other than newline and tab) is committed: it is
+drawn again (the panels' parser, :func:`vlm_demo.cot.parse_stages`, drops any that come from elsewhere).
 
 How, without touching what the model already writes well: a :class:`StageTracker` per row reads each
 *sampled* token before it is committed. A token that keeps the text inside the grammar passes untouched,
@@ -14,7 +17,7 @@ replaced before it enters the cache (the continuous engine overwrites the row's 
 engine edits ``generate``'s last column in place, which its next step reads): by the rest of the tag the
 grammar wants there, tokenised as the model's own tokenizer splits that text, one forced token per step;
 or, when the model tries to close or leave a stage that has no text yet, by a second draw from the same
-logits with every ``<``-token and end of turn masked (rare: the one extra host read it costs happens only
+logits with every ``<``-token, whitespace-only token and end of turn masked (rare: the one extra host read it costs happens only
 then). The tracker is host-side string work on tokens the engine reads back anyway: no extra host sync.
 
 A reserve keeps room for the answer: once a row's budget is down to :func:`conclusion_reserve` tokens, the
@@ -31,7 +34,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from vlm_demo.cot import STAGES
+from vlm_demo.cot import CONTROL, STAGES
 
 OPEN = {stage: f"<{stage.upper()}>" for stage in STAGES}
 CLOSE = {stage: f"</{stage.upper()}>" for stage in STAGES}
@@ -39,6 +42,7 @@ NAMES = tuple(stage.upper() for stage in STAGES)
 GAP = "\n\n"  # what the model writes between stages
 RESERVE_FROM = 48  # budgets this small get no reserve: the forced tags alone would take most of it
 RESAMPLE = -1  # ``check``'s answer: draw this row again with every "<"-token and end of turn masked
+MOST_BLANK = 4  # whitespace characters allowed before a stage's opening tag, or before its first text
 
 _TAG_START = re.compile(r"<\s*(/?)\s*([A-Za-z]*)\s*(>?)")
 
@@ -53,7 +57,11 @@ class StageGrammar:
         self.texts = [decode([i]) for i in range(size)]
         self.eos = frozenset(eos_ids)
         self._encode: Callable[..., list[int]] = tokenizer.encode  # type: ignore[attr-defined]
-        self.banned_ids = [i for i, text in enumerate(self.texts) if "<" in text] + sorted(self.eos)
+        # tokens that would write a control character (newline and tab aside): never committed to an answer
+        self.control = frozenset(i for i, text in enumerate(self.texts) if CONTROL.search(text))
+        blank = {i for i, text in enumerate(self.texts) if text and text.isspace()}  # a redraw must write text
+        tags = {i for i, text in enumerate(self.texts) if "<" in text}
+        self.banned_ids = sorted(tags | self.control | blank | self.eos)
         self._bans: dict[torch.device, torch.Tensor] = {}
         self._encoded: dict[str, list[int]] = {}
         last = STAGES[-1]
@@ -133,6 +141,7 @@ class StageTracker:
         self.matched = 0  # characters of the opening tag written so far
         self.content = False  # the running stage has non-whitespace text
         self.pending = ""  # a trailing "<…" that may still become the closing tag
+        self.blank = 0  # whitespace written since the last tag while the stage has no text (at most MOST_BLANK)
         self.jump = False  # the reserve cut the running stage: the last stage follows it
         self.forced: deque[int] = deque()
         self.cut: str | None = None
@@ -213,6 +222,8 @@ class StageTracker:
         the token's text that fitted, then the tag the grammar wants there) or RESAMPLE."""
         if token in self.grammar.eos:
             return self._instead_of_leaving(_Probe(self), "")
+        if token in self.grammar.control:  # in a stage's text: draw again; mid-tag: the tag's rest
+            return RESAMPLE if self.phase == "body" and not self.pending else self._instead_of_leaving(_Probe(self), "")
         text = self.grammar.texts[token]
         probe = _Probe(self)
         if probe.feed(text):
@@ -236,9 +247,20 @@ class StageTracker:
 
 
 def _rest_of_close(closing: str, pending: str) -> str:
-    """What is left to write of ``closing`` after the partial tag ``pending`` ("</CAP" -> "TION>")."""
-    written = (_tag_like(pending) or "") if pending else ""
-    return closing[len(written) :] if written and closing.startswith(written) else closing
+    """What is left to write of ``closing`` after the partial tag ``pending`` ("</CAP" -> "TION>"; all of it after
+    a "< " that turned out not to be its start)."""
+    return closing[len(pending) :] if closing.startswith(pending) else closing
+
+
+def _wrong_tag(candidate: str) -> bool:
+    """Whether ``candidate`` ("<" or a trailing fragment that does not continue the wanted closing tag) is a stage
+    tag in the making all the same, which the text must not get: another stage's tag or this one's opening, in any
+    case or spacing ("<S", "</c", "< CAPTION"), or a closing tag under way that went astray ("</SUMx", "</<",
+    "</ ")."""
+    if candidate.startswith("</") and (not candidate[-1].isalnum() or any(c.isalpha() for c in candidate[2:-1])):
+        return True
+    fragment = _tag_like(candidate)
+    return fragment is not None and any(c.isalpha() for c in fragment)
 
 
 class _Probe:
@@ -248,11 +270,13 @@ class _Probe:
         self.stages = tracker.stages
         self.index, self.phase, self.matched = tracker.index, tracker.phase, tracker.matched
         self.content, self.pending, self.jump = tracker.content, tracker.pending, tracker.jump
+        self.blank = tracker.blank
         self.consumed = 0  # characters of the last text fed that fitted
 
     def commit(self, tracker: StageTracker) -> None:
         tracker.index, tracker.phase, tracker.matched = self.index, self.phase, self.matched
         tracker.content, tracker.pending, tracker.jump = self.content, self.pending, self.jump
+        tracker.blank = self.blank
 
     def feed(self, text: str) -> bool:
         for self.consumed, char in enumerate(text):
@@ -268,30 +292,37 @@ class _Probe:
         if self.phase == "open":
             literal = OPEN[stage]
             if self.matched == 0 and char.isspace():
-                return True
-            if char.upper() != literal[self.matched]:
+                self.blank += 1
+                return self.blank <= MOST_BLANK  # past that, the opening tag is forced
+            if char != literal[self.matched]:  # exactly the tag: the stop text and the panels read it so
                 return False
             self.matched += 1
             if self.matched == len(literal):
-                self.phase, self.content, self.pending = "body", False, ""
+                self.phase, self.content, self.pending, self.blank = "body", False, "", 0
             return True
         if self.pending or char == "<":
-            fragment = _tag_like(self.pending + char)
-            if fragment is None:  # not a tag after all ("< 5"): ordinary text
-                self.content = self.content or not (self.pending + char).isspace()
-                self.pending = ""
+            closing, candidate = CLOSE[stage], self.pending + char
+            if closing.startswith(candidate):  # the closing tag, exactly, so far
+                if not self.content:
+                    return False  # a stage with no text yet cannot close
+                if candidate == closing:
+                    self.index = len(self.stages) - 1 if self.jump else self.index + 1
+                    self.jump = False
+                    self.phase = "done" if self.index == len(self.stages) else "open"
+                    self.matched, self.pending, self.blank = 0, "", 0
+                    return True
+                self.pending = candidate
                 return True
-            closing = CLOSE[stage]
-            if not self.content or not closing.startswith(fragment):
-                return False  # a stage with no text yet, another stage's tag, or this stage's opening again
-            if fragment == closing:
-                self.index = len(self.stages) - 1 if self.jump else self.index + 1
-                self.jump = False
-                self.phase = "done" if self.index == len(self.stages) else "open"
-                self.matched, self.pending = 0, ""
+            if _wrong_tag(candidate):
+                return False  # another stage's tag, this one's opening again, its closing misspelt: forced instead
+            if candidate[-1].isspace() and candidate.strip() == "<":
+                self.pending = candidate  # "< ": a tag or not, the next character says
                 return True
-            self.pending = self.pending + char
-            return True
+            self.content, self.pending = True, ""  # not a tag after all ("< 5", "x<y", "<b>", "</b>"): text
+            return self._char(char) if char == "<" else True  # ... but this "<" may open a tag of its own
         if not char.isspace():
             self.content = True
+        elif not self.content:
+            self.blank += 1
+            return self.blank <= MOST_BLANK  # a stage of nothing but whitespace: its first text is drawn again
         return True

@@ -1,6 +1,8 @@
 """The server answers from its first second: while the model builds or loads (minutes for the real one),
 ``/health`` says 503 with what is happening and how far along, and the page is a notice that turns into
 the demo when the model is ready (the front door, :mod:`~vlm_demo.web.asgi`, then switches to the demo).
+A start that fails says so there too (``"status": "failed"`` with the server's own message, for
+``FAILED_LINGER_S`` before the server ends); a page that finds the server gone says that instead of waiting.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ log = logging.getLogger(__name__)
 STATIC_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "static")
 LOG_EVERY_S = 10.0  # a terminal hears about a long phase this often
 LOG_QUIETLY_EVERY_S = 60.0  # and a log file this often
+FAILED_LINGER_S = 5.0  # a failed start is shown this long (the page asks every 1.5 s) before the server ends
 
 
 class LoadingState:
@@ -37,6 +40,11 @@ class LoadingState:
         self.progress = LoadProgress("starting")
         self._lock = threading.Lock()
         self._logged: tuple[str, float] = ("", 0.0)
+        self.failure: str | None = None  # why the start failed (the server ends soon after saying so)
+
+    def fail(self, message: str) -> None:
+        """The start failed: ``/health`` and the loading page say ``message`` until the server ends."""
+        self.failure = message
 
     def update(self, progress: LoadProgress) -> None:
         with self._lock:
@@ -83,6 +91,8 @@ def loading_app(state: LoadingState, door: OperatorDoor) -> FastAPI:
     @app.get("/health")
     def health(request: Request) -> JSONResponse:
         body = {"status": "loading", "ready": False, "model": state.model, "loading": state.report()}
+        if state.failure is not None:
+            body.update(status="failed", error=state.failure)
         return door.health(request, body, 503)
 
     @app.get("/")

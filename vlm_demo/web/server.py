@@ -33,7 +33,7 @@ from vlm_demo.images import DEFAULT_MAX_BYTES
 from vlm_demo.results import LoadProgress
 from vlm_demo.web.answers import Answers
 from vlm_demo.web.asgi import Switch
-from vlm_demo.web.loading import LoadingState, loading_app
+from vlm_demo.web.loading import FAILED_LINGER_S, LoadingState, loading_app
 from vlm_demo.web.metrics import CacheCounts, Metrics
 from vlm_demo.web.openai_api import OpenAIAPI
 from vlm_demo.web.operator import OperatorDoor
@@ -320,7 +320,10 @@ class _Build:
 
     def _fail(self, message: str) -> None:
         self.failure = message  # said once, as the process's last line, when the server has stopped
-        self.server.should_exit = True
+        self.state.fail(message)  # and meanwhile on the loading page and /health, for the visitors waiting there
+        timer = threading.Timer(FAILED_LINGER_S, lambda: setattr(self.server, "should_exit", True))
+        timer.daemon = True
+        timer.start()
 
     def close(self) -> None:
         with self._lock:
