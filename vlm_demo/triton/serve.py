@@ -47,6 +47,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 ANSWERS_GRACE_S = 60.0  # on SIGTERM, answers in flight get this long to finish; then they are ended
+IDLE_GIVE_UP_S = 10.0  # on SIGTERM, an unload still pending this long after our last answer ended is given up
 EXIT_TIMEOUT_S = 5  # tritonserver's wait for clients to hang up once the models are unloaded (its default: 30)
 MISSING_PYTRITON = (
     "python -m vlm_demo.triton.serve needs PyTriton, which this Python does not have: install "
@@ -293,7 +294,7 @@ def serve(config: Config, http_port: int, grpc_port: int, metrics_port: int, hos
             grpc_port,
         )
         run_until_stopped(triton, f"{host}:{http_port}", [ENSEMBLE_MODEL, GENERATE_MODEL], security.access_token,
-                          overdue=end_answers)  # fmt: skip
+                          overdue=end_answers, idle=lambda: generate.streaming == 0 and not engine.live)  # fmt: skip
     finally:
         triton.stop()
         engine.shutdown()
@@ -396,7 +397,8 @@ def build_arg_parser() -> argparse.ArgumentParser:
 
 
 def run_until_stopped(triton: Any, address: str, models: Sequence[str], token: str | None,
-                      overdue: Callable[[], None] | None = None) -> None:  # fmt: skip
+                      overdue: Callable[[], None] | None = None,
+                      idle: Callable[[], bool] | None = None) -> None:  # fmt: skip
     """Start tritonserver and serve until SIGTERM or SIGINT (a service manager, ``docker stop``, Ctrl+C, a test)
     or until it dies; then unload the models, so the caller's ``triton.stop()`` finds nothing running.
 
@@ -406,8 +408,10 @@ def run_until_stopped(triton: Any, address: str, models: Sequence[str], token: s
     Unloading first lets requests in flight finish and every model process end cleanly; PyTriton's stop then
     removes its workspace (``~/.cache/pytriton/workspace_*``). Answers still running after ``ANSWERS_GRACE_S``
     (PyTriton does not tell a model that a client hung up, so a gone client's answer runs to its end) are
-    ended through ``overdue``. SIGINT is handled too: a server started in the
-    background has it ignored otherwise."""
+    ended through ``overdue``. ``idle`` says whether none of our answers is running: an unload Triton still has
+    not finished ``IDLE_GIVE_UP_S`` after that (a request it never released, seen under load after clients hung
+    up mid-stream) is not waited for. SIGINT is handled too: a server started in the background has it ignored
+    otherwise."""
     stopping = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stopping.set())
@@ -419,20 +423,23 @@ def run_until_stopped(triton: Any, address: str, models: Sequence[str], token: s
             log.error("tritonserver or a model process stopped on its own; shutting down")
             return
     log.info("stopping: unloading the models (answers in flight get %.0f s to finish)", ANSWERS_GRACE_S)
-    if not unload_models(address, models, token, ANSWERS_GRACE_S) and overdue is not None:
+    unloaded = unload_models(address, models, token, ANSWERS_GRACE_S, idle=idle)
+    if not unloaded and overdue is not None and not (idle is not None and idle()):
         log.warning("answers were still running after %.0f s: ending them", ANSWERS_GRACE_S)
         overdue()  # every stream ends ("the server shut down"), so the models' handlers can finish
-        unload_models(address, models, token, request=False)
+        unload_models(address, models, token, request=False, idle=idle)
     log.info("stopping tritonserver (it gives open client connections up to %d s to close)", EXIT_TIMEOUT_S)
 
 
 def unload_models(
-    address: str, models: Sequence[str], token: str | None, timeout_s: float = 120, request: bool = True
-) -> bool:
+    address: str, models: Sequence[str], token: str | None, timeout_s: float = 120, request: bool = True,
+    idle: Callable[[], bool] | None = None,
+) -> bool:  # fmt: skip
     """Unload ``models`` through Triton's model-control API and wait until it is done: Triton unloads in the
     background, and with strict readiness it says the server is ready again once no model is unloading.
     Whether it was done within ``timeout_s`` (a model waits for the answers it is streaming); ``request=False``
-    only waits (for an unload asked before)."""
+    only waits (for an unload asked before). ``idle``: whether none of our answers is running; when it has been
+    for ``IDLE_GIVE_UP_S`` and Triton still unloads, the wait ends (what Triton waits for is not ours to end)."""
     import tritonclient.http as httpclient
 
     headers = {"triton-access-token": token} if token else None
@@ -441,9 +448,18 @@ def unload_models(
     try:
         for name in models if request else ():
             client.unload_model(name, headers=headers)
+        idle_since: float | None = None
         while time.monotonic() < deadline and (
             any(client.is_model_ready(name) for name in models) or not client.is_server_ready()
         ):
+            if idle is not None and idle():
+                idle_since = idle_since or time.monotonic()
+                if time.monotonic() - idle_since >= IDLE_GIVE_UP_S:
+                    log.warning("Triton is still unloading %.0f s after our last answer ended: stopping it anyway "
+                                "(a request it did not release; ours are all done)", IDLE_GIVE_UP_S)  # fmt: skip
+                    return False
+            else:
+                idle_since = None
             time.sleep(0.2)
         if time.monotonic() >= deadline:
             log.warning("the models were still unloading after %.0f s", timeout_s)
