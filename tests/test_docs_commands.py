@@ -240,7 +240,7 @@ def test_every_command_line_is_one_its_program_accepts() -> None:
             modules.append((where, words[2], words[3:]))
         elif first in (".", "source") and words[1].endswith("/bin/activate"):
             continue  # made by the python -m venv before it
-        elif first == "pip" or first.endswith("/bin/pip"):
+        elif first == "pip" or first.endswith("/bin/pip") or (python and words[1:3] == ["-m", "pip"]):
             if "-r" in words:
                 requirements = words[words.index("-r") + 1]
                 if not (ROOT / requirements).is_file():
