@@ -29,7 +29,7 @@ from vlm_demo.config import Config
 from vlm_demo.engine.attention import choose
 from vlm_demo.engine.base import Engine, error_for, is_fatal_device_error, is_out_of_memory, release
 from vlm_demo.engine.beam import StageBeam
-from vlm_demo.engine.decode_step import TextDecodeStep, layer_devices, page_shape
+from vlm_demo.engine.decode_step import TextDecodeStep, attention_geometry
 from vlm_demo.engine.graphs import decode_graphs
 from vlm_demo.engine.image_cache import ImageStates
 from vlm_demo.engine.ipc import Step
@@ -52,9 +52,7 @@ class ContinuousEngine(Engine):
 
     def __init__(self, worker: Worker, config: Config | None = None) -> None:
         config = config or Config(batching=self.batching)
-        shape = page_shape(worker.model, worker.dtype)
-        heads = worker.model.config.get_text_config().num_attention_heads
-        device = next(iter(layer_devices(worker.model).values()))
+        shape, heads, device = attention_geometry(worker.model, worker.dtype)
         kernel = choose(shape, heads, device, config.decode_attention)  # before the plan: it reserves its memory
         row = config.max_new_tokens + PROMPT_TOKENS
         super().__init__(worker, config, kernel.working_bytes(shape, heads, 1, shape.max_tiles, row))

@@ -48,6 +48,12 @@ def page_shape(model: Any, dtype: torch.dtype) -> PageShape:
     return PageShape.of(model.config, dtype, page_tokens_for(next(iter(layer_devices(model).values()))))
 
 
+def attention_geometry(model: Any, dtype: torch.dtype) -> tuple[PageShape, int, torch.device]:
+    """What choosing a decode attention takes: the pages, the query heads, the device of the first text layer."""
+    heads = model.config.get_text_config().num_attention_heads
+    return page_shape(model, dtype), heads, next(iter(layer_devices(model).values()))
+
+
 def merge(linears: list[torch.nn.Linear]) -> torch.Tensor | None:
     """One weight for several projections of the same input: the modules' weights become views of it (the
     memory stays the same, and every other user of the modules sees the same values). ``None`` where the
@@ -128,10 +134,9 @@ class TextDecodeStep:
                   kernel: str | type[PagedAttention] = "auto") -> TextDecodeStep:  # fmt: skip
         """A step over a pool of ``pages`` pages allocated now (``kernel``: the decode attention, or a
         ``--decode-attention`` choice to make now)."""
-        shape = page_shape(model, dtype)
-        heads = model.config.get_text_config().num_attention_heads
+        shape, heads, device = attention_geometry(model, dtype)
         if isinstance(kernel, str):
-            kernel = choose(shape, heads, next(iter(layer_devices(model).values())), kernel)
+            kernel = choose(shape, heads, device, kernel)
         pool = PagePool(shape, pages, layer_devices(model))
         return cls(model, kernel(pool, heads, shape.head_dim**-0.5))
 

@@ -17,8 +17,9 @@ replaced before it enters the cache (the continuous engine overwrites the row's 
 engine edits ``generate``'s last column in place, which its next step reads): by the rest of the tag the
 grammar wants there, tokenised as the model's own tokenizer splits that text, one forced token per step;
 or, when the model tries to close or leave a stage that has no text yet, by a second draw from the same
-logits with every ``<``-token, whitespace-only token and end of turn masked (rare: the one extra host read it costs happens only
-then). The tracker is host-side string work on tokens the engine reads back anyway: no extra host sync.
+logits with every ``<``-token, control character, whitespace-only token and end of turn masked (rare: the
+one extra host read it costs happens only then). The tracker is host-side string work on tokens the engine
+reads back anyway: no extra host sync.
 
 A reserve keeps room for the answer: once a row's budget is down to :func:`conclusion_reserve` tokens, the
 running stage is closed and ``<CONCLUSION>`` opened (the stages in between are skipped), and the
@@ -41,7 +42,7 @@ CLOSE = {stage: f"</{stage.upper()}>" for stage in STAGES}
 NAMES = tuple(stage.upper() for stage in STAGES)
 GAP = "\n\n"  # what the model writes between stages
 RESERVE_FROM = 48  # budgets this small get no reserve: the forced tags alone would take most of it
-RESAMPLE = -1  # ``check``'s answer: draw this row again with every "<"-token and end of turn masked
+RESAMPLE = -1  # ``check``'s answer: draw this row again with ``StageGrammar.banned_ids`` masked
 MOST_BLANK = 4  # whitespace characters allowed before a stage's opening tag, or before its first text
 
 _TAG_START = re.compile(r"<\s*(/?)\s*([A-Za-z]*)\s*(>?)")

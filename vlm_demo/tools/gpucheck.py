@@ -457,13 +457,11 @@ def decode_attention(stages: Stages, worker: Any) -> None:
     whose logits were not finite. A kernel that cannot run here is skipped with the reason. On a CPU: the
     reference, and Triton under its interpreter when ``TRITON_INTERPRET=1`` (1 and 8 short rows)."""
     from vlm_demo.engine.attention import KERNELS, check, decide
-    from vlm_demo.engine.decode_step import layer_devices, page_shape
+    from vlm_demo.engine.decode_step import attention_geometry
     from vlm_demo.tools import gpu_measure as measure
 
     report, cuda = stages.report, worker.device.type == "cuda"
-    shape = page_shape(worker.model, worker.dtype)
-    heads = worker.model.config.get_text_config().num_attention_heads
-    device = next(iter(layer_devices(worker.model).values()))
+    shape, heads, device = attention_geometry(worker.model, worker.dtype)
     chosen, passed_over = stages.run("decode attention: auto", decide, shape, heads, device) or (None, [])
     auto = chosen.name if chosen is not None else None
     report["decode_attention_auto"] = {"kernel": auto, "passed_over": passed_over}

@@ -145,13 +145,12 @@ def stock_step(model: Any, rows: int) -> Counts:
 
 def report() -> dict[str, Any]:
     """The counts as ``bench --count-kernels`` prints them (JSON)."""
-    from vlm_demo.engine.attention.flash import schema
+    from vlm_demo.engine.attention.flash import paged_call_missing
 
     cpu_model = narrow_model("cpu")
     meta_model = narrow_model("meta")
-    unavailable = {}
-    if "block_table" not in schema():
-        unavailable["flash"] = f"torch {torch.__version__.split('+')[0]} has no paged call (block_table came in 2.12)"
+    missing = paged_call_missing()
+    unavailable = {"flash": missing} if missing else {}
     by_kernel: dict[str, dict[int, Counts] | None] = {
         "flash": None if "flash" in unavailable else {n: engine_step(meta_model, n, "flash") for n in ROWS},
         "triton": {n: engine_step(meta_model, n, "triton") for n in ROWS},

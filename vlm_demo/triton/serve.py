@@ -281,9 +281,8 @@ def serve(config: Config, http_port: int, grpc_port: int, metrics_port: int, hos
         engine.shutdown()
 
     try:
-        generate = bind_models(
-            triton, engine, config, stopping
-        )  # before the server starts: the models load with their parameters
+        # before the server starts: the models load with their parameters
+        generate = bind_models(triton, engine, config, stopping)
         log.info(
             "Triton starting to serve %s and %s on http://%s:%d and grpc://%s:%d",
             ENSEMBLE_MODEL,

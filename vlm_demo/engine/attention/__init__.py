@@ -42,6 +42,7 @@ KERNELS: dict[str, type[PagedAttention]] = {
 CHOICES = ("auto", *KERNELS)
 FASTEST_FIRST = ("flash", "triton")
 PROBE_STEPS = {"flash": 256, "triton": 32}  # the interpreter runs 2 (each step takes it ~a second)
+_PROBED: dict[tuple[object, ...], ProbeResult] = {}  # (kernel, page shape, heads, device, steps) -> its probe
 
 
 def check(name: str, shape: PageShape, heads: int, device: torch.device,
@@ -60,7 +61,10 @@ def check(name: str, shape: PageShape, heads: int, device: torch.device,
     if missing is not None:
         return missing, None
     steps = 2 if name == "triton" and interpreted() else PROBE_STEPS[name]
-    result = probe(KERNELS[name], shape, heads, device, steps)
+    key = (name, shape, heads, str(device), steps)
+    if key not in _PROBED:  # a process probes a kernel once: every engine it builds (gpucheck's many) reuses it
+        _PROBED[key] = probe(KERNELS[name], shape, heads, device, steps)
+    result = _PROBED[key]
     return result.why(tolerance(shape.dtype)) or None, result
 
 

@@ -22,15 +22,20 @@ def schema() -> str:
     return str(torch.ops.aten._flash_attention_forward.default._schema)
 
 
+def paged_call_missing() -> str | None:
+    """Why this torch has no paged FlashAttention call (``None``: it has one)."""
+    if "block_table" not in schema():
+        return f"torch {torch.__version__.split('+')[0]} has no paged call (block_table came in 2.12)"
+    return None
+
+
 def flash_missing(device: torch.device, dtype: torch.dtype) -> str | None:
     """Why this torch cannot run the paged call here (``None``: it can)."""
     if device.type != "cuda":
         return "needs CUDA"
     if dtype not in (torch.float16, torch.bfloat16):
         return f"needs 16-bit floats (the model runs in {str(dtype).removeprefix('torch.')})"
-    if "block_table" not in schema():
-        return f"torch {torch.__version__.split('+')[0]} has no paged call (block_table came in 2.12)"
-    return None
+    return paged_call_missing()
 
 
 class FlashAttention(TableAttention):

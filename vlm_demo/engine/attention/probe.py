@@ -42,7 +42,7 @@ class ProbeResult:
     failure: str = ""  # an exception the kernel raised
 
     def passed(self, tolerance: float) -> bool:
-        return not self.failure and self.nan_steps == 0 and self.max_error <= tolerance
+        return not self.why(tolerance)
 
     def why(self, tolerance: float) -> str:
         """What went wrong, in words (empty when it passed)."""
