@@ -11,7 +11,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -28,6 +28,47 @@ TEST_LIMITS = Limits(max_new_tokens=10_000)  # long forced answers in the engine
 def door(image: Any, question: Any, params: SamplingParams | None = None, history: Any = None) -> ValidRequest:
     """The shared door with generous limits: what every backend's caller does before submitting."""
     return validate_request(image, question, params, TEST_LIMITS, history)
+
+
+def wait_until(
+    condition: Callable[[], Any], timeout: float = 60, every: float = 0.05, what: str = "", fail: bool = True
+) -> Any:
+    """Poll a state until it holds (the tests' one polling wait, for states another process or thread
+    reaches): the condition's value, or after ``timeout`` seconds a failure naming ``what`` (with ``fail``
+    false: the last value)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value or time.monotonic() > deadline and not fail:
+            return value
+        if time.monotonic() > deadline:
+            pytest.fail(f"waited {timeout} s for {what or getattr(condition, '__name__', 'a condition')}")
+        time.sleep(every)
+
+
+class Stepper:
+    """An engine driven by hand: ``step()`` on the test's thread (its own thread never starts), each Step
+    handed to the handles ``submit`` returned. Tests of policy count steps with it, not seconds."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.steps = 0
+
+    def submit(self, valid: ValidRequest) -> Any:
+        return self.engine.submit(valid)
+
+    def step(self, count: int = 1) -> None:
+        for _ in range(count):
+            self.engine.table.apply(self.engine.step())
+            self.steps += 1
+
+    def until(self, condition: Callable[[], Any], limit: int = 5000) -> int:
+        """Step until ``condition`` holds; the steps it took."""
+        start = self.steps
+        while not condition():
+            assert self.steps - start < limit, f"not reached in {limit} steps"
+            self.step()
+        return self.steps - start
 
 
 def free_ports(count: int) -> list[int]:
@@ -76,17 +117,16 @@ def server_output(proc: subprocess.Popen) -> str:
 
 def wait_ready(proc: subprocess.Popen, url: str, timeout: float = 240) -> None:
     """Until ``/health`` says ready; the server's output if it exits first."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+
+    def ready() -> bool:
         if proc.poll() is not None:
             raise RuntimeError("server exited:\n" + server_output(proc))
         try:
-            if requests.get(url + "/health", timeout=2).json().get("ready"):
-                return
+            return bool(requests.get(url + "/health", timeout=2).json().get("ready"))
         except (requests.RequestException, ValueError):
-            pass
-        time.sleep(0.5)
-    raise TimeoutError(f"server at {url} not ready in {timeout} s")
+            return False
+
+    wait_until(ready, timeout, every=0.5, what=f"the server at {url} to be ready")
 
 
 def stop_app(proc: subprocess.Popen) -> str:
@@ -181,19 +221,25 @@ def start_triton(
     cmd = [python, "-m", "vlm_demo.triton.serve", *args,
            "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics)]  # fmt: skip
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + wait_s
     pending = list(models)
-    while pending:
-        if proc.poll() is not None or time.monotonic() > deadline:
-            stop_triton(proc)
-            pytest.fail(f"Triton did not start ({pending} not ready):\n{log_path.read_text()[-3000:]}")
+
+    def all_ready() -> bool:
+        if proc.poll() is not None:
+            return True  # said below
         try:
-            if requests.get(f"http://127.0.0.1:{http}/v2/models/{pending[0]}/ready", timeout=2).status_code == 200:
+            while (
+                pending
+                and requests.get(f"http://127.0.0.1:{http}/v2/models/{pending[0]}/ready", timeout=2).status_code == 200
+            ):
                 pending.pop(0)
-                continue
         except requests.RequestException:
             pass
-        time.sleep(0.5)
+        return not pending
+
+    wait_until(all_ready, wait_s, every=0.5, fail=False)
+    if pending:
+        stop_triton(proc)
+        pytest.fail(f"Triton did not start ({pending} not ready):\n{log_path.read_text()[-3000:]}")
     return proc, http, grpc
 
 
@@ -211,9 +257,11 @@ def stop_triton(proc: subprocess.Popen, http_port: int | None = None) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(10)
-    deadline = time.monotonic() + 60
-    while http_port is not None and time.monotonic() < deadline:
+    if http_port is None:
+        return
+
+    def port_closed() -> bool:
         with socket.socket() as probe:
-            if probe.connect_ex(("127.0.0.1", http_port)) != 0:
-                return
-        time.sleep(0.5)
+            return probe.connect_ex(("127.0.0.1", http_port)) != 0
+
+    wait_until(port_closed, 60, every=0.5, fail=False)  # a port still held a minute on: the next start says so

@@ -25,7 +25,7 @@ import pytest
 import requests
 from gradio_client import Client, handle_file
 from PIL import Image
-from support import ended, metric, running_app
+from support import ended, metric, running_app, wait_until
 
 from vlm_demo.config import DEFAULT_MODEL, TINY, load_config
 from vlm_demo.models.choice import choose_model
@@ -379,15 +379,11 @@ def test_cancelling_one_run_frees_it_and_spares_the_others(server: str, client: 
     other = Client(server, verbose=False)
     long_run = client.submit(handle_file(path), "Describe it in detail.", 1024, 0.0, 1.0, api_name="/ask")
     bystander = other.submit(handle_file(path), "Describe it in detail.", 1024, 0.0, 1.0, api_name="/ask")
-    deadline = time.monotonic() + 30
-    while not long_run.outputs() and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_until(long_run.outputs, 30, what="the long run's first update")
     long_run.cancel()
     conclusion = bystander.result(timeout=120)[3]
     assert colour_of(conclusion) == colour
-    deadline = time.monotonic() + 10
-    while ended(server, "cancelled") == cancelled_before and time.monotonic() < deadline:
-        time.sleep(0.1)
+    wait_until(lambda: ended(server, "cancelled") != cancelled_before, 10, fail=False)
     assert ended(server, "cancelled") == cancelled_before + 1, "the cancelled run kept its model row"
 
 
@@ -401,10 +397,8 @@ def test_killing_the_engine_process_fails_in_flight_answers_and_the_server_recov
         jobs += [
             client.submit(handle_file(image), "Describe this picture in detail.", 512, 0, 1, api_name="/ask_batch")
         ]
-        deadline = time.monotonic() + 60
-        while requests.get(url + "/health", timeout=10).json()["details"].get("running", 0) < 2:
-            assert time.monotonic() < deadline, "the two requests never started"
-            time.sleep(0.05)
+        running = lambda: requests.get(url + "/health", timeout=10).json()["details"].get("running", 0) >= 2  # noqa: E731
+        wait_until(running, 60, what="the two requests to start")
         os.kill(pid, signal.SIGKILL)
         killed = time.monotonic()
         with pytest.raises(Exception, match="stopped unexpectedly"):
@@ -412,13 +406,13 @@ def test_killing_the_engine_process_fails_in_flight_answers_and_the_server_recov
         assert "stopped unexpectedly" in jobs[1].result(timeout=30)[5]  # /ask_batch: the error in its status
         assert time.monotonic() - killed < 15
         statuses = []
-        while True:
+
+        def serving_again() -> bool:
             response = requests.get(url + "/health", timeout=10)
             statuses.append(response.status_code)
-            if response.status_code == 200 and response.json()["details"]["engine_pid"] != pid:
-                break
-            assert time.monotonic() - killed < 60, f"not serving again within 60 s: {statuses[-5:]}"
-            time.sleep(0.2)
+            return response.status_code == 200 and response.json()["details"]["engine_pid"] != pid
+
+        wait_until(serving_again, 60, every=0.2, what="a new engine process serving")
         assert 503 in statuses
         answer = client.predict(handle_file(image), "What colour is it?", *GREEDY, api_name="/ask")
         assert colour_of(answer[3]) == "green"

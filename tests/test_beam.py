@@ -10,12 +10,11 @@ from __future__ import annotations
 import dataclasses
 import random
 import re
-import time
 from collections.abc import Iterator
 
 import pytest
 import torch
-from support import door
+from support import door, wait_until
 
 from vlm_demo.config import Config
 from vlm_demo.cot import STAGES, parse_stages
@@ -59,9 +58,9 @@ class Spy:
         self.calls: list[list[str]] = []
         self._prefill = worker.prefill
 
-    def __call__(self, requests, images=None):
+    def __call__(self, requests, images=None, reserve=0):
         self.calls.append([r.question for r in requests])
-        return self._prefill(requests, images)
+        return self._prefill(requests, images, reserve)
 
 
 @pytest.fixture
@@ -244,10 +243,7 @@ def test_missing_tags_never_crash_the_search_fuzzed(worker, make_engine) -> None
         assert result.beam is not None and result.beam.phase == "done"
         parse_stages(result.text, final=True)
     assert plain.result(120).text == answer_for("black", "What colour is this image?")
-    deadline = time.monotonic() + 10
-    while engine.beams or len(engine.rows):
-        assert time.monotonic() < deadline, "searches or rows were left behind"
-        time.sleep(0.05)
+    wait_until(lambda: not engine.beams and not len(engine.rows), 10, what="every search and row to leave")
     assert_every_page_returned(engine)
 
 
@@ -256,18 +252,12 @@ def test_cancelling_a_search_frees_its_rows_and_spares_others(worker, make_engin
     long = door(solid_image("blue", 40, 40), "Describe this image in detail.", beam(4, 3, max_new_tokens=800))
     search = engine.submit(long)
     other = engine.submit(door(solid_image("white", 40, 40), "What colour is this image?", SamplingParams(200, 0.0)))
-    deadline = time.monotonic() + 60
-    while len(engine.rows) < 4:
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
+    wait_until(lambda: len(engine.rows) >= 4, 60, every=0.01, what="the search's four candidates")
     search.cancel()
     with pytest.raises(RequestCancelledError):
         search.result(10)
     assert other.result(60).text == answer_for("white", "What colour is this image?")
-    deadline = time.monotonic() + 10
-    while engine.beams or len(engine.rows):
-        assert time.monotonic() < deadline, "the cancelled search kept rows"
-        time.sleep(0.05)
+    wait_until(lambda: not engine.beams and not len(engine.rows), 10, what="the cancelled search's rows to leave")
     assert_every_page_returned(engine)
 
 

@@ -32,6 +32,7 @@ from support import (
     start_triton,
     stop_app,
     stop_triton,
+    wait_until,
 )
 
 pytestmark = pytest.mark.slow
@@ -582,9 +583,7 @@ def test_clear_stops_the_answer_and_empties_the_page(server: str, page) -> None:
     time.sleep(1.5)  # nothing of the old answer may come back
     assert all(panel_text(page, stage) == "" for stage in STAGES)
     assert status_text(page) == ""
-    deadline = time.monotonic() + 10
-    while _cancelled(server) == cancelled_before and time.monotonic() < deadline:
-        time.sleep(0.1)
+    wait_until(lambda: _cancelled(server) != cancelled_before, 10, fail=False)
     assert _cancelled(server) == cancelled_before + 1, "Clear left the answer running on the model"
 
 
@@ -654,17 +653,20 @@ def test_the_loading_page_turns_into_the_demo_when_its_triton_is_ready(browser, 
     triton = None
     page = browser.new_page(viewport=DESKTOP)
     try:
-        deadline = time.monotonic() + 60
         phase = ""
-        while "waiting for Triton" not in phase:  # first "connecting to Triton", then why it waits
+
+        def says_it_waits() -> bool:  # first "connecting to Triton", then why it waits
+            nonlocal phase
+            assert app.poll() is None, "the app exited"
             try:
                 health = requests.get(url + "/health", timeout=2)
                 assert health.status_code == 503, health.text
                 phase = health.json()["loading"]["phase"]
             except requests.RequestException:
                 pass
-            assert app.poll() is None and time.monotonic() < deadline, f"the app never said it waits: {phase!r}"
-            time.sleep(0.2)
+            return "waiting for Triton" in phase
+
+        wait_until(says_it_waits, 60, every=0.2, what="the app to say it waits for Triton")
         response = page.goto(url + "/", wait_until="domcontentloaded")
         assert response.status == 503
         notice = page.locator("#loading")

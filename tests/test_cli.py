@@ -25,7 +25,7 @@ from contextlib import contextmanager
 import pytest
 import requests
 from PIL import Image
-from support import ROOT, free_port, start_app, stop_app, wait_ready
+from support import ROOT, free_port, start_app, stop_app, wait_ready, wait_until
 
 from vlm_demo.backends.triton.remote import Endpoint, check_ready
 from vlm_demo.config import GROUPS, Config, env_name
@@ -234,14 +234,15 @@ def test_while_the_backend_starts_the_port_already_answers_with_what_is_happenin
         proc = start_app(port, "--triton-url", f"http://127.0.0.1:{triton_port}", "--triton-timeout", "8")
         url = f"http://127.0.0.1:{port}"
         try:
-            health = None
-            deadline = time.monotonic() + 30
-            while health is None and time.monotonic() < deadline and proc.poll() is None:
+
+            def answered() -> list[requests.Response]:  # in a list: a 503 response is false
+                assert proc.poll() is None, "the app exited before its port answered"
                 try:
-                    health = requests.get(url + "/health", timeout=2)
+                    return [requests.get(url + "/health", timeout=2)]
                 except requests.RequestException:
-                    time.sleep(0.1)
-            assert health is not None, "the port never answered"
+                    return []
+
+            (health,) = wait_until(answered, 30, every=0.1, what="the port to answer")
             assert health.status_code == 503 and health.headers["Retry-After"] == "5"
             body = health.json()
             assert body["ready"] is False and body["status"] == "loading", body

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import re
 import threading
-import time
 import weakref
 from collections.abc import Iterator
 
 import pytest
 import torch
-from support import door
+from support import Stepper, door
 
 from vlm_demo.config import Config, load_config
 from vlm_demo.engine import make_engine as build_engine
@@ -58,14 +57,22 @@ def single(worker, image, question, params) -> str:
         engine.shutdown()
 
 
-def wait_tokens(request, n: int, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while len(request.token_ids) < n and not request.done:
-        assert time.monotonic() < deadline, "request made no progress"
-        time.sleep(0.005)
+@pytest.fixture
+def by_hand(worker) -> Iterator:
+    """``by_hand(**config)``: a continuous engine over the tiny worker driven by the test (``support.Stepper``)."""
+    engines: list[BaseEngine] = []
+
+    def make(**kwargs) -> Stepper:
+        config = Config(**{"batching": "continuous", "max_batch_size": 4, "batch_window_ms": 0.0, **kwargs})
+        engines.append(ContinuousEngine(worker, config))
+        return Stepper(engines[-1])
+
+    yield make
+    for engine in engines:
+        engine.shutdown()
 
 
-def test_rows_joining_mid_flight_equal_their_single_runs(make_engine, worker) -> None:
+def test_rows_joining_mid_flight_equal_their_single_runs(by_hand, worker) -> None:
     jobs = {
         "first": (solid_image("red", 300, 80), "What colour is this image?", LONG),
         "second": (solid_image("green", 16, 16), "Colour?", GREEDY),
@@ -75,20 +82,22 @@ def test_rows_joining_mid_flight_equal_their_single_runs(make_engine, worker) ->
     }
     expected = {name: single(worker, *job) for name, job in jobs.items()}
     sizes = BatchCounter()
-    engine = make_engine(max_batch_size=4)
-    engine.add_listener(sizes)
-    handles = {"first": engine.submit(door(*jobs["first"]))}
-    wait_tokens(handles["first"], 5)
-    handles["second"] = engine.submit(door(*jobs["second"]))
-    victim = engine.submit(door(solid_image("black", 64, 64), "q", SamplingParams(4000, 0.0, ignore_eos=True)))
-    wait_tokens(handles["second"], 3)
-    handles["sampled"] = engine.submit(door(*jobs["sampled"]))
-    wait_tokens(victim, 10)
+    run = by_hand(max_batch_size=4)
+    run.engine.add_listener(sizes)
+    handles = {"first": run.submit(door(*jobs["first"]))}
+    grown = lambda handle, n: lambda: len(handle.token_ids) >= n or handle.done  # noqa: E731
+    run.until(grown(handles["first"], 5))
+    handles["second"] = run.submit(door(*jobs["second"]))
+    victim = run.submit(door(solid_image("black", 64, 64), "q", SamplingParams(4000, 0.0, ignore_eos=True)))
+    run.until(grown(handles["second"], 3))
+    handles["sampled"] = run.submit(door(*jobs["sampled"]))
+    run.until(grown(victim, 10))
     victim.cancel()  # leaves mid-flight; its neighbours must not notice
-    handles["third"] = engine.submit(door(*jobs["third"]))
-    wait_tokens(handles["third"], 20)
-    handles["late"] = engine.submit(door(*jobs["late"]))
-    results = {name: h.result(timeout=120) for name, h in handles.items()}
+    handles["third"] = run.submit(door(*jobs["third"]))
+    run.until(grown(handles["third"], 20))
+    handles["late"] = run.submit(door(*jobs["late"]))
+    run.until(lambda: all(h.done for h in handles.values()) and victim.done)
+    results = {name: h.result(timeout=1) for name, h in handles.items()}
     for name, result in results.items():
         assert result.text == expected[name], name
     assert max(sizes.sizes) > 1 and max(sizes.sizes) <= 4
@@ -107,45 +116,40 @@ def conclusion_colour(text: str) -> str:
     return found[0]
 
 
-def test_colours_never_cross_under_staggered_load(make_engine) -> None:
-    engine = make_engine(max_batch_size=3)
+def test_colours_never_cross_under_staggered_load(by_hand) -> None:
+    run = by_hand(max_batch_size=3)
     handles = []
     for i, colour in enumerate(COLOURS):
-        handles.append(
-            (
-                colour,
-                engine.submit(door(solid_image(colour, 40 + 90 * i, 200, noise=6, seed=i), "Which colour?", GREEDY)),
-            )
-        )
-        time.sleep(0.03 * i)
+        image = solid_image(colour, 40 + 90 * i, 200, noise=6, seed=i)
+        handles.append((colour, run.submit(door(image, "Which colour?", GREEDY))))
+        run.step(i)  # each arrives i steps after the one before
+    run.until(lambda: all(handle.done for _, handle in handles))
     for colour, handle in handles:
-        assert conclusion_colour(handle.result(timeout=120).text) == colour
+        assert conclusion_colour(handle.result(timeout=1).text) == colour
 
 
-def test_limits_hold_and_memory_returns_to_baseline(make_engine) -> None:
+def test_limits_hold_and_memory_returns_to_baseline(by_hand) -> None:
     budget = 600
-    engine = make_engine(max_batch_size=3, kv_token_budget=budget)
+    run = by_hand(max_batch_size=3, kv_token_budget=budget)
+    engine = run.engine
     sizes = BatchCounter()
     engine.add_listener(sizes)
     peaks = []
     handles = [
-        engine.submit(door(solid_image(c, 64, 64), "Colour?", SamplingParams(60, 0.0, ignore_eos=True)))
+        run.submit(door(solid_image(c, 64, 64), "Colour?", SamplingParams(60, 0.0, ignore_eos=True)))
         for c in list(COLOURS) * 2
     ]
     while not all(h.done for h in handles):
+        run.step()
         stats = engine.stats()
         peaks.append((stats.running, stats.cached_token_slots))
-        time.sleep(0.002)
     assert all(h.result().completion_tokens == 60 for h in handles)
     assert max(sizes.sizes) <= 3 and max(r for r, _ in peaks) <= 3
     # Admission keeps padded slots within the budget; running rows then grow by their decoded tokens.
     assert max(slots for _, slots in peaks) <= budget + 3 * 60
-    # A row's request ends inside the step that fed its last token; the engine evicts it right after.
-    deadline = time.monotonic() + 5
-    while engine.stats().cached_token_slots and time.monotonic() < deadline:
-        time.sleep(0.01)
+    # A row leaves in the step that fed its last token: nothing is left once the last answer ended.
     stats = engine.stats()
-    assert stats.cached_token_slots == 0
+    assert stats.cached_token_slots == 0 and stats.running == 0
     assert stats.kv_pages_free + engine.images.pages == stats.kv_pages  # every page back, or a remembered picture
 
 
@@ -223,20 +227,20 @@ def test_budget_flags_change_admission_end_to_end(tiny_dir, flag, value) -> None
     assert limited == 2, (flag, stats)
 
 
-def test_newcomers_arriving_together_are_prefilled_together(make_engine, worker) -> None:
+def test_newcomers_arriving_together_are_prefilled_together(by_hand, worker) -> None:
     jobs = [
         (solid_image("green", 16, 16), "Colour?", GREEDY),
         (solid_image("blue", 500, 90), "What colour is this image, please?", SamplingParams(150, 0.9, 0.9, seed=3)),
         (solid_image("white", 90, 700), "what color", GREEDY),
     ]
     expected = [single(worker, *job) for job in jobs]
-    engine = make_engine(max_batch_size=4)
-    first = engine.submit(door(solid_image("red", 300, 80), "What colour is this image?", LONG))
-    wait_tokens(first, 5)
-    with engine.scheduler._cond:  # hold the queue: the three arrive at the same step boundary
-        handles = [engine.submit(door(*job)) for job in jobs]
-    assert [h.result(timeout=120).text for h in handles] == expected
-    first.result(timeout=120)
+    run = by_hand(max_batch_size=4)
+    engine = run.engine
+    first = run.submit(door(solid_image("red", 300, 80), "What colour is this image?", LONG))
+    run.step(4)
+    handles = [run.submit(door(*job)) for job in jobs]  # they arrive at the same step boundary
+    run.until(lambda: first.done and all(h.done for h in handles))
+    assert [h.result(timeout=1).text for h in handles] == expected
     assert engine.stats().prefills_run == 2  # the first request, then the three in one forward pass
     assert all(h.result().batch_size == 4 for h in handles)
 
@@ -253,11 +257,11 @@ class FakeOOMPrefillWorker:
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
-    def prefill(self, requests, images=None):
+    def prefill(self, requests, images=None, reserve=0):
         self.alive_at_prefill.append(sum(ref() is not None for ref in self.caches))
         if len(requests) > 1:
             self._forward(len(requests))
-        return self.inner.prefill(requests, images)
+        return self.inner.prefill(requests, images, reserve)
 
     def _forward(self, rows: int) -> None:
         cache = torch.empty(rows, 256, 1024)

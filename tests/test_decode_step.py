@@ -177,9 +177,9 @@ def test_a_cache_kept_aside_is_shared_not_copied(worker) -> None:
     assert all(pool.owners(p) == 2 for p in place.pages + place.image_pages)
     rows.keep([])  # the row leaves; the snapshot keeps its pages
     assert all(pool.owners(p) == 1 for p in place.pages + place.image_pages)
-    forks = rows.fork(snapshot, 3)
+    forks = rows.table.fork(snapshot, 3)
     partial = snapshot.length % rows.shape.page_tokens
-    assert partial and rows.copied_bytes == 3 * partial * rows.shape.text_bytes_per_token
+    assert partial and rows.table.copied_bytes == 3 * partial * rows.shape.text_bytes_per_token
     for fork in forks:
         assert fork.pages[:-1] == snapshot.place.pages[:-1] and fork.pages[-1] != snapshot.place.pages[-1]
         assert fork.image_pages == snapshot.place.image_pages

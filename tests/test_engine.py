@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 from PIL import Image
-from support import door
+from support import door, wait_until
 
 from vlm_demo.config import Config
 from vlm_demo.engine.base import Engine as BaseEngine
@@ -218,9 +218,7 @@ def test_cancel_stops_the_stream_at_once_and_frees_the_batch(make_engine) -> Non
     assert time.monotonic() - started < 5
     assert "blue" in conclusion(short.result(timeout=60).text)
     # The batch ends once every row is done or cancelled, not after 5000 tokens.
-    deadline = time.monotonic() + 30
-    while engine.stats().running and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_until(lambda: not engine.stats().running, 30, fail=False)
     assert engine.stats().running == 0
     assert len(long.token_ids) < 5000
 
@@ -232,7 +230,8 @@ def test_cancelled_waiting_request_never_runs(make_engine) -> None:
     waiting = engine.submit(door(solid_image("green", 60, 60), "Colour?", GREEDY))
     waiting.cancel()
     first.result(timeout=60)
-    time.sleep(0.2)
+    # had the cancelled one run after all, the engine would be busy with it (a 200-token answer) or have run it
+    wait_until(lambda: engine.scheduler.depth == 0 and engine.running_rows() == 0, 10, what="an idle engine")
     assert waiting.token_ids == [] and engine.worker.vision_encodes == encodes + 1  # only the first's picture
     with pytest.raises(RequestCancelledError):
         waiting.result()
@@ -366,8 +365,7 @@ def test_queue_full_refuses_at_once(make_engine) -> None:
     engine = make_engine(max_batch_size=1, batch_window_ms=0, max_queue=1)
     long = SamplingParams(max_new_tokens=400, temperature=0, ignore_eos=True)
     running = engine.submit(door(solid_image("red", 20, 20), "q", long))
-    while not running.token_ids:  # it runs
-        time.sleep(0.01)
+    wait_until(lambda: running.token_ids, 60, every=0.01, what="the first request to run")
     engine.submit(door(solid_image("red", 20, 20), "q", long))
     with pytest.raises(QueueFullError, match="busy"):
         engine.submit(door(solid_image("red", 20, 20), "q", long))

@@ -14,7 +14,7 @@ from support import ROOT
 from vlm_demo import errors
 from vlm_demo.errors import BY_CODE, DemoError
 from vlm_demo.triton.contract import error_from_text, error_text
-from vlm_demo.web.handlers import gr_error
+from vlm_demo.web.handlers import PageError
 from vlm_demo.web.mcp_tool import refusal
 from vlm_demo.web.openai_wire import APIError
 from vlm_demo.web.render import error_status
@@ -42,7 +42,7 @@ def test_every_door_takes_an_errors_facts_from_its_class(cls: type[DemoError]) -
     assert (api.status, api.kind, api.code) == (cls.status, cls.kind, cls.code)  # /v1
     assert api.body()["error"]["message"] == str(error)
     assert (api.response().headers.get("retry-after") == "1") == (cls.status in (429, 503))
-    assert gr_error(error).title == cls.title  # the page's toast
+    assert PageError(error).title == cls.title and PageError(error).retry_helps == cls.retry_helps  # the toast, Retry
     assert error_status(error) == f"Error ({cls.code}): {error}"  # /ask_batch's status output
     tool = refusal(error)  # the MCP tool
     assert tool.isError and tool.content[0].text == f"{cls.title}: {error}"

@@ -15,7 +15,7 @@ import threading
 import time
 
 import pytest
-from support import door
+from support import door, wait_until
 
 from vlm_demo.backends.engine_client import EngineProcessBackend
 from vlm_demo.config import Config
@@ -90,9 +90,7 @@ def test_a_sticky_device_error_stops_the_engine_and_fails_everything_it_held(eng
     for request in [running, *waiting]:
         with pytest.raises(EngineStoppedError, match="GPU error the process cannot recover from"):
             request.result(timeout=30)
-    deadline = time.monotonic() + 10  # the engine thread reports the ends, then calls on_fatal
-    while not fatal and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_until(lambda: fatal, 10, every=0.01, fail=False)  # the engine thread reports the ends, then calls on_fatal
     assert len(fatal) == 1 and is_fatal_device_error(fatal[0])
     assert not engine.stats().ready
     with pytest.raises(EngineStoppedError, match="illegal memory access"):
@@ -143,9 +141,7 @@ def test_the_engine_process_exits_after_a_sticky_error_and_a_fresh_one_serves(ti
             with pytest.raises(EngineStoppedError, match="GPU error the process cannot recover from"):
                 stream.result(timeout=60)
         assert time.monotonic() - started < 30, "errors, not token timeouts"
-        deadline = time.monotonic() + 90
-        while not (backend.restarts == 1 and backend.health().ready) and time.monotonic() < deadline:
-            time.sleep(0.1)
+        wait_until(lambda: backend.restarts == 1 and backend.health().ready, 90, every=0.1, fail=False)
         assert backend.health().ready and backend.pid != pid
         answer = backend.submit(door(*CASES[0], GREEDY)).result(timeout=60)
         assert "red" in answer.text.split("<CONCLUSION>")[-1]

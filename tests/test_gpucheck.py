@@ -17,7 +17,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from support import ROOT
+from support import ROOT, wait_until
 from transformers import MllamaForConditionalGeneration
 
 from vlm_demo.engine.memory import KVShape
@@ -249,12 +249,8 @@ def test_a_run_stopped_part_way_has_already_written_its_report(tmp_path) -> None
     cmd = [sys.executable, "-m", "vlm_demo.gpucheck", "--device", "cpu", "--model", "narrow", "--json", str(out)]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            report = json.loads(out.read_text()) if out.exists() else {}
-            if "build model" in report.get("stage_s", {}):
-                break
-            time.sleep(0.2)
+        built = lambda: out.exists() and "build model" in json.loads(out.read_text()).get("stage_s", {})  # noqa: E731
+        wait_until(built, 120, every=0.2, fail=False)
         proc.send_signal(signal.SIGKILL)
     finally:
         proc.wait(30)

@@ -130,3 +130,30 @@ def test_the_api_and_mcp_doors_do_not_reach_into_the_pages_handlers() -> None:
                     seen.add(dep)
                     todo.append(dep)
         assert "vlm_demo.web.answers" in seen or door == "vlm_demo.web.openai_wire", door
+
+
+def test_the_engine_keeps_its_rooms_small_and_one_room_owns_the_rows_pages() -> None:
+    """No engine class over 300 lines, no engine function over 60, ``rows.py`` at most 350 lines; and rows'
+    pages are taken, shared and given back by the page table alone (the pool and the image-state cache aside)."""
+    engine = PACKAGE / "engine"
+    big = []
+    for path in engine.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                size, limit = node.end_lineno - node.lineno + 1, 300 if isinstance(node, ast.ClassDef) else 60
+                if size > limit:
+                    big.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} is {size} lines (at most {limit})")
+    assert not big, big
+    assert len((engine / "rows.py").read_text().splitlines()) <= 350
+    owners = {"page_table.py", "pages.py", "image_cache.py"}
+    touching = [
+        f"{path.relative_to(ROOT)}:{node.lineno}"
+        for path in PACKAGE.rglob("*.py")
+        if path.name not in owners
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Attribute)
+        and node.attr in ("take", "share", "release")
+        and isinstance(node.value, ast.Attribute)
+        and node.value.attr == "pool"
+    ]
+    assert not touching, f"pages taken or given back outside the page table: {touching}"

@@ -16,7 +16,6 @@ import os
 import re
 import signal
 import struct
-import time
 import zlib
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -25,7 +24,7 @@ import openai
 import pytest
 import requests
 from PIL import Image
-from support import ended, metric, running_app
+from support import ended, metric, running_app, wait_until
 
 from vlm_demo.models.tiny import solid_image
 
@@ -310,9 +309,7 @@ def test_a_client_that_goes_away_frees_its_model_row(server: str) -> None:
         server + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}, stream=True, timeout=60
     ) as reply:
         next(reply.iter_lines())  # it is running; now hang up
-    deadline = time.monotonic() + 30
-    while ended(server, "cancelled") == cancelled and time.monotonic() < deadline:
-        time.sleep(0.1)
+    wait_until(lambda: ended(server, "cancelled") != cancelled, 30, fail=False)
     assert ended(server, "cancelled") == cancelled + 1, "the abandoned answer kept its model row"
 
 
@@ -418,10 +415,8 @@ def test_an_engine_death_mid_stream_ends_the_stream_with_an_error_event(server: 
     with pytest.raises(openai.APIError, match="stopped unexpectedly"):
         for _ in stream:
             pass
-    deadline = time.monotonic() + 60
-    while requests.get(server + "/health", timeout=10).status_code != 200:
-        assert time.monotonic() < deadline, "the engine did not come back"
-        time.sleep(0.2)
+    healthy = lambda: requests.get(server + "/health", timeout=10).status_code == 200  # noqa: E731
+    wait_until(healthy, 60, every=0.2, what="the engine to come back")
 
 
 def test_with_auth_and_no_key_the_api_is_closed_and_says_how_to_open_it(tiny_dir: str) -> None:

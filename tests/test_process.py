@@ -14,7 +14,7 @@ import sys
 import time
 
 import pytest
-from support import ROOT, door
+from support import ROOT, door, wait_until
 
 from vlm_demo.backends import make_backend
 from vlm_demo.backends.engine_client import EngineProcessBackend
@@ -33,15 +33,6 @@ def backend(tiny_dir: str):
     backend = EngineProcessBackend(Config(model=tiny_dir, model_explicit=True, max_batch_size=4))
     yield backend
     backend.close()
-
-
-def wait_until(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def test_importing_the_page_and_the_triton_client_does_not_import_torch() -> None:
@@ -95,7 +86,7 @@ def test_cancel_crosses_the_boundary_and_frees_the_row(backend) -> None:
     with pytest.raises(RequestCancelledError):
         victim.result(timeout=1)
     assert "red" in neighbour.result(timeout=60).text.split("<CONCLUSION>")[-1]
-    wait_until(lambda: backend.health().engine.running == 0, 10, "the engine to drop the cancelled row")
+    wait_until(lambda: backend.health().engine.running == 0, 10, what="the engine to drop the cancelled row")
     assert backend.health().in_flight == 0
 
 
@@ -104,7 +95,7 @@ def test_queue_position_is_reported_while_waiting(backend) -> None:
     running = [backend.submit(door(solid_image("red", 40, 40), "q", long)) for _ in range(4)]
     waiting = [backend.submit(door(solid_image("blue", 40, 40), "q", long)) for _ in range(2)]
     try:
-        wait_until(lambda: waiting[1].ahead() == 1, 10, "the second waiting request to see one ahead of it")
+        wait_until(lambda: waiting[1].ahead() == 1, 10, what="the second waiting request to see one ahead of it")
         assert waiting[0].ahead() == 0
     finally:
         for stream in running + waiting:
@@ -122,7 +113,7 @@ def test_engine_death_fails_requests_at_once_and_the_engine_comes_back(backend) 
         with pytest.raises(EngineStoppedError, match="stopped unexpectedly .*SIGKILL"):
             stream.result(timeout=10)
     assert time.monotonic() - killed < 10  # errors, not hangs
-    wait_until(lambda: backend.health().ready, 60, "the restarted engine")
+    wait_until(lambda: backend.health().ready, 60, what="the restarted engine")
     assert backend.restarts == restarts + 1 and backend.pid != pid
     answer = backend.submit(door(solid_image("yellow", 50, 50), "What colour is it?", GREEDY)).result(timeout=60)
     assert "yellow" in answer.text.split("<CONCLUSION>")[-1]

@@ -8,13 +8,11 @@ only: in bf16 on a GPU the kernels depend on the batch shape and equality is not
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 import pytest
 import torch
 from PIL import Image
-from support import door
+from support import door, wait_until
 
 from vlm_demo.config import Config
 from vlm_demo.cot import parse_stages
@@ -134,8 +132,7 @@ def test_batched_rows_equal_single_runs_at_real_shapes(worker, references, sampl
     try:
         if batching == "continuous":  # one row runs first; the others join it mid-flight, prefilled together
             first = engine.submit(door(IMAGES[0], CASES[0][1], GREEDY))
-            while len(first.token_ids) < 2:
-                time.sleep(0.01)
+            wait_until(lambda: len(first.token_ids) >= 2, 120, every=0.01, what="the first row's second token")
             with engine.scheduler._cond:  # hold the queue: they arrive at the same step boundary
                 rest = [engine.submit(door(img, q, GREEDY)) for img, (_, q) in zip(IMAGES[1:], CASES[1:], strict=True)]
                 sampled = engine.submit(door(IMAGES[2], CASES[2][1], SAMPLED))

@@ -560,6 +560,8 @@ def test_stopped_server_gives_a_clear_error_quickly_and_leaves_nothing_behind(se
     assert not os.path.exists(workspace), f"PyTriton's workspace {workspace} was left behind"
     stopping = log.split("stopping: unloading the models", 1)
     assert len(stopping) == 2, f"SIGTERM did not start the orderly stop:\n{log[-3000:]}"
+    # every model unloaded by itself: no gRPC stream of ours was left holding one (see transport._finished)
+    assert "still unloading" not in stopping[1], stopping[1][-3000:]
     assert "leaked" not in stopping[1] and "Traceback" not in stopping[1], stopping[1][-3000:]
     assert "Failed to initialize NVML" not in log, log[-3000:]
     expected = log.split('tritonserver will log "CudaDriverHelper has not been initialized"', 1)

@@ -241,14 +241,14 @@ def test_the_status_counts_tokens_and_seconds_while_it_streams_and_uses_plurals(
 
 def test_think_harder_is_offered_only_where_the_backend_can_run_it() -> None:
     from vlm_demo.errors import UnsupportedError
-    from vlm_demo.web.handlers import gr_error
+    from vlm_demo.web.handlers import PageError
 
     backend = ScriptedBackend()
     backend.features = Features(stage_beam=False)
     blocks = DemoUI(Answers(backend, Config(max_batch_size=4), Metrics())).build().blocks.values()  # type: ignore[arg-type]
     by_id = {b.elem_id: b for b in blocks if getattr(b, "elem_id", None)}
     assert by_id["think"].visible is False and by_id["beams"].interactive is False
-    error = gr_error(UnsupportedError("Think harder needs continuous batching; this server runs --batching dynamic."))
+    error = PageError(UnsupportedError("Think harder needs continuous batching; this server runs --batching dynamic."))
     assert error.title == "Not available on this server"
 
 

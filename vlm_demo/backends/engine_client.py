@@ -30,7 +30,7 @@ from vlm_demo.config import Config
 from vlm_demo.engine.ipc import ENGINE_FAILED, Cancel, Fatal, Loading, Ready, Shutdown, Step, Submit
 from vlm_demo.engine.streams import EngineStream, StreamTable
 from vlm_demo.errors import BackendUnavailableError, DemoError, EngineStoppedError, QueueFullError
-from vlm_demo.request import ClientSlots, ValidRequest
+from vlm_demo.request import ValidRequest
 from vlm_demo.results import GenerationResult, LoadProgress
 from vlm_demo.stream import Listener, run_all
 
@@ -75,7 +75,6 @@ class EngineProcessBackend:
         self.messages_received = 0  # engine steps reported (one message each)
         self._ctx = multiprocessing.get_context("spawn")  # never fork a process that may hold CUDA or threads
         self.table = StreamTable(self._cancel)
-        self.clients = ClientSlots(config.max_per_client)
         self._lock = threading.Lock()
         self._send_lock = threading.Lock()
         self._ready = threading.Event()
@@ -106,10 +105,7 @@ class EngineProcessBackend:
                 raise QueueFullError(
                     f"Server busy: {len(self.table)} requests are already in the engine. Please try again shortly."
                 )
-            self.clients.take(request.client)  # refused here, at once (the engine process counts too)
             stream = self.table.open()
-        client = request.client
-        stream.add_done_callback(lambda done: self.clients.give_back(client))
         try:
             self._send(Submit(stream.rid, request))
         except (OSError, ValueError):

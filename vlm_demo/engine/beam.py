@@ -36,8 +36,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from vlm_demo.cot import STAGES, _without_tags, parse_stages
+from vlm_demo.engine.page_table import Snapshot
 from vlm_demo.engine.request import STOP_TEXT, Request
-from vlm_demo.engine.rows import Row, Snapshot
+from vlm_demo.engine.rows import Row
 from vlm_demo.engine.streamer import RowStreamer
 from vlm_demo.engine.structure import GAP, conclusion_reserve
 from vlm_demo.engine.worker import Worker
@@ -189,7 +190,7 @@ class StageBeam:
         written = len(self.tokens) + (len(ahead.ids) if ahead is not None else 0)
         into = self.spec if ahead is not None else self.candidates
         first = len(into) if ahead is not None else self.started
-        params = [self._candidate_params(stage_index, first + i, written) for i in range(rows)]
+        params = [candidate_params(self.params, stage_index, first + i, written) for i in range(rows)]
         stop = f"</{STAGES[stage_index].upper()}>"
         written_ids = (self.tokens + ahead.ids) if ahead is not None else self.tokens
         tail = self.worker.tokenizer.decode(written_ids[-1:]) if written_ids else ""
@@ -283,32 +284,9 @@ class StageBeam:
         return BeamView(tuple(stages), self.phase, self.params.beams, self.judge_calls)
 
     # ---- decisions --------------------------------------------------------------------------------
-    def _candidate_params(self, stage_index: int, index: int, written: int) -> SamplingParams:
-        """Candidate ``index`` of stage ``stage_index``, after ``written`` answer tokens."""
-        p = self.params
-        return replace(
-            p,
-            max_new_tokens=max(1, p.max_new_tokens - written),
-            temperature=p.temperature if p.temperature > 0 else PAPER_TEMPERATURE,
-            top_p=p.top_p if p.temperature > 0 else PAPER_TOP_P,
-            seed=candidate_seed(p.seed or 0, stage_index, index),
-            reasoning="normal",
-        )
-
-    def stage_limit(self) -> int | None:
-        """The tokens a candidate of this stage may take, known once half of the K have closed the stage.
-
-        It depends only on the candidates' lengths, not on when they finished, so a search with all K
-        candidates at once, in waves, or one at a time (``serial_beams``) cuts the same candidates at the
-        same token; when more short ones close later (waves), the limit only goes down.
-        """
-        quorum = (self.params.beams + 1) // 2
-        closed = sorted(len(c.streamer.ids) for c in self.candidates if c.streamer.reached_stop_text)
-        return STRAGGLER_FACTOR * closed[quorum - 1] + STRAGGLER_SLACK if len(closed) >= quorum else None
-
     def _cut_stragglers(self) -> None:
         """Stop candidate rows that can no longer close the stage within the limit (they leave the batch)."""
-        limit = self.stage_limit()
+        limit = stage_limit(self.params.beams, self.candidates)
         if limit is None:
             return
         for candidate in self.candidates:
@@ -318,24 +296,11 @@ class StageBeam:
     def _judge_or_decide(self) -> None:
         """Cut stragglers; keep the candidates that closed the stage on their own (else those the structure
         closed, else any with text); drop repeats; judge the rest."""
-        limit = self.stage_limit()
+        limit = stage_limit(self.params.beams, self.candidates)
         for candidate in self.candidates:
             if limit is not None and candidate.misses(limit):
                 candidate.cut_at = limit
-        pool = (
-            [c for c in self.candidates if c.closed_itself]
-            or [c for c in self.candidates if c.tagged]
-            or [c for c in self.candidates if c.ids]
-            or self.candidates
-        )
-        unique: list[Candidate] = []
-        seen: set[tuple[int, ...]] = set()
-        for candidate in pool:
-            key = tuple(candidate.ids)
-            if key not in seen:
-                seen.add(key)
-                unique.append(candidate)
-        self.contenders = unique
+        self.contenders = unique = contenders(self.candidates)
         if len(unique) == 1:
             self._decide(unique[0])
             return
@@ -353,7 +318,9 @@ class StageBeam:
     def _new_round(self) -> None:
         """Pair the contenders in order (a last odd one goes through) and queue one judge call per pair."""
         pairs = list(zip(self.contenders[0::2], self.contenders[1::2], strict=False))
-        self.judgements = [Judgement(self._judge_request(a, b), a, b) for a, b in pairs]
+        self.judgements = [
+            Judgement(judge_request(self.worker, self.request, self.stage, a, b), a, b) for a, b in pairs
+        ]
         self.queued = list(self.judgements)
         self.judge_calls += len(pairs)
         self.phase = "judging"
@@ -364,13 +331,6 @@ class StageBeam:
             if candidate.snapshot is not None:
                 candidate.snapshot.release()
         self.spec_from, self.spec = None, []
-
-    def _judge_request(self, first: Candidate, second: Candidate) -> JudgeRequest:
-        text = judge_question(self.stage, self.request.question, first.inner(self.stage), second.inner(self.stage))
-        request = JudgeRequest(image=None, question=text, params=SamplingParams(JUDGE_MAX_NEW_TOKENS, 0.0, 1.0, seed=0))
-        request.client, request.image_key = self.request.client, self.request.image_key  # its image states: cached
-        request.inputs = self.worker.prepare_with(self.request.inputs, text)
-        return request
 
     def _after_round(self) -> None:
         winners = [j.winner() for j in self.judgements]
@@ -455,3 +415,52 @@ class StageBeam:
             self.text = self.text[: self.text.index(STOP_TEXT) + len(STOP_TEXT)]
             self.request.text = self.text
         self.request.finish(reason)
+
+
+def candidate_params(p: SamplingParams, stage_index: int, index: int, written: int) -> SamplingParams:
+    """Candidate ``index`` of stage ``stage_index``, after ``written`` answer tokens: its own seed, and the
+    paper's sampling when the visitor asked for greedy answers."""
+    return replace(
+        p,
+        max_new_tokens=max(1, p.max_new_tokens - written),
+        temperature=p.temperature if p.temperature > 0 else PAPER_TEMPERATURE,
+        top_p=p.top_p if p.temperature > 0 else PAPER_TOP_P,
+        seed=candidate_seed(p.seed or 0, stage_index, index),
+        reasoning="normal",
+    )
+
+
+def stage_limit(beams: int, candidates: list[Candidate]) -> int | None:
+    """The tokens a candidate of this stage may take, known once half of the K have closed the stage.
+
+    It depends only on the candidates' lengths, not on when they finished, so a search with all K
+    candidates at once, in waves, or one at a time (``serial_beams``) cuts the same candidates at the
+    same token; when more short ones close later (waves), the limit only goes down.
+    """
+    quorum = (beams + 1) // 2
+    closed = sorted(len(c.streamer.ids) for c in candidates if c.streamer.reached_stop_text)
+    return STRAGGLER_FACTOR * closed[quorum - 1] + STRAGGLER_SLACK if len(closed) >= quorum else None
+
+
+def contenders(candidates: list[Candidate]) -> list[Candidate]:
+    """Who is judged: the candidates that closed the stage on their own (else those the structure closed,
+    else any with text), each distinct answer once."""
+    pool = (
+        [c for c in candidates if c.closed_itself]
+        or [c for c in candidates if c.tagged]
+        or [c for c in candidates if c.ids]
+        or candidates
+    )
+    unique: dict[tuple[int, ...], Candidate] = {}
+    for candidate in pool:
+        unique.setdefault(tuple(candidate.ids), candidate)
+    return list(unique.values())
+
+
+def judge_request(worker: Worker, request: Request, stage: str, first: Candidate, second: Candidate) -> JudgeRequest:
+    """The judge call comparing two candidates' ``stage``, over the visitor's picture (its states come cached)."""
+    text = judge_question(stage, request.question, first.inner(stage), second.inner(stage))
+    judge = JudgeRequest(image=None, question=text, params=SamplingParams(JUDGE_MAX_NEW_TOKENS, 0.0, 1.0, seed=0))
+    judge.client, judge.image_key = request.client, request.image_key
+    judge.inputs = worker.prepare_with(request.inputs, text)
+    return judge

@@ -172,13 +172,10 @@ class ContinuousEngine(Engine):
                 request.reset_progress()
             request.started = request.started or now
         failure: Exception | None = None
-        if self.images is not None:  # pages the newcomers and the next step take are not the cache's
-            pool = self.rows.pool
-            need = sum(pool.shape.row_pages(r.input_tokens + 1, r.tiles) for r in group)
-            self.images.reserve = need + len(self.rows) + len(group)
+        reserve = self.rows.table.cache_reserve(group, len(self.rows))  # not the image-state cache's pages
         try:
             self._failpoint("prefill")
-            prefill = self.worker.prefill(group, self.images)
+            prefill = self.worker.prefill(group, self.images, reserve)
             self.prefills_run += 1
             places = self.rows.place(prefill, list(range(len(group))))
         except Exception as exc:
@@ -199,7 +196,7 @@ class ContinuousEngine(Engine):
         if places is None:  # the pool cannot hold them next to the running rows
             if len(self.rows) or len(group) > 1:
                 return group
-            need = self.rows.pages_for(prefill, 0)
+            need = prefill.pages(self.rows.table, 0)
             self._fail(group[0], OutOfMemoryError(f"This request needs {need} pages of cache; the server has "
                                                   f"{self.rows.pool.pages}. Try a shorter conversation."))  # fmt: skip
             return []

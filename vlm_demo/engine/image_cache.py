@@ -42,7 +42,6 @@ class ImageStates:
         self.bytes = 0
         self.hits = 0
         self.misses = 0
-        self.reserve = 0  # free pages the cache leaves alone (the engine sets it to what newcomers need)
 
     def stats(self) -> dict[str, int]:
         """Its figures for ``EngineStats``."""
@@ -74,8 +73,9 @@ class ImageStates:
         assert self.pool is not None
         return self.pool.load(entry.pages, entry.shape, entry.device)
 
-    def put(self, key: str, states: torch.Tensor) -> None:
-        """Keep ``states`` (a copy) if they fit under the cap, in free pages only (never ones rows need)."""
+    def put(self, key: str, states: torch.Tensor, reserve: int = 0) -> None:
+        """Keep ``states`` (a copy) if they fit under the cap, in free pages only: never the ``reserve`` pages
+        rows need (``PageTable.cache_reserve``)."""
         size = states.numel() * states.element_size()
         if not key or size > self.max_bytes or key in self._entries:
             return
@@ -87,7 +87,7 @@ class ImageStates:
         if on_pool:
             assert pool is not None
             count = math.ceil(states.numel() / pool.page_elements(states.device))
-            pages = pool.take(count) if pool.free_pages - count >= self.reserve else None
+            pages = pool.take(count) if pool.free_pages - count >= reserve else None
             if pages is None:
                 return  # the rows hold or need the pages: not remembered
             pool.store(pages, states)

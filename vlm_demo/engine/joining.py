@@ -2,7 +2,7 @@
 its snapshot; and how each step's sampled tokens become the rows' committed ones.
 
 A newcomer's cache is written into fresh pages (``RunningRows.place``); a candidate shares its snapshot's
-pages (``RunningRows.fork``). Either way the row's first token is committed here: drawn from the prompt's
+pages (``PageTable.fork``). Either way the row's first token is committed here: drawn from the prompt's
 logits (the stage structure may replace it), or, for a row resuming after it was handed back, the last
 token it wrote, its draw counter where it was. What joins when is the scheduler's plan; what to do when a
 prefill fails is the engine's.
@@ -14,8 +14,10 @@ import numpy as np
 import torch
 
 from vlm_demo.engine.beam import StageBeam
+from vlm_demo.engine.page_table import Placement
+from vlm_demo.engine.prefill import Prefill
 from vlm_demo.engine.request import Request
-from vlm_demo.engine.rows import Placement, Prefill, Row, RunningRows
+from vlm_demo.engine.rows import Row, RunningRows
 from vlm_demo.engine.sampler import RowSampling
 from vlm_demo.engine.streamer import RowStreamer, commit_tokens
 from vlm_demo.engine.worker import Worker
@@ -45,7 +47,7 @@ class Joiner:
     def fork(self, search: StageBeam, count: int) -> None:
         """``count`` candidate rows of a search, sharing its start's pages (the plan kept a page for each)."""
         base, rows, params, own_first = search.fork(count)
-        places = self.rows.fork(base, count)
+        places = self.rows.table.fork(base, count)
         assert places is not None, "the plan keeps a page for each candidate"
         sampling = self.sampling(params)
         if own_first:  # drawn from the prompt's logits: the candidates' first tokens
@@ -69,7 +71,7 @@ class Joiner:
         joining = [i for i, r in enumerate(group) if r.params.reasoning != STAGE_BEAM]
         for i, request in enumerate(group):
             if i not in joining:
-                start = self.rows.keep_aside(places[i], prefill.logits[i : i + 1].clone())
+                start = self.rows.table.keep_aside(places[i], prefill.logits[i : i + 1].clone())
                 request.beam = search = StageBeam(request, start, self.worker, self.structured)
                 searches.append(search)
         if joining:

@@ -225,6 +225,20 @@ class _Ticker:
         return time.monotonic() - self.started
 
 
+def from_pretrained_kwargs(config: Any, dev: str, dtype: torch.dtype, kind: str) -> dict[str, Any]:
+    """``from_pretrained``'s dtype, placement on the GPUs and quantization for this device and format."""
+    cuda = dev.startswith("cuda")
+    kwargs: dict[str, Any] = {"dtype": dtype}
+    if cuda:
+        weights = placement.weight_bytes(config, dtype, kind)
+        kwargs.update(placement.load_kwargs(dev, weights, placement.visible_gpus(), dtype))
+    if kind != "none":
+        kwargs["quantization_config"] = quantization.load_config(placement.meta_model(config), kind, cuda)
+        if not cuda and kind == "fp8":
+            log.info("--quantize fp8 on CPU: FP8 weights, activations in %s (dynamic FP8 needs a GPU)", dtype)
+    return kwargs
+
+
 def load(
     model: str,
     device: str = "auto",
@@ -255,14 +269,7 @@ def load(
         # Small matmuls gain nothing from threads, and OpenMP threads that spin-wait for a
         # descheduled sibling make every step many times slower on a shared machine.
         torch.set_num_threads(cpu_threads)
-    kwargs: dict[str, Any] = {"dtype": torch_dtype}
-    if cuda:
-        weights = placement.weight_bytes(config, torch_dtype, kind)
-        kwargs.update(placement.load_kwargs(dev, weights, placement.visible_gpus(), torch_dtype))
-    if kind != "none":
-        kwargs["quantization_config"] = quantization.load_config(placement.meta_model(config), kind, cuda)
-        if not cuda and kind == "fp8":
-            log.info("--quantize fp8 on CPU: FP8 weights, activations in %s (dynamic FP8 needs a GPU)", torch_dtype)
+    kwargs = from_pretrained_kwargs(config, dev, torch_dtype, kind)
     where = f"{dev}" if kind == "none" else f"{dev} as {kind} weights"
     ticker = _Ticker(progress, f"loading {model} onto {where}", last_load_seconds(model, where))
     try:

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from vlm_demo.config import Config
-from vlm_demo.engine.pages import PageShape
+from vlm_demo.engine.pages import CPU_PAGE_TOKENS, PageShape
 from vlm_demo.engine.placement import LOAD_MARGIN
 from vlm_demo.engine.worker import Worker
 from vlm_demo.errors import ModelLoadError
@@ -51,14 +51,10 @@ class KVShape:
 
     @classmethod
     def of(cls, config: Any, dtype: torch.dtype) -> KVShape:
-        text, vision = config.get_text_config(), config.vision_config
-        cross = len(text.cross_attention_layers)
-        self_layers = text.num_hidden_layers - cross
-        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-        per_layer_token = 2 * text.num_key_value_heads * head_dim * dtype.itemsize  # keys and values
-        patches = (vision.image_size // vision.patch_size) ** 2 + 1  # + the class token
-        tile = cross * per_layer_token * patches
-        return cls(self_layers * per_layer_token, tile * vision.max_num_tiles, tile)
+        """From the model's config, by the page pool's own geometry (:class:`~vlm_demo.engine.pages.PageShape`)."""
+        shape = PageShape.of(config, dtype, CPU_PAGE_TOKENS)  # the page size does not change a token's bytes
+        tile = shape.image_bytes_per_token * shape.patches
+        return cls(shape.text_bytes_per_token, tile * shape.max_tiles, tile)
 
     def batch_bytes(self, rows: int, length: int, tiles: int | None = None) -> int:
         """``rows`` rows of ``length`` tokens each, with pictures of ``tiles`` tiles (default: every tile)."""
@@ -136,6 +132,26 @@ def most_precise_that_fits(weights: dict[str, int], kv: KVShape, free: int, tota
     return best, rows[best]
 
 
+def _budget(kv: KVShape, config: Config, cuda: bool, free: int, total: int) -> tuple[int, str]:
+    """The KV budget in bytes and where it came from: ``--kv-budget-gb``, else what the GPU has free after
+    loading beside its working memory (an error when not even one answer fits), else none (the CPU)."""
+    if config.kv_budget_gb > 0:
+        return int(config.kv_budget_gb * GiB), "--kv-budget-gb"
+    if not cuda:
+        return 0, "CPU: no budget"
+    reserve = activation_reserve(total)
+    if rows_that_fit(kv, free, total, config.max_new_tokens) < 1:
+        one_row = row_bytes(kv, config.max_new_tokens)
+        raise ModelLoadError(
+            f"After loading, the GPU has {free / GiB:.1f} GiB free, not enough for even one answer of "
+            f"{config.max_new_tokens} tokens ({one_row / GiB:.2f} GiB of cache) next to "
+            f"{reserve / GiB:.1f} GiB of working memory: use a bigger GPU, fewer bits per "
+            f"weight (--quantize int8 or int4; python -m vlm_demo.tools.fit says what fits), or a lower "
+            f"--max-new-tokens."
+        )
+    return free - reserve, f"{free / GiB:.1f} GiB free on the GPU after loading, {reserve / GiB:.1f} GiB reserved"
+
+
 def plan(
     kv: KVShape,
     config: Config,
@@ -151,23 +167,7 @@ def plan(
     row_tokens = config.max_new_tokens + PROMPT_TOKENS
     one_row = row_bytes(kv, config.max_new_tokens)  # a four-tile picture: the most one answer can need
     small_row = kv.batch_bytes(1, row_tokens, tiles=1) if kv.bytes_per_tile else one_row
-    if config.kv_budget_gb > 0:
-        budget, source = int(config.kv_budget_gb * GiB), "--kv-budget-gb"
-    elif cuda:
-        budget = free - activation_reserve(total)
-        source = (
-            f"{free / GiB:.1f} GiB free on the GPU after loading, {activation_reserve(total) / GiB:.1f} GiB reserved"
-        )
-        if rows_that_fit(kv, free, total, config.max_new_tokens) < 1:
-            raise ModelLoadError(
-                f"After loading, the GPU has {free / GiB:.1f} GiB free, not enough for even one answer of "
-                f"{config.max_new_tokens} tokens ({one_row / GiB:.2f} GiB of cache) next to "
-                f"{activation_reserve(total) / GiB:.1f} GiB of working memory: use a bigger GPU, fewer bits per "
-                f"weight (--quantize int8 or int4; python -m vlm_demo.tools.fit says what fits), or a lower "
-                f"--max-new-tokens."
-            )
-    else:
-        budget, source = 0, "CPU: no budget"
+    budget, source = _budget(kv, config, cuda, free, total)
     if config.max_batch_size > 0:
         rows = config.max_batch_size
         if budget and rows * one_row > budget:

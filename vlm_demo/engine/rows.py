@@ -1,10 +1,9 @@
-"""The running rows: who takes part in the next decode step, where each one's cache lives, and the step's inputs.
+"""The running batch: the rows of the next decode step, their next input tokens and their sampling state.
 
-Every row owns pages of the pool (:mod:`~vlm_demo.engine.pages`): text pages for its tokens, image pages
-for the states of the tiles it sees. A newcomer's prefill (left-padded among the newcomers only) is
-written into fresh pages; a leaver gives its pages back; a Think-harder candidate shares its start's
-pages and copies at most one partly filled page. The rows' order in the step is a list on the host;
-their keys and values never move.
+Each row's cache is a :class:`~vlm_demo.engine.page_table.Placement` the page table keeps
+(:mod:`~vlm_demo.engine.page_table`): rows join with pages already written (a newcomer's prefill, a
+Think-harder candidate's fork), leave by giving theirs back, and nothing else's keys and values move. The
+rows' order in the step is a list on the host.
 
 The step's inputs are built on the host from the rows' page lists and lengths (no device reads) — what
 the attention reads by the attention kernel itself (:mod:`~vlm_demo.engine.attention`) — and sent in one
@@ -16,13 +15,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 import numpy as np
 import torch
 
+import vlm_demo.engine.prefill as prefill_pages
 from vlm_demo.engine.attention import VERSIONS, Layout, PagedAttention, StepRows
+from vlm_demo.engine.page_table import PageTable, Placement, Snapshot
 from vlm_demo.engine.pages import PagePool
+from vlm_demo.engine.prefill import Prefill
 from vlm_demo.engine.request import Request
 from vlm_demo.engine.sampler import RowSampling
 from vlm_demo.engine.scheduler import Room, RowState
@@ -42,17 +44,6 @@ class CandidateOwner(Protocol):
 
 
 @dataclass(eq=False)
-class Placement:
-    """Where one row's cache is: its pages (the last one may be partly filled) and its image pages."""
-
-    pages: list[int]
-    length: int  # tokens in its text pages (= the position of its next input)
-    image_pages: list[int]
-    tiles: int  # tiles whose image states it holds
-    sees_image: bool  # False: no tile is visible (the model then attends evenly to all, and skips the MLP)
-
-
-@dataclass(eq=False)
 class Row:
     """One request while it is in the running batch."""
 
@@ -61,40 +52,6 @@ class Row:
     beam: CandidateOwner | None = None  # set for a stage-beam candidate
     place: Placement | None = None
     written: int = 0  # how many of its answer's tokens its pages hold (as of its last step)
-
-
-@dataclass
-class Prefill:
-    """Newcomers prefilled together (``Worker.prefill``): left-padded among themselves, as a dynamic batch."""
-
-    cache: Any  # transformers DynamicCache: [n, kv heads, L, dim] per self layer, every tile's states per cross layer
-    logits: torch.Tensor  # [n, vocab] float32 at each row's last prompt position
-    attention_mask: torch.Tensor  # [n, L] bool, False for left padding
-    lengths: list[int]  # each row's real prompt tokens
-    tiles: torch.Tensor  # [n, max tiles] bool (host): the tiles each row's next token sees
-
-
-@dataclass(eq=False)
-class Snapshot:
-    """A row's cache kept aside (a Think-harder search's start or a stage's winner): shared pages, no copy.
-
-    The holder must ``release`` it. ``logits`` (after a prefill) or ``next_token`` (after a step) is what
-    its forks continue from."""
-
-    place: Placement
-    pool: PagePool
-    logits: torch.Tensor | None = None  # [1, vocab]
-    next_token: torch.Tensor | None = None  # [1]
-    released: bool = False
-
-    @property
-    def length(self) -> int:
-        return self.place.length
-
-    def release(self) -> None:
-        if not self.released:
-            self.released = True
-            self.pool.release(self.place.pages + self.place.image_pages)
 
 
 @dataclass
@@ -115,6 +72,7 @@ class RunningRows:
     def __init__(self, pool: PagePool, attention: PagedAttention, device: torch.device, dtype: torch.dtype) -> None:
         self.pool = pool
         self.shape = pool.shape
+        self.table = PageTable(pool)
         self.attention = attention
         self.device = device
         self.dtype = dtype
@@ -126,7 +84,6 @@ class RunningRows:
         # who the rows are: a new number whenever rows join or leave (the attention's kept inputs follow it)
         self.version = next(VERSIONS)
         # Byte counters (the metrics of the same names).
-        self.copied_bytes = 0  # keys/values moved because rows joined, left or were preempted
         self.written_bytes = 0  # keys/values written for generated tokens
         self.read_bytes = 0  # keys/values and image states the decode steps' attention read
         self.live_bytes = 0  # the rows' own tokens and tiles among those
@@ -148,7 +105,7 @@ class RunningRows:
             "kv_pages": pool.pages,
             "kv_pages_free": pool.free_pages,
             "kv_page_bytes": self.shape.page_bytes,
-            "kv_copied_bytes": self.copied_bytes,
+            "kv_copied_bytes": self.table.copied_bytes,  # rows joining, leaving or handed back copy nothing
             "kv_written_bytes": self.written_bytes,
             "attention_read_bytes": self.read_bytes,
             "attention_live_bytes": self.live_bytes,
@@ -157,23 +114,16 @@ class RunningRows:
     # ---- what the plan sees ----------------------------------------------------------------------
     def room(self, rows_allowed: int, cache_pages: int, token_budget: int) -> Room:
         """The batch's room at this boundary (``cache_pages``: what the image-state cache can give back)."""
-        shape = self.shape
-
-        def pages_for(request: Request) -> int:
-            return shape.row_pages(request.input_tokens + 1, request.tiles)
-
         free, needed = self.pool.free_pages, self.pages_needed()
-        return Room(
-            len(self.rows), rows_allowed, free, cache_pages, needed, pages_for, self.cached_tokens, token_budget
-        )
+        return Room(len(self.rows), rows_allowed, free, cache_pages, needed, self.table.newcomer_pages,
+                    self.cached_tokens, token_budget)  # fmt: skip
 
     def states(self) -> list[RowState]:
         """Each row as the plan weighs it: whose it is, what it wrote, whether it may be handed back, and
         the pages it would give back (counted if the plan asks: that walks its page list)."""
-        owners = self.pool.owners
 
         def own(place: Placement | None) -> Callable[[], int]:
-            return lambda: sum(owners(p) == 1 for p in place.pages + place.image_pages) if place else 0
+            return lambda: self.table.owned(place)
 
         return [
             RowState(
@@ -187,98 +137,26 @@ class RunningRows:
 
     def beyond(self, pages: int) -> list[Row]:
         """The newest rows that need a page for their next token, past the first ``pages`` of them."""
-        page = self.shape.page_tokens
-        needing = [r for r in self.rows if r.place is not None and r.place.length == page * len(r.place.pages)]
-        return needing[pages:]
+        return [r for r in self.rows if r.place is not None and self.table.opens_page(r.place)][pages:]
+
+    def pages_needed(self) -> int:
+        """Pages the next step takes: one for each row whose new token opens a page."""
+        return self.table.growth([row.place for row in self.rows])
 
     # ---- placing caches ------------------------------------------------------------------------
-    def pages_for(self, prefill: Prefill, index: int) -> int:
-        tiles = int(prefill.tiles[index].sum()) or prefill.tiles.shape[1]
-        return self.shape.row_pages(prefill.lengths[index], tiles)
-
     def place(self, prefill: Prefill, index: list[int]) -> list[Placement] | None:
         """Write rows ``index`` of a prefill into fresh pages (``None``, nothing taken, when too few are free)."""
-        if sum(self.pages_for(prefill, i) for i in index) > self.pool.free_pages:
-            return None
-        s = self.shape
-        places, text, image = [], [], []
-        width, tiles_max = prefill.attention_mask.shape[1], prefill.tiles.shape[1]
-        text_source, tile_source = [], []
-        for j, i in enumerate(index):
-            length, seen = prefill.lengths[i], prefill.tiles[i]
-            shown = np.nonzero(seen.numpy())[0] if bool(seen.any()) else np.arange(tiles_max)
-            place = Placement(self.pool.take(s.text_pages(length)) or [], length, [], len(shown), bool(seen.any()))
-            place.image_pages = self.pool.take(s.image_pages(place.tiles * s.patches)) or []
-            text.append(_addresses(place.pages, length, s.page_tokens))
-            image.append(_addresses(place.image_pages, place.tiles * s.patches, s.image_page_tokens))
-            text_source.append(j * width + np.arange(width - length, width))  # its real (right-aligned) tokens
-            tile_source.append(j * tiles_max + shown)
-            places.append(place)
-        where = [np.concatenate(text, axis=1), np.concatenate(image, axis=1), np.concatenate(text_source),
-                 np.concatenate(tile_source)]  # fmt: skip
-        self._write_prefill(prefill, index, where)
-        return places
-
-    def _write_prefill(self, prefill: Prefill, index: list[int], where: list[np.ndarray]) -> None:
-        """Every layer's keys/values of those rows into their pages: real tokens only, seen tiles only."""
-        sent: dict[str, list[torch.Tensor]] = {}
-        rows = np.asarray(index, dtype=np.int64)
-        for layer, cached in enumerate(prefill.cache.layers):
-            device = cached.keys.device
-            if str(device) not in sent:
-                staging = self.staging if device == self.device else Staging(device)
-                sent[str(device)] = staging.send([rows, *where])
-            picked, text, image, text_source, tile_source = sent[str(device)]
-            cross = layer in self.shape.cross_layers
-            target = image if cross else text
-            pool_device = self.pool.keys[layer].device
-            keys, values = (
-                _tokens(
-                    t.index_select(0, picked), tile_source if cross else text_source, self.shape.patches if cross else 0
-                ).to(pool_device, self.dtype)
-                for t in (cached.keys, cached.values)
-            )
-            self.pool.write(layer, (target[0].to(pool_device), target[1].to(pool_device)), keys, values)
-
-    def fork(self, snapshot: Snapshot, count: int) -> list[Placement] | None:
-        """``count`` rows continuing from a snapshot: its full pages and image pages shared, its partly filled
-        last page copied into a page of each row's own (``None`` when the pool lacks those pages)."""
-        base = snapshot.place
-        partial = base.length % self.shape.page_tokens
-        if partial and count > self.pool.free_pages:
-            return None
-        places = []
-        for _ in range(count):
-            full = base.pages[:-1] if partial else list(base.pages)
-            self.pool.share(full + base.image_pages)
-            pages = full
-            if partial:
-                own = self.pool.take(1)
-                assert own is not None
-                self.pool.copy_page(base.pages[-1], own[0], partial, text=True)
-                self.copied_bytes += partial * self.shape.text_bytes_per_token
-                pages = full + own
-            places.append(Placement(pages, base.length, list(base.image_pages), base.tiles, base.sees_image))
-        return places
+        return prefill_pages.place(self.table, self.staging, self.dtype, prefill, index)
 
     def snapshot(self, index: int) -> Snapshot:
         """Row ``index``'s cache kept aside (its pages shared) up to its answer's last token, which is the
         snapshot's next input — whether or not a step already wrote it (the engine runs a step ahead of
         rendering text, so a row that ends at its stop text was often in one more step)."""
         row = self.rows[index]
-        place = row.place
-        assert place is not None and row.streamer.ids
+        assert row.place is not None and row.streamer.ids
         ids = row.streamer.ids
-        length = place.length - row.written + len(ids) - 1
-        pages = place.pages[: -(-length // self.shape.page_tokens)]
-        kept = Placement(list(pages), length, list(place.image_pages), place.tiles, place.sees_image)
-        self.pool.share(kept.pages + kept.image_pages)
         (last,) = self.staging.send([np.asarray([ids[-1]], dtype=np.int64)], persist=True)
-        return Snapshot(kept, self.pool, next_token=last)
-
-    def keep_aside(self, place: Placement, logits: torch.Tensor | None) -> Snapshot:
-        """A placement nobody runs yet (a search's prompt) as a snapshot: the pages are handed over, not shared."""
-        return Snapshot(place, self.pool, logits=logits)
+        return self.table.snapshot(row.place, row.place.length - row.written + len(ids) - 1, last)
 
     # ---- joining and leaving -------------------------------------------------------------------
     def join(self, rows: list[Row], places: list[Placement], first_tokens: torch.Tensor, sampling: RowSampling) -> None:
@@ -303,7 +181,7 @@ class RunningRows:
         kept = set(keep)
         for i, row in enumerate(self.rows):
             if i not in kept and row.place is not None:
-                self.pool.release(row.place.pages + row.place.image_pages)
+                self.table.release(row.place)
                 row.place = None
         self.version = next(VERSIONS)
         if not keep:
@@ -316,11 +194,6 @@ class RunningRows:
         self.rows = [self.rows[i] for i in keep]
 
     # ---- the step ------------------------------------------------------------------------------
-    def pages_needed(self) -> int:
-        """Pages the next step takes: one for each row whose new token opens a page."""
-        page = self.shape.page_tokens
-        return sum(1 for row in self.rows if row.place is not None and row.place.length == page * len(row.place.pages))
-
     def step_inputs(self, pad_to: int | None = None) -> StepInputs:
         """The next step's inputs: every row writes its next token at position ``length`` (taking a page
         when it opens one; the plan made sure enough are free) and attends to ``length + 1`` tokens. With
@@ -328,25 +201,18 @@ class RunningRows:
         pages and read only those. The attention kernel builds what it reads from the rows' pages (and may run
         the rows in another order: its layout then says where each one went)."""
         s, page = self.shape, self.shape.page_tokens
-        places: list[Any] = [row.place for row in self.rows]
+        places: list[Placement] = [row.place for row in self.rows]  # type: ignore[misc]
         for row in self.rows:
             if row.streamer is not None:
                 row.written = len(row.streamer.ids)  # the step writes its next input: its newest token
-        for place in places:
-            assert place is not None
-            if place.length == page * len(place.pages):
-                taken = self.pool.take(1)
-                if taken is None:
-                    raise RuntimeError("no free page for the next token (the plan should have made room)")
-                place.pages += taken
+        self.table.grow(places)
         real = len(places)
         n = max(real, pad_to or 0)
         order = self.attention.order(places, n, self.version, self.staging)
         if order is not None:
             places = [places[i] for i in order.rank]
         if n > real:
-            null = self.pool.null_pages()
-            places += [Placement(null[:1], 0, null[1:], 1, False) for _ in range(n - real)]
+            places += self.table.inert(n - real)
         lengths = np.fromiter((p.length for p in places), dtype=np.int64, count=n)
         write_pages = np.fromiter((p.pages[-1] for p in places), dtype=np.int64, count=n)  # the new token's page
         step = StepRows(places, real, lengths, self.version, self.staging, order.restore if order else None)
@@ -362,7 +228,7 @@ class RunningRows:
             tokens = torch.cat([tokens, tokens.new_zeros(n - real)])
         return StepInputs(tokens, positions, w_pages, w_offsets, self._row_mask(places), layout)
 
-    def _row_mask(self, places: list[Any]) -> torch.Tensor:
+    def _row_mask(self, places: list[Placement]) -> torch.Tensor:
         """``[rows]`` of the model's dtype: 0 for a row that sees no tile (kept while the rows stay)."""
         key = (self.version, len(places))
         if self._mask is None or self._mask[0] != key:
@@ -386,19 +252,3 @@ class RunningRows:
             [np.asarray(list(tokens), np.int64), np.asarray(list(tokens.values()), np.int64)]
         )
         self.next_tokens = self.next_tokens.index_copy(0, index, values.to(self.next_tokens.dtype))
-
-
-def _tokens(cached: torch.Tensor, source: torch.Tensor, patches: int) -> torch.Tensor:
-    """``[rows, heads, L, dim]`` cached keys or values -> ``[tokens, heads, dim]``: the ``source`` tokens (flat
-    row-major indices), or with ``patches`` the ``source`` tiles' tokens (image states: ``L`` = tiles × patches)."""
-    rows, heads, _, dim = cached.shape
-    if patches:
-        tiles = cached.view(rows, heads, -1, patches, dim).permute(0, 2, 3, 1, 4).reshape(-1, patches, heads, dim)
-        return tiles.index_select(0, source).reshape(-1, heads, dim)
-    return cached.transpose(1, 2).reshape(-1, heads, dim).index_select(0, source)
-
-
-def _addresses(pages: list[int], tokens: int, per_page: int) -> np.ndarray:
-    """``[2, tokens]``: the page and offset of each of a row's first ``tokens`` tokens."""
-    at = np.arange(tokens)
-    return np.stack([np.asarray(pages, dtype=np.int64)[at // per_page], at % per_page])

@@ -18,8 +18,9 @@ from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteria
 
 from vlm_demo.engine.decode_step import TextDecodeStep
 from vlm_demo.engine.image_cache import ImageStates
+from vlm_demo.engine.prefill import Prefill
 from vlm_demo.engine.request import Request
-from vlm_demo.engine.rows import Prefill, StepInputs
+from vlm_demo.engine.rows import StepInputs
 from vlm_demo.engine.sampler import RowSampler, RowSampling
 from vlm_demo.engine.streamer import BatchStreamer, RowStreamer, ScoresTap
 from vlm_demo.engine.structure import StageGrammar, StageTracker
@@ -178,12 +179,13 @@ class Worker:
         return frozenset(self.model.config.get_text_config().cross_attention_layers)
 
     @torch.inference_mode()
-    def prefill(self, requests: list[Request], images: ImageStates | None = None) -> Prefill:
+    def prefill(self, requests: list[Request], images: ImageStates | None = None, reserve: int = 0) -> Prefill:
         """Continuous mode: run newcomers' images and prompts together, left-padded like a dynamic
         batch (positions counted from each row's first real token, as ``generate`` does); return
         their cache, last logits and which tiles each row sees, ready to be written into pages. With
         ``images`` the vision tower runs only for pictures it does not hold (each once, however many
-        rows show it)."""
+        rows show it); the cache keeps what it encoded in free pages beyond the ``reserve`` the page table
+        holds back for these rows."""
         batch = collate([r.prefill_inputs() for r in requests], self.pad_id)
         tiles = batch["cross_attention_mask"][:, -1].reshape(len(requests), -1) > 0  # host side: what decoding sees
         inputs = self.to_device(batch)
@@ -195,14 +197,14 @@ class Worker:
             inputs["position_ids"] = (inputs["attention_mask"].long().cumsum(-1) - 1).masked_fill(~mask, 0)
         if images is not None:
             image_inputs = {key: inputs.pop(key) for key in ("pixel_values", "aspect_ratio_ids", "aspect_ratio_mask")}
-            inputs["cross_attention_states"] = self._vision_states(requests, image_inputs, images)
+            inputs["cross_attention_states"] = self._vision_states(requests, image_inputs, images, reserve)
         else:
             self.vision_encodes += len(requests)
         out = self.model(**inputs, use_cache=True, logits_to_keep=1)
         return Prefill(out.cache, out.logits[:, -1].float(), mask, lengths, tiles)
 
     def _vision_states(
-        self, requests: list[Request], image_inputs: dict[str, torch.Tensor], images: ImageStates
+        self, requests: list[Request], image_inputs: dict[str, torch.Tensor], images: ImageStates, reserve: int
     ) -> torch.Tensor:
         """Every row's projected vision states, from the cache or from one vision-tower pass over the
         distinct pictures it lacks (which it then keeps)."""
@@ -223,7 +225,7 @@ class Worker:
             per_row = encoded.shape[0] // len(missing)
             for i, key in enumerate(missing):
                 found[key] = encoded[i * per_row : (i + 1) * per_row]
-                images.put(requests[missing[key]].image_key, found[key])
+                images.put(requests[missing[key]].image_key, found[key], reserve)
             self.vision_encodes += len(missing)
         return torch.cat([found[r.image_key or f"row-{row}"] for row, r in enumerate(requests)], dim=0)
 

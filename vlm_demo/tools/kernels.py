@@ -82,17 +82,15 @@ def synthetic_rows(decoder: Any, rows: int, device: torch.device, length: int = 
     """``rows`` running rows over the decoder's pool, each ``length`` tokens in and a one-tile picture (whatever the
     pages hold: for counting and timing steps, not for answers)."""
     from vlm_demo.engine.request import Request
-    from vlm_demo.engine.rows import Placement, Row, RunningRows
+    from vlm_demo.engine.rows import Row, RunningRows
     from vlm_demo.request import SamplingParams
 
     running = RunningRows(decoder.pool, decoder.attention, device, dtype)
-    shape = decoder.pool.shape
-    for _ in range(rows):
+    places = running.table.allocate([length + 1] * rows, [1] * rows, [True] * rows)  # room for the next token
+    assert places is not None, "the pool is too small for these rows"
+    for place in places:
+        place.length = length
         request = Request(image=None, question="", params=SamplingParams(8, 0.0))
-        pages = decoder.pool.take(shape.text_pages(length + 1) + shape.image_pages(shape.patches))
-        assert pages is not None, "the pool is too small for these rows"
-        text = shape.text_pages(length + 1)
-        place = Placement(pages[:text], length, pages[text:], 1, True)
         running.rows.append(Row(request, None, place=place))  # type: ignore[arg-type]
     running.next_tokens = torch.zeros(rows, dtype=torch.long, device=device)
     return running

@@ -408,9 +408,10 @@ def run_until_stopped(triton: Any, address: str, models: Sequence[str], token: s
     removes its workspace (``~/.cache/pytriton/workspace_*``). Answers still running after ``ANSWERS_GRACE_S``
     (PyTriton does not tell a model that a client hung up, so a gone client's answer runs to its end) are
     ended through ``overdue``. ``idle`` says whether none of our answers is running: an unload Triton still has
-    not finished ``IDLE_GIVE_UP_S`` after that (a request it never released, seen under load after clients hung
-    up mid-stream) is not waited for. SIGINT is handled too: a server started in the background has it ignored
-    otherwise."""
+    not finished ``IDLE_GIVE_UP_S`` after that is not waited for: tritonserver before 2.57 leaks a gRPC stream's
+    state, and with it its hold on the model, when the client cancels the stream between its final response
+    and its end (server#8078; our own client lets such streams end, other clients may not). SIGINT is handled
+    too: a server started in the background has it ignored otherwise."""
     stopping = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stopping.set())
@@ -455,7 +456,7 @@ def unload_models(
                 idle_since = idle_since or time.monotonic()
                 if time.monotonic() - idle_since >= IDLE_GIVE_UP_S:
                     log.warning("Triton is still unloading %.0f s after our last answer ended: stopping it anyway "
-                                "(a request it did not release; ours are all done)", IDLE_GIVE_UP_S)  # fmt: skip
+                                "(a client's stream it did not release; ours are all done)", IDLE_GIVE_UP_S)  # fmt: skip
                     return False
             else:
                 idle_since = None

@@ -40,7 +40,7 @@ from vlm_demo.results import GenerationResult
 from vlm_demo.web.answers import PAGE, Answers, client_id
 from vlm_demo.web.contract import Outputs
 from vlm_demo.web.conversation import Conversation
-from vlm_demo.web.render import error_status, for_visitor, progress, render, retry_helps, searched_beams
+from vlm_demo.web.render import error_status, for_visitor, progress, render, searched_beams
 
 log = logging.getLogger(__name__)
 
@@ -75,9 +75,13 @@ def client_of(request: gr.Request | None) -> str:
     return client_id(request.client.host if request.client is not None else "", request.session_hash)
 
 
-def gr_error(error: DemoError) -> gr.Error:
-    expected = error.code != GenerationError.code  # the rest are logged where they happen, or are the visitor's
-    return gr.Error(str(error), title=error.title, print_exception=not expected)
+class PageError(gr.Error):
+    """A :class:`~vlm_demo.errors.DemoError` as Gradio shows it, still saying whether Retry can help."""
+
+    def __init__(self, error: DemoError) -> None:
+        expected = error.code != GenerationError.code  # the rest are logged where they happen, or are the visitor's
+        super().__init__(str(error), title=error.title, print_exception=not expected)
+        self.retry_helps = error.retry_helps
 
 
 class Handlers:
@@ -162,7 +166,7 @@ class Handlers:
                     yield (*update, gr.skip() if asked is sent else asked)
                     sent = asked
         except gr.Error as err:
-            if not retry_helps(err.title):  # the input must change first: nothing for Retry to ask again
+            if isinstance(err, PageError) and not err.retry_helps:  # the input must change first: no Retry
                 asked = talk.unfinished("")
             yield (*render(seen.raw, f"⚠ {err.title}: {err.message}", final=True, ended="error"), asked)
 
@@ -178,7 +182,7 @@ class Handlers:
         try:
             stream = await self.answers.start(admit, client_of(request))
         except DemoError as err:
-            raise gr_error(self.for_visitor(err)) from None
+            raise PageError(self.for_visitor(err)) from None
         beams = searched_beams(admitted[-1].params)  # candidates per stage, for the status line
         session = (request.session_hash if request is not None else None) or f"anonymous-{id(stream)}"
         started = time.monotonic()
@@ -207,7 +211,7 @@ class Handlers:
             yield render(raw, stopped, final=True, view=view, ended="cancelled")
             return
         except DemoError as err:  # failed mid-answer: what was streamed stays in the panels
-            raise gr_error(self.for_visitor(err)) from None
+            raise PageError(self.for_visitor(err)) from None
         if seen is not None:
             seen.result = result
         yield render(result.text, final=True, result=result, view=result.beam or stream.beam_view(), beams=beams)

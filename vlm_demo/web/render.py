@@ -10,7 +10,7 @@ from __future__ import annotations
 import html
 
 from vlm_demo.cot import STAGES, Stages, parse_stages
-from vlm_demo.errors import BY_CODE, DemoError
+from vlm_demo.errors import DemoError
 from vlm_demo.prompt import Turn
 from vlm_demo.request import STAGE_BEAM, SamplingParams
 from vlm_demo.results import BeamView, GenerationResult, StageChoice
@@ -22,11 +22,6 @@ def for_visitor(error: DemoError, remote: bool) -> DemoError:
     (``DemoError.remote_words``; same class, so the code and title stay); anything else as it is."""
     plain = error.remote_words if remote else ""
     return type(error)(plain) if plain and str(error) != plain else error
-
-
-def retry_helps(title: str) -> bool:
-    """Whether asking again can end differently after an error shown under ``title`` (not after an input error)."""
-    return title not in {cls.title for cls in BY_CODE.values() if not cls.retry_helps}
 
 
 MARKS = {"active": " ●", "done": " ✓", "cut": " ✂ cut", "stopped": " ■ stopped", "todo": ""}

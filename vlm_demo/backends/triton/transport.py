@@ -28,6 +28,8 @@ from vlm_demo.backends.triton.remote import Endpoint
 from vlm_demo.errors import GenerationError
 from vlm_demo.triton.contract import error_from_text
 
+STREAM_END_WAIT_S = 2.0  # how long a stream whose final response came may take the server to end it
+
 
 class Response(Protocol):
     """A Triton response, as both clients' ``InferResult`` read it."""
@@ -160,6 +162,7 @@ class GrpcTransport:
                     yield InferResult(response.infer_response)
                     final = response.infer_response.parameters.get("triton_final_response")
                     if final is not None and final.bool_param:
+                        await _finished(call)
                         return
         finally:
             call.cancel()  # no-op once it ended; stops the remote work when the caller gave up
@@ -170,6 +173,17 @@ class GrpcTransport:
 
     async def close(self) -> None:
         await self.channel.close()
+
+
+async def _finished(call: Any) -> None:
+    """Let the server end a stream whose last response came, rather than cancel it: a cancellation that
+    reaches tritonserver before 2.57 (PyTriton 0.7 ships 2.51) between its final response and the end of
+    the call leaks the stream's state, and with it a reference to the model, which then never unloads
+    (triton-inference-server/server#8078; seen here as ``Waiting for the callback to retrieve cancellation
+    ... step CANCELLATION_ISSUED`` in its verbose log, then a stop that hangs). A server that does not end
+    it within ``STREAM_END_WAIT_S`` is cancelled as before."""
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(call.code(), STREAM_END_WAIT_S)
 
 
 def _request(model: str, arrays: dict[str, np.ndarray], outputs: list[str]) -> Any:
