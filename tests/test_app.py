@@ -158,6 +158,20 @@ def test_the_engine_moves_no_rows_cache_and_reads_only_live_bytes(server: str, t
     assert live > 0 and read <= 1.2 * live, (read, live)
 
 
+def test_the_vision_tower_runs_each_pictures_real_tiles_only(server: str, client: Client, tmp_path: Path) -> None:
+    """Unseen pictures of 1, 2 and 4 tiles through the running app: ``vlm_vision_tiles_total`` grows by exactly
+    their real tiles (7, not 12), one picture each on ``vlm_vision_encodes_total``, and each answer names its
+    colour."""
+    cases = [("yellow", 13, 11), ("blue", 36, 18), ("green", 57, 61)]  # 16-px tiles: 1, 2 and 4 of them
+    tiles, encodes = metric(server, "vlm_vision_tiles_total"), metric(server, "vlm_vision_encodes_total")
+    for i, (colour, width, height) in enumerate(cases):
+        path = save(solid_image(colour, width, height, noise=5, seed=70 + i), tmp_path / f"{i}.png")
+        answer = client.predict(handle_file(path), "Which colour do you see here?", *GREEDY, api_name="/ask")
+        assert colour_of(answer[3]) == colour, answer
+    assert metric(server, "vlm_vision_tiles_total") - tiles == 1 + 2 + 4
+    assert metric(server, "vlm_vision_encodes_total") - encodes == 3
+
+
 def test_ask_streams_the_four_stages(client: Client, held_out) -> None:
     colour, path, _ = held_out[0]
     # A long answer (~240 tokens: "detail"), so even a fast machine sends several updates while it streams.

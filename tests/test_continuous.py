@@ -228,20 +228,24 @@ def test_budget_flags_change_admission_end_to_end(tiny_dir, flag, value) -> None
 
 
 def test_newcomers_arriving_together_are_prefilled_together(by_hand, worker) -> None:
+    """Unpaced (``--prefill-share 0``), newcomers arriving together are prefilled in one forward pass per tile
+    count their pictures run (rows of other tile counts would change each other's answers)."""
     jobs = [
         (solid_image("green", 16, 16), "Colour?", GREEDY),
         (solid_image("blue", 500, 90), "What colour is this image, please?", SamplingParams(150, 0.9, 0.9, seed=3)),
         (solid_image("white", 90, 700), "what color", GREEDY),
     ]
     expected = [single(worker, *job) for job in jobs]
-    run = by_hand(max_batch_size=4)
+    run = by_hand(max_batch_size=4, prefill_share=0.0)
     engine = run.engine
     first = run.submit(door(solid_image("red", 300, 80), "What colour is this image?", LONG))
     run.step(4)
     handles = [run.submit(door(*job)) for job in jobs]  # they arrive at the same step boundary
     run.until(lambda: first.done and all(h.done for h in handles))
     assert [h.result(timeout=1).text for h in handles] == expected
-    assert engine.stats().prefills_run == 2  # the first request, then the three in one forward pass
+    tiles = {worker.tiles_run(engine.make_request(door(*job)).inputs) for job in jobs}
+    assert len(tiles) == 2  # the green and white pictures run one tile, the blue one more
+    assert engine.stats().prefills_run == 1 + len(tiles)  # the first request, then one pass per tile count
     assert all(h.result().batch_size == 4 for h in handles)
 
 

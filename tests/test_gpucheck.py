@@ -382,3 +382,19 @@ def test_the_device_runner_installs_the_carried_wheels_and_runs_the_check(tiny_d
     assert report["failed"] == [] and [r["mode"] for r in report["runs"]] == ["unbatched", "dynamic", "continuous"]
     assert report["versions"]["transformers_from"] == str(tmp_path / "carry" / "site" / "transformers")
     assert "device: gpucheck exited 0" not in (out / "gpucheck.log").read_text()  # the log is gpucheck's own
+
+
+def test_the_prefill_stage_skips_on_a_cpu_and_its_figures_are_measured(tmp_path, worker) -> None:
+    """The stage needs CUDA (skipped here, saying why); what it runs on a GPU runs here on the tiny model."""
+    report = gpucheck.Report(str(tmp_path / "r.json"))
+    stages = gpucheck.Stages(report, gpucheck.Clock(budget_s=300.0))
+    gpucheck.prefill(stages, worker)
+    assert "CUDA" in report["skipped"]["prefill"] and "prefill_stall" not in report
+    towers = gpu_measure.tower_seconds(worker, repeats=1)
+    assert set(towers) == {"1_tiles_real", "2_tiles_real", "3_tiles_real", "4_tiles_real", "1_tiles_all"}
+    assert all(seconds > 0 for seconds in towers.values()) and worker.vision_tiles == "real"
+    stall = gpu_measure.prefill_stall(worker, rows=2, newcomers=2)
+    before, after = stall["before: at once, every tile"], stall["after: paced, real tiles"]
+    assert before["admission_steps"] == 1 and before["vision_tiles"] == 2 * 4 + 2 * 4  # everything at once
+    assert after["admission_steps"] >= 2 and after["vision_tiles"] == 2 * 1 + 2 * 4  # paced; real tiles only
+    assert after["longest_decode_pause_s"] > 0 and after["median_decode_step_s"] > 0

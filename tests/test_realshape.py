@@ -124,11 +124,31 @@ def test_full_config_is_the_11b_architecture() -> None:
     assert (text.hidden_size, text.num_hidden_layers, len(text.cross_attention_layers)) == (4096, 40, 8)
 
 
-@pytest.mark.parametrize("batching", ["dynamic", "continuous"])
-def test_batched_rows_equal_single_runs_at_real_shapes(worker, references, sampled_alone, batching) -> None:
-    """fp32: every row of a batch (1-4 tiles, left-padded prompts, a seeded sampled row beside
-    them) gives the tokens of its single run."""
-    engine = make_engine(Config(batching=batching, max_batch_size=5, batch_window_ms=3000.0), worker)
+@pytest.fixture(scope="module")
+def real_alone(worker) -> list[list[int]]:
+    """Each case (and the sampled row last) alone through the continuous engine with ``--vision-tiles real``."""
+    engine = make_engine(Config(batching="continuous", max_batch_size=1, batch_window_ms=0.0), worker)
+    try:
+        jobs = [door(img, q, GREEDY) for img, (_, q) in zip(IMAGES, CASES, strict=True)]
+        handles = [engine.submit(job) for job in [*jobs, door(IMAGES[2], CASES[2][1], SAMPLED)]]
+        return [h.result(timeout=300) and h.token_ids for h in handles]
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize(("batching", "tiles"), [("dynamic", "all"), ("continuous", "all"), ("continuous", "real")])
+def test_batched_rows_equal_single_runs_at_real_shapes(
+    worker, references, sampled_alone, real_alone, batching, tiles
+) -> None:
+    """fp32: every row of a batch (1-4 tiles, left-padded prompts, a seeded sampled row beside them) gives the
+    tokens of its single run: plain ``generate``'s with every tile run (dynamic batching, ``--vision-tiles
+    all``), or, with real tiles only, the same engine's alone, a 4-tile picture's still equal to ``generate``'s."""
+    if tiles == "real":
+        assert real_alone[3] == references[3]  # a 4-tile picture has no padding tile: the stock answer
+        references, sampled_alone = real_alone[:-1], real_alone[-1]
+    config = Config(batching=batching, max_batch_size=5, batch_window_ms=3000.0, vision_tiles=tiles, prefill_share=0)
+    engine = make_engine(config, worker)
+    tiles_before = worker.vision_tiles_run
     try:
         if batching == "continuous":  # one row runs first; the others join it mid-flight, prefilled together
             first = engine.submit(door(IMAGES[0], CASES[0][1], GREEDY))
@@ -148,22 +168,30 @@ def test_batched_rows_equal_single_runs_at_real_shapes(worker, references, sampl
     assert [h.token_ids for h in handles] == references
     assert max(r.batch_size for r in results) >= 4
     assert sampled.token_ids == sampled_alone and sampled_result.batch_size > 1
-    if batching == "continuous":
+    if tiles == "all" and batching == "continuous":
         assert stats.prefills_run == 2  # the first row alone, then four newcomers in one forward pass
+    elif tiles == "real":  # the first row alone, then one pass per tile count (2, 3 with the sampled row, 4)
+        assert stats.prefills_run == 4
+        assert stats.vision_tiles - tiles_before == 1 + 2 + 3 + 4  # real tiles only; the sampled row's picture once
 
 
-@pytest.mark.parametrize("attention", ["sdpa", "eager"])
-def test_rows_prefilled_together_step_like_single_rows(processor, worker, attention) -> None:
+@pytest.mark.parametrize(("attention", "tiles"), [("sdpa", "all"), ("eager", "all"), ("sdpa", "real")])
+def test_rows_prefilled_together_step_like_single_rows(processor, worker, attention, tiles) -> None:
     """Rows prefilled together (left-padded among themselves, by either of the model's attention kernels)
     and one joining later step over the page pool as each does alone: the prefill's padding never reaches
-    a row's pages, and each row's decode attention reads only its own tokens and tiles."""
+    a row's pages, and each row's decode attention reads only its own tokens and tiles. With real tiles
+    only, the rows prefilled together are two 2-tile pictures (a prefill takes one tile count)."""
     worker = worker if attention == "sdpa" else narrow_worker(processor, attention)
+    worker.vision_tiles = tiles
+    cases = [(IMAGES[i], CASES[i][1]) for i in range(3)]
+    if tiles == "real":
+        cases[2] = (noise_image(9, 900, 300), CASES[2][1])  # 2 tiles, like case 1
 
     def requests(indices):
         out = []
         for i in indices:
-            request = Request(image=IMAGES[i], question=CASES[i][1], params=GREEDY)
-            request.inputs = worker.prepare(IMAGES[i], CASES[i][1])
+            request = Request(image=cases[i][0], question=cases[i][1], params=GREEDY)
+            request.inputs = worker.prepare(*cases[i])
             out.append(request)
         return out
 

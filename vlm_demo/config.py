@@ -190,6 +190,28 @@ class Config:
             "min": 1,
         },
     )
+    prefill_share: float = field(
+        default=1.0,
+        metadata={
+            "group": "engine",
+            "help": "Continuous mode: while rows are decoding, the newcomers' prefill work a step may do (vision "
+            "tower layers for waiting pictures, then prompts), as a multiple of one decode step's measured time: "
+            "a running answer's next token then waits at most about (1 + this) steps' time. 0 = prefill newcomers "
+            "at once, however long the running rows wait. A lone request is always prefilled at once.",
+            "min": 0,
+        },
+    )
+    vision_tiles: str = field(
+        default="real",
+        metadata={
+            "group": "engine",
+            "help": "Continuous mode: real = the vision tower, the projector and the cross-attention run each "
+            "picture's real tiles only (a 1-tile picture costs a quarter of a 4-tile one; 4-tile pictures are "
+            "bit-identical, smaller ones differ from the stock forward, which lets real tiles attend to "
+            "the padding ones); all = the stock computation on every tile the processor packs.",
+            "choices": ("real", "all"),
+        },
+    )
     structured_stages: bool = field(
         default=True,
         metadata={

@@ -82,6 +82,7 @@ class EngineStats:
     beam_searches: int = 0  # stage-beam searches in progress
     preemptions: int = 0  # rows handed back to a waiting client's fair share (resumed later)
     vision_encodes: int = 0  # images run through the vision tower
+    vision_tiles: int = 0  # tiles those images ran through it (their real ones with --vision-tiles real)
     image_cache_hits: int = 0  # prefills whose image states came from the image-state cache
     image_cache_misses: int = 0
     image_cache_bytes: int = 0

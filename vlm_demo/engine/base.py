@@ -119,6 +119,7 @@ class Engine:
     def __init__(self, worker: Worker, config: Config | None = None, working_per_row: int = 0) -> None:
         self.worker = worker
         self.config = config or Config(batching=self.batching)
+        worker.vision_tiles = self.config.vision_tiles
         # in the engine process, after the weights load (``working_per_row``: the decode attention's, per row)
         self.memory: MemoryPlan = plan_for(worker, self.config, working_per_row)
         self.max_batch_size = self.memory.max_batch_size
@@ -310,6 +311,7 @@ class Engine:
             memory_plan=plan.source,
             weights=self.weights,
             vision_encodes=self.worker.vision_encodes,
+            vision_tiles=self.worker.vision_tiles_run,
         )
 
     # ---- the end -------------------------------------------------------------------------------

@@ -6,7 +6,10 @@ A static batch costs as much as its longest row and makes newcomers wait for all
 1. plan: the scheduler decides (``Scheduler.plan``) which rows to hand back (pages for the next step, a
    waiting client's fair share), which Think-harder candidates to fork and which newcomers to admit;
 2. execute: handed-back rows give their pages back; forks share their start's pages; newcomers are
-   prefilled together, up to ``--prefill-batch-size`` per forward pass, and written into fresh pages;
+   prefilled together (pictures of one tile count, up to ``--prefill-batch-size`` per forward pass) and
+   written into fresh pages. While rows decode, this work is paced (:mod:`~vlm_demo.engine.pacing`): the
+   waiting pictures go through the vision tower a few layers a step (:mod:`~vlm_demo.engine.lookahead`) and a
+   newcomer joins once its picture is ready, so the running rows never stall for long;
 3. decode: one forward pass for every running row over the page pool, sampling on the device, then
    the step's one read back to the host (the tokens), per-row stage structure, streaming and stop;
    rows that ended leave at once and give their pages back. Nobody else's cache moves.
@@ -34,7 +37,9 @@ from vlm_demo.engine.graphs import decode_graphs
 from vlm_demo.engine.image_cache import ImageStates
 from vlm_demo.engine.ipc import Step
 from vlm_demo.engine.joining import Joiner
+from vlm_demo.engine.lookahead import Lookahead
 from vlm_demo.engine.memory import PROMPT_TOKENS
+from vlm_demo.engine.pacing import Pacer
 from vlm_demo.engine.request import Request, Resume
 from vlm_demo.engine.rows import Row, RunningRows
 from vlm_demo.engine.worker import Worker
@@ -68,6 +73,9 @@ class ContinuousEngine(Engine):
         self.views: dict[int, object] = {}  # rid -> the search view last reported
         mb = self.config.image_cache_mb
         self.images = ImageStates(int(mb * 1024**2), self.decoder.pool) if mb > 0 else None
+        self.pacer = Pacer(self.config.prefill_share, worker.synchronize)
+        self.lookahead = Lookahead(worker, self.images, self.pacer, self.config.prefill_batch_size)
+        self.prefill_s = 0.0  # prefill work this step (seconds; a step with none measures the decode)
 
     # ---- observation -------------------------------------------------------------------------
     def running_rows(self) -> int:
@@ -91,6 +99,7 @@ class ContinuousEngine(Engine):
         """Plan, execute, decode once; returns what the clients' requests did (waits a little when idle)."""
         sizes: list[int] = []
         if len(self.rows) or self.beams or self.scheduler.wait_for_work(timeout=0.5):
+            started, self.prefill_s = time.perf_counter(), 0.0
             failure: Exception | None = None
             try:
                 self._advance_beams()
@@ -106,6 +115,8 @@ class ContinuousEngine(Engine):
                 failure = exc  # handled outside the except block, so the failed attempt's memory can go
             if failure is not None:
                 self._recover(failure)
+            elif sizes and not self.prefill_s:
+                self.pacer.decode_step(time.perf_counter() - started)
         step = self.collect(Step(batch_sizes=sizes))
         for beam in self.beams:  # the page's view of each search, when it changed
             rid, view = beam.request.rid, beam.request.beam_view()
@@ -128,6 +139,9 @@ class ContinuousEngine(Engine):
     def _execute_plan(self) -> None:
         cache = self.images.pages if self.images is not None else 0
         room = self.rows.room(self.rows_allowed, cache, self.config.kv_token_budget)
+        allowance = self.pacer.allowance(len(self.rows))
+        if allowance is not None:  # rows decode: newcomers join with their picture ready, a few prompts a step
+            room.ready, room.prefill_tokens = self.lookahead.ready, self.pacer.units("prompt", allowance, 0)
         plan = self.scheduler.plan(room, self.rows.states, self.beams)
         if plan.evict_pages and self.images is not None:
             self.images.evict(plan.evict_pages)
@@ -137,12 +151,25 @@ class ContinuousEngine(Engine):
             self._cut_short()
         for search, count in plan.forks:
             self.joiner.fork(search, count)
-        admitted = [r for r in plan.admit if not r.done]
-        for start in range(0, len(admitted), max(1, self.config.prefill_batch_size)):
-            back = self._admit(admitted[start : start + self.config.prefill_batch_size])
+        groups = self._prefill_groups([r for r in plan.admit if not r.done])
+        for index, group in enumerate(groups):
+            back = self._admit(group)
             if back:  # memory ran short: the rest wait too
-                self.scheduler.requeue_front(back + admitted[start + self.config.prefill_batch_size :])
+                self.scheduler.requeue_front(back + [r for later in groups[index + 1 :] for r in later])
                 return
+        if allowance is not None:  # what the step has left goes to the next pictures
+            waiting = self.scheduler.snapshot()
+            reserve = self.rows.table.cache_reserve(waiting[: self.config.prefill_batch_size], len(self.rows))
+            must = not self.prefill_s  # nobody was prefilled: a layer at least, so pictures always move on
+            self.prefill_s += self.lookahead.work(waiting, allowance - self.prefill_s, reserve, must)
+
+    def _prefill_groups(self, admitted: list[Request]) -> list[list[Request]]:
+        """Newcomers in prefill batches: pictures of one tile count together, at most ``--prefill-batch-size``."""
+        by_tiles: dict[int, list[Request]] = {}
+        for request in admitted:
+            by_tiles.setdefault(self.worker.tiles_run(request.inputs), []).append(request)
+        size = max(1, self.config.prefill_batch_size)
+        return [group[i : i + size] for group in by_tiles.values() for i in range(0, len(group), size)]
 
     def _cut_short(self) -> None:
         """End the newest rows that need a page for their next token until the pool (with the image-state
@@ -173,11 +200,14 @@ class ContinuousEngine(Engine):
             request.started = request.started or now
         failure: Exception | None = None
         reserve = self.rows.table.cache_reserve(group, len(self.rows))  # not the image-state cache's pages
+        text_only = all(self.lookahead.ready(r) for r in group)  # else the tower runs inline: not a prompt's cost
         try:
             self._failpoint("prefill")
-            prefill = self.worker.prefill(group, self.images, reserve)
+            with self.pacer.timed("prompt" if text_only else "", sum(r.input_tokens for r in group)) as took:
+                prefill = self.worker.prefill(group, self.images, reserve)
+                places = self.rows.place(prefill, list(range(len(group))))
+            self.prefill_s += took[0]
             self.prefills_run += 1
-            places = self.rows.place(prefill, list(range(len(group))))
         except Exception as exc:
             failure = exc  # handled outside the except block, so the failed attempt's memory can go
         if failure is not None:
@@ -200,6 +230,8 @@ class ContinuousEngine(Engine):
             self._fail(group[0], OutOfMemoryError(f"This request needs {need} pages of cache; the server has "
                                                   f"{self.rows.pool.pages}. Try a shorter conversation."))  # fmt: skip
             return []
+        for request in group:
+            request.vision = None  # in its pages now
         self.beams += self.joiner.join(group, prefill, places)
         return []
 

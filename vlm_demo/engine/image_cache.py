@@ -60,6 +60,11 @@ class ImageStates:
     def __len__(self) -> int:
         return len(self._entries)
 
+    def holds(self, key: str) -> bool:
+        """Whether it has ``key``'s states (a look, not a lookup: no hit or miss counted)."""
+        with self._lock:
+            return key in self._entries
+
     def get(self, key: str) -> torch.Tensor | None:
         with self._lock:
             entry = self._entries.get(key) if key else None

@@ -26,12 +26,14 @@ class Prefill:
     logits: torch.Tensor  # [n, vocab] float32 at each row's last prompt position
     attention_mask: torch.Tensor  # [n, L] bool, False for left padding
     lengths: list[int]  # each row's real prompt tokens
-    tiles: torch.Tensor  # [n, max tiles] bool (host): the tiles each row's next token sees
+    tiles: torch.Tensor  # [n, most real tiles] bool (host): the tiles each row's next token sees
+    picture_tiles: list[int]  # each row's picture's real tiles (those its cache holds states of)
 
     def shown(self, index: int) -> np.ndarray:
-        """The tiles row ``index`` keeps: those it sees, or all of them when it sees none (it then attends evenly)."""
+        """The tiles row ``index`` keeps: those it sees, or all its picture's when it sees none (it then
+        attends evenly)."""
         seen = self.tiles[index]
-        return np.nonzero(seen.numpy())[0] if bool(seen.any()) else np.arange(self.tiles.shape[1])
+        return np.nonzero(seen.numpy())[0] if bool(seen.any()) else np.arange(self.picture_tiles[index])
 
     def pages(self, table: PageTable, index: int) -> int:
         return table.shape.row_pages(self.lengths[index], len(self.shown(index)))

@@ -72,6 +72,7 @@ class Request:
     beam: Search | None = None  # its stage-beam search once admitted in that mode
     client: str = ""  # who asked (fair share, the per-client cap)
     image_key: str = ""  # its picture's digest (the image-state cache)
+    vision: Any = None  # its picture's projected states, encoded while it waited (held until its prefill)
     resume: Resume | None = None  # set while a preempted row waits to continue where it stopped
     cut_stage: str | None = None  # the stage the CONCLUSION's reserve cut short (stage structure)
     rid: int | None = None  # the client's handle (None: a search's own row)

@@ -69,6 +69,8 @@ class Room:
     pages_for: Callable[[Request], int]  # a newcomer's pages (its prompt and its picture's tiles)
     cached_tokens: int = 0  # text tokens the rows hold, for ``token_budget``
     token_budget: int = 0  # --kv-token-budget (0: none)
+    ready: Callable[[Request], bool] | None = None  # paced: whether a newcomer's picture is through the tower
+    prefill_tokens: int | None = None  # paced: prompt tokens this step may prefill beyond its first newcomer
 
 
 @dataclass
@@ -312,20 +314,28 @@ class Scheduler:
 
     def _admit_into(self, plan: Plan, room: Room, free_rows: int, pages: int) -> int:
         """Admit newcomers in turn while rows and ``pages`` allow, each running row keeping a page of headroom
-        to grow into (a lone request always goes in); returns the pages they take."""
+        to grow into (a lone request always goes in), and while rows decode (``room.ready``) only those whose
+        picture is ready, within the step's prompt tokens (the first one always); returns the pages they take."""
         running = room.rows - len(plan.suspend) + sum(n for _, n in plan.forks)
-        tokens, taken = room.cached_tokens, 0
+        tokens, taken, prefilled, count = room.cached_tokens, 0, 0, 0
 
         def fits(request: Request) -> bool:
-            nonlocal running, tokens, taken
+            nonlocal running, tokens, taken, prefilled, count
             need = room.pages_for(request)
-            lone = running == 0 and not plan.admit
+            lone = running == 0 and not count
             over_tokens = 0 < room.token_budget < tokens + request.input_tokens * request.rows_needed
             if not lone and (pages - taken - need < running + request.rows_needed or over_tokens):
+                return False
+            if not lone and room.ready is not None and not room.ready(request):
+                return False  # its picture is still in the tower: it (and everyone behind it) waits
+            paced = room.prefill_tokens is not None and count > 0
+            if paced and prefilled + request.input_tokens > room.prefill_tokens:  # type: ignore[operator]
                 return False
             taken += need
             running += request.rows_needed
             tokens += request.input_tokens * request.rows_needed
+            prefilled += request.input_tokens
+            count += 1
             return True
 
         plan.admit = self.admit(free_rows, fits, alone=running == 0)

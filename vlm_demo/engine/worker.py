@@ -4,7 +4,9 @@ The worker owns the model and processor.
 ``prepare`` turns one request into tensors on the caller's thread (so a broken image fails alone,
 before it can join a batch). Dynamic mode: ``run`` left-pads a batch of prepared requests and calls
 ``generate`` once, with per-row sampling and per-row streaming/stopping. Continuous mode:
-``prefill`` runs newcomers together, ``decode`` one step for every running row over the page pool.
+``prefill`` runs newcomers together over their pictures' projected states (:mod:`~vlm_demo.engine.vision`:
+the tower on each picture's real tiles, some layers at a time if the engine wants), ``decode`` one step for
+every running row over the page pool.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from vlm_demo.engine.rows import StepInputs
 from vlm_demo.engine.sampler import RowSampler, RowSampling
 from vlm_demo.engine.streamer import BatchStreamer, RowStreamer, ScoresTap
 from vlm_demo.engine.structure import StageGrammar, StageTracker
+from vlm_demo.engine.vision import TowerJob, jobs, real_tiles
 from vlm_demo.errors import InvalidRequestError
 from vlm_demo.prompt import Turn, chat_messages
 from vlm_demo.request import SamplingParams
@@ -84,6 +87,22 @@ class Worker:
         self.eos_ids = self._eos_ids()
         self._grammar: StageGrammar | None = None
         self.vision_encodes = 0  # pictures run through the vision tower (the engine reports it)
+        self.vision_tiles_run = 0  # tiles those pictures ran through it (``vlm_vision_tiles_total``)
+        self.vision_tiles = "real"  # --vision-tiles: the engine sets it (the tests share one worker)
+
+    @property
+    def tower(self) -> Any:
+        """The model's vision tower (``MllamaVisionModel``)."""
+        return self.model.model.vision_model
+
+    def tiles_run(self, inputs: dict[str, Any]) -> int:
+        """Tiles of a request's picture (its processor ``inputs``) the tower runs and the prefill attends to: its real ones (``--vision-tiles
+        real``), or all the processor packed (``all``: the stock computation)."""
+        if "pixel_values" not in inputs:
+            return 0
+        if self.vision_tiles == "real":
+            return real_tiles(inputs["aspect_ratio_mask"])[0]
+        return int(inputs["pixel_values"].shape[2])
 
     def _pad_id(self) -> int:
         tok = self.tokenizer
@@ -180,65 +199,83 @@ class Worker:
 
     @torch.inference_mode()
     def prefill(self, requests: list[Request], images: ImageStates | None = None, reserve: int = 0) -> Prefill:
-        """Continuous mode: run newcomers' images and prompts together, left-padded like a dynamic
-        batch (positions counted from each row's first real token, as ``generate`` does); return
-        their cache, last logits and which tiles each row sees, ready to be written into pages. With
-        ``images`` the vision tower runs only for pictures it does not hold (each once, however many
-        rows show it); the cache keeps what it encoded in free pages beyond the ``reserve`` the page table
-        holds back for these rows."""
+        """Continuous mode: run newcomers' prompts together, left-padded like a dynamic batch (positions
+        counted from each row's first real token, as ``generate`` does), over their pictures' real tiles only;
+        return their cache, last logits and which tiles each row sees, ready to be written into pages. Their
+        pictures run the same number of tiles (``tiles_run``): the text before a picture's placeholder attends
+        to every tile of the cross-attention states, padding ones too, so rows of other tile counts would change
+        each other's answers. A picture's states come from the request (encoded while it waited), the
+        image-state cache, or one pass of the tower over the pictures still lacking (each once, however many
+        rows show it; the cache keeps them in free pages beyond the ``reserve`` the page table holds back)."""
         batch = collate([r.prefill_inputs() for r in requests], self.pad_id)
-        tiles = batch["cross_attention_mask"][:, -1].reshape(len(requests), -1) > 0  # host side: what decoding sees
+        states = self._picture_states(requests, images, reserve)
+        tiles = states[0].shape[0]
+        assert all(s.shape[0] == tiles for s in states), "a prefill's pictures must run the same number of tiles"
+        cross = torch.stack(states)
+        for key in ("pixel_values", "aspect_ratio_ids", "aspect_ratio_mask"):
+            batch.pop(key, None)
+        batch["cross_attention_mask"] = batch["cross_attention_mask"][..., :tiles]  # the tiles the tower ran
+        seen = batch["cross_attention_mask"][:, -1].reshape(len(requests), -1) > 0  # host side: what decoding sees
         inputs = self.to_device(batch)
+        inputs["cross_attention_states"] = cross.reshape(len(requests), -1, cross.shape[-1])
         lengths = [r.input_tokens for r in requests]
         mask = inputs["attention_mask"].bool()
         if len(set(lengths)) == 1:  # no padding: what generate passes then (no mask, default positions)
             inputs["attention_mask"] = None
         else:
             inputs["position_ids"] = (inputs["attention_mask"].long().cumsum(-1) - 1).masked_fill(~mask, 0)
-        if images is not None:
-            image_inputs = {key: inputs.pop(key) for key in ("pixel_values", "aspect_ratio_ids", "aspect_ratio_mask")}
-            inputs["cross_attention_states"] = self._vision_states(requests, image_inputs, images, reserve)
-        else:
-            self.vision_encodes += len(requests)
         out = self.model(**inputs, use_cache=True, logits_to_keep=1)
-        return Prefill(out.cache, out.logits[:, -1].float(), mask, lengths, tiles)
+        return Prefill(out.cache, out.logits[:, -1].float(), mask, lengths, seen, [s.shape[0] for s in states])
 
-    def _vision_states(
-        self, requests: list[Request], image_inputs: dict[str, torch.Tensor], images: ImageStates, reserve: int
-    ) -> torch.Tensor:
-        """Every row's projected vision states, from the cache or from one vision-tower pass over the
-        distinct pictures it lacks (which it then keeps)."""
+    def _picture_states(self, requests: list[Request], images: ImageStates | None, reserve: int) -> list[torch.Tensor]:
+        """Each row's picture as ``[tiles run, patches, hidden]`` projected states."""
         found: dict[str, torch.Tensor] = {}
         missing: dict[str, int] = {}  # picture -> the first row showing it
         for row, request in enumerate(requests):
             key = request.image_key or f"row-{row}"
             if key in found or key in missing:
                 continue
-            states = images.get(request.image_key) if request.image_key else None
+            states = request.vision
+            if states is None and images is not None and request.image_key:
+                states = images.get(request.image_key)
             if states is not None:
                 found[key] = states
             else:
                 missing[key] = row
         if missing:
-            index = torch.tensor(list(missing.values()), device=self.device)
-            encoded = self.encode_images(**{k: v.index_select(0, index) for k, v in image_inputs.items()})
-            per_row = encoded.shape[0] // len(missing)
-            for i, key in enumerate(missing):
-                found[key] = encoded[i * per_row : (i + 1) * per_row]
-                images.put(requests[missing[key]].image_key, found[key], reserve)
-            self.vision_encodes += len(missing)
-        return torch.cat([found[r.image_key or f"row-{row}"] for row, r in enumerate(requests)], dim=0)
+            encoded = self.encode_pictures([requests[row].inputs for row in missing.values()])
+            for (key, row), states in zip(missing.items(), encoded, strict=True):
+                found[key] = states
+                if images is not None:
+                    images.put(requests[row].image_key, states, reserve)
+        return [found[r.image_key or f"row-{row}"] for row, r in enumerate(requests)]
 
-    def encode_images(
-        self, pixel_values: torch.Tensor, aspect_ratio_ids: torch.Tensor, aspect_ratio_mask: torch.Tensor
-    ) -> torch.Tensor:
-        """The vision tower and projector, as the model's own forward runs them: ``[rows × images × tiles,
-        patches, hidden]`` (what its cross-attention layers read)."""
-        model = self.model.model
-        states = model.vision_model(
-            pixel_values=pixel_values, aspect_ratio_ids=aspect_ratio_ids, aspect_ratio_mask=aspect_ratio_mask
-        ).last_hidden_state
-        return model.multi_modal_projector(states).reshape(-1, states.shape[-2], model.hidden_size)
+    def tower_jobs(self, inputs: list[dict[str, torch.Tensor]]) -> list[tuple[list[int], TowerJob]]:
+        """Tower jobs for pictures (processor outputs), grouped by the tiles they run (``--vision-tiles``)."""
+        return jobs(self.tower, inputs, self.vision_tiles)
+
+    @torch.inference_mode()
+    def project(self, job: TowerJob) -> list[torch.Tensor]:
+        """A finished job's pictures through the projector, each ``[tiles run, patches, hidden]`` (what every
+        cross-attention layer turns into its keys and values)."""
+        self.vision_encodes += job.pictures
+        self.vision_tiles_run += job.pictures * job.tiles
+        return list(self.model.model.multi_modal_projector(job.states()))
+
+    @torch.inference_mode()
+    def encode_pictures(self, inputs: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
+        """Pictures (processor outputs) through the whole tower at once: each ``[tiles run, patches, hidden]``."""
+        out: list[torch.Tensor | None] = [None] * len(inputs)
+        for members, job in self.tower_jobs(inputs):
+            job.run()
+            for index, states in zip(members, self.project(job), strict=True):
+                out[index] = states
+        return out  # type: ignore[return-value]
+
+    def synchronize(self) -> None:
+        """Wait for the device's queued work (timing what a step spent)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     @torch.inference_mode()
     def decode(self, step: TextDecodeStep, inputs: StepInputs) -> torch.Tensor:
@@ -261,7 +298,8 @@ class Worker:
         sampler = RowSampler([r.params for r in batch])
         tap = ScoresTap()
         streamer = BatchStreamer(rows, lambda logits, which: self.redraw(sampler, logits, which), tap, on_step)
-        self.vision_encodes += len(batch)
+        self.vision_encodes += len(batch)  # generate runs the stock tower: every tile the processor packed
+        self.vision_tiles_run += sum(int(r.inputs["pixel_values"].shape[2]) for r in batch)
         self.model.generate(
             **inputs,
             generation_config=self.generation_config(max(r.params.max_new_tokens for r in batch)),

@@ -403,6 +403,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="print, as JSON, the kernels one decode step launches at the real 11B depth (tools/kernels.py)",
     )
+    p.add_argument(
+        "--prefill-stall",
+        action="store_true",
+        help="instead of the closed loop: 8 rows decoding while 8 newcomers with 4-tile pictures join at once, "
+        "before (prefilled at once, every tile) and after (paced, real tiles); prints the longest pause of the "
+        "running rows and the median decode step as JSON (vlm_demo.tools.prefill_stall; --repeats runs each)",
+    )
     p.add_argument("--json", dest="json_path", default="", help="write the runs as a JSON list")
     p.add_argument("--plot", dest="plot_path", default="", help="write a PNG of throughput and p95 latency")
     return p
@@ -515,10 +522,10 @@ def main(argv: list[str] | None = None) -> list[RunResult]:
             max_batch_size=Config().max_batch_size,  # the app's default (0: the engine sizes it)
         )
         args = parser.parse_args(argv)
-    if args.count_kernels:
-        from vlm_demo.tools import kernels
+    if args.count_kernels or args.prefill_stall:
+        from vlm_demo.tools import kernels, prefill_stall
 
-        counted = kernels.report()
+        counted = kernels.report() if args.count_kernels else prefill_stall.report(args.repeats)
         print(json.dumps(counted, indent=2))
         if args.json_path:
             with open(args.json_path, "w") as out:

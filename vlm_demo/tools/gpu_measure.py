@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import statistics
 import tempfile
 import time
 from collections.abc import Callable
@@ -594,3 +595,41 @@ def load_saved(worker: Worker, device: str, tokens: int = 8) -> dict[str, Any]:
         answers += _alone(each, [item])
     places = sorted({str(p.device) for p in loaded.model.parameters()})
     return {"load_s": load_s, "devices": places, "same_answer": answers[0] == answers[1]}
+
+
+TILE_PICTURES = {1: (1, 1), 2: (2, 1), 3: (3, 1), 4: (2, 2)}  # tiles -> the picture's size in tiles (w, h)
+
+
+def tower_seconds(worker: Worker, repeats: int = 3) -> dict[str, float]:
+    """Seconds the vision tower and the projector take for one picture of 1, 2, 3 and 4 real tiles
+    (``--vision-tiles real``), and for a 1-tile picture run the stock way (every tile): medians of ``repeats``."""
+    kept = worker.vision_tiles
+    figures = {}
+    try:
+        for mode, tiles in [("real", n) for n in TILE_PICTURES] + [("all", 1)]:
+            worker.vision_tiles = mode
+            width, height = (side * worker.tower.image_size for side in TILE_PICTURES[tiles])
+            inputs = worker.prepare(noise_image(tiles, width, height), "What is in this image?")
+            assert worker.tiles_run(inputs) == (tiles if mode == "real" else 4)
+            worker.encode_pictures([inputs])  # warm-up
+            times = []
+            for _ in range(repeats):
+                worker.synchronize()
+                start = time.perf_counter()
+                worker.encode_pictures([inputs])
+                worker.synchronize()
+                times.append(time.perf_counter() - start)
+            figures[f"{tiles}_tiles_{mode}"] = round(statistics.median(times), 5)
+    finally:
+        worker.vision_tiles = kept
+    return figures
+
+
+def prefill_stall(worker: Worker, rows: int = 8, newcomers: int = 8) -> dict[str, Any]:
+    """``bench --prefill-stall``'s figures on this model: the running rows' longest pause while newcomers with
+    4-tile pictures join, against the median decode step, before (at once, every tile) and after (paced, real)."""
+    from vlm_demo.tools import prefill_stall as stall
+
+    return {
+        name: stall.run_once(worker, overrides, rows, newcomers) for name, overrides in stall.CONFIGURATIONS.items()
+    }

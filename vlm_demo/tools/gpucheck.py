@@ -15,7 +15,9 @@ random bf16 weights directly on the GPU and measures, in order (:mod:`vlm_demo.t
    dynamic and continuous batching at concurrency 1, 8 and 32, each run isolated, with its peak memory;
 5. decode attention: the kernel ``auto`` takes (a CUDA device that ends on the reference fails the check,
    naming why), then a stage per kernel this torch can run (flash, triton, reference): its probe, the step
-   eagerly and replayed from CUDA graphs at 1-128 rows, NaN steps, the profiler's attention kernels;
+   eagerly and replayed from CUDA graphs at 1-128 rows, NaN steps, the profiler's attention kernels; then
+   admitting newcomers: the vision tower per picture of 1-4 real tiles, and the running rows' longest pause
+   while 8 newcomers with 4-tile pictures join (``bench --prefill-stall``'s run; more than 3 decode steps fails);
 6. weight formats: the same model with fp8 (compute capability 8.9+) and int8 weights next to bf16,
    measured alike: weight bytes, decode tokens/s at 1 and 32 rows, peak memory, greedy tokens against
    bf16's (skipped, with the reason, on CPU);
@@ -91,6 +93,7 @@ NEED_S = {
     "decode attention: flash": 50.0,
     "decode attention: triton": 60.0,  # and compiling its two kernels
     "decode attention: reference": 40.0,  # eager only
+    "prefill": 40.0,  # the tower at 1-4 tiles, then 8 rows while 8 newcomers join, at once and paced
     "weights: bf16": 30.0,  # greedy tokens, batch-1 decode, one wave of 32 answers
     "weights: quantized": 50.0,  # the same, plus building the model again and quantizing it
 }
@@ -341,6 +344,7 @@ def run(args: argparse.Namespace, report: Report, device: Any, clock: Clock) -> 
         levels = tuple(int(x) for x in args.levels.split(",") if x.strip())
         speed(stages, worker, levels, args.requests)
         decode_attention(stages, worker)
+        prefill(stages, worker)
         weight_formats(stages, worker, processor, args.model)
         peak(stages, worker, args.peak_rows, max(levels, default=1))
     return finish(report, clock)
@@ -487,6 +491,26 @@ def decode_attention(stages: Stages, worker: Any) -> None:
             stages.fail(f"{stage}: {measured['nan_steps']} of {measured['steps']} decode steps gave NaN logits")
         if name == auto and measured:
             report["decode_graphs"] = measured
+
+
+def prefill(stages: Stages, worker: Any) -> None:
+    """5. Admitting newcomers: the vision tower's seconds per picture of 1-4 real tiles (and a 1-tile picture run
+    on every tile, the stock way), then ``bench --prefill-stall`` on this model: the running rows' longest pause
+    while 8 newcomers with 4-tile pictures join, against the median decode step (paced, the default, must stay
+    within 3 of them). Skipped on a CPU (the tests and the bench measure it there)."""
+    from vlm_demo.tools import gpu_measure as measure
+
+    if worker.device.type != "cuda":
+        stages.skip("prefill", "needs CUDA (on a CPU: python -m vlm_demo.tools.bench --prefill-stall)")
+        return
+    report, need_s = stages.report, NEED_S["prefill"]
+    report["vision_tower_s"] = stages.run("prefill: vision tower", measure.tower_seconds, worker, need_s=need_s / 4)
+    stall = report["prefill_stall"] = stages.run("prefill: stall", measure.prefill_stall, worker, need_s=need_s)
+    paced = (stall or {}).get("after: paced, real tiles")
+    if paced and paced["pause_over_median"] > 3:
+        stages.fail(
+            f"prefill: the running rows paused {paced['pause_over_median']} decode steps while newcomers joined"
+        )
 
 
 def weight_formats(stages: Stages, worker: Any, processor: Any, model: str) -> None:

@@ -41,6 +41,7 @@ class CacheCounts:
     image_hits: int = 0
     image_misses: int = 0
     vision_encodes: int = 0
+    vision_tiles: int = 0
     kv_copied_bytes: int = 0
     kv_written_bytes: int = 0
     attention_read_bytes: int = 0
@@ -65,7 +66,7 @@ TRAFFIC: dict[str, tuple[Callable[[CacheCounts], int], str]] = {  # counter (exp
 
 
 class _CacheCollector:
-    """``vlm_cache_requests_total{cache,result}``, ``vlm_vision_encodes_total`` and the key/value traffic
+    """``vlm_cache_requests_total{cache,result}``, ``vlm_vision_encodes_total``, ``vlm_vision_tiles_total`` and the key/value traffic
     counters (:data:`TRAFFIC`), from counts kept elsewhere (the response cache in this process, the
     image-state cache and the page pool in the engine's)."""
 
@@ -88,6 +89,11 @@ class _CacheCollector:
         yield cache
         yield CounterMetricFamily(
             "vlm_vision_encodes", "Images run through the vision tower.", value=counts.vision_encodes
+        )
+        yield CounterMetricFamily(
+            "vlm_vision_tiles",
+            "Tiles the vision tower encoded (each picture's real tiles with --vision-tiles real).",
+            value=counts.vision_tiles,
         )
         for name, (value, text) in TRAFFIC.items():
             yield CounterMetricFamily(name, text, value=value(counts))

@@ -184,6 +184,7 @@ def cache_counts(backend: Backend) -> CacheCounts:
         image_hits=engine.image_cache_hits if engine is not None else 0,
         image_misses=engine.image_cache_misses if engine is not None else 0,
         vision_encodes=engine.vision_encodes if engine is not None else 0,
+        vision_tiles=engine.vision_tiles if engine is not None else 0,
         kv_copied_bytes=engine.kv_copied_bytes if engine is not None else 0,
         kv_written_bytes=engine.kv_written_bytes if engine is not None else 0,
         attention_read_bytes=engine.attention_read_bytes if engine is not None else 0,
