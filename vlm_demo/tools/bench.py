@@ -36,6 +36,7 @@ from typing import Any
 from vlm_demo.config import Config
 from vlm_demo.engine import make_engine
 from vlm_demo.engine.loader import load
+from vlm_demo.engine.quantize import KINDS
 from vlm_demo.engine.worker import Worker
 from vlm_demo.models.tiny import COLOURS, solid_image
 from vlm_demo.request import Limits, SamplingParams, ValidRequest, validate_request
@@ -401,7 +402,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--count-kernels",
         action="store_true",
-        help="print, as JSON, the kernels one decode step launches at the real 11B depth (tools/kernels.py)",
+        help="print, as JSON, the kernels one decode step launches at the real 11B depth and the bytes its linear "
+        "layers read from their weights (tools/kernels.py)",
+    )
+    p.add_argument(
+        "--quantize",
+        choices=KINDS,
+        default="none",
+        help="the language model's weight format: for --count-kernels the format counted; for the in-process modes "
+        "(unbatched, dynamic, continuous, engine) the format the model loads in",
     )
     p.add_argument("--json", dest="json_path", default="", help="write the runs as a JSON list")
     p.add_argument("--plot", dest="plot_path", default="", help="write a PNG of throughput and p95 latency")
@@ -418,7 +427,7 @@ def backend_factories(args: argparse.Namespace) -> dict[str, tuple[int, Callable
     factories: dict[str, tuple[int, Callable[[], Any]]] = {}
     worker: Worker | None = None
     if any(m in ("unbatched", "dynamic", "continuous", "engine") for m in modes):
-        worker = load(args.model, args.device, args.dtype, cpu_threads=args.cpu_threads)
+        worker = load(args.model, args.device, args.dtype, cpu_threads=args.cpu_threads, quantize=args.quantize)
 
     def local(max_batch: int, batching: str) -> Callable[[], Any]:
         def make() -> Any:
@@ -518,7 +527,7 @@ def main(argv: list[str] | None = None) -> list[RunResult]:
     if args.count_kernels:
         from vlm_demo.tools import kernels
 
-        counted = kernels.report()
+        counted = kernels.report(args.quantize)
         print(json.dumps(counted, indent=2))
         if args.json_path:
             with open(args.json_path, "w") as out:
