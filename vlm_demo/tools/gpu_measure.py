@@ -17,8 +17,9 @@ tiny model, the GPU run with the narrow real-shape model in fp32 and the full 11
 - :func:`peak_run`: the planned row limit filled, rows joining and leaving, to see the join/evict peak
   next to the memory plan (:func:`peak_rows_that_fit`: fewer rows when time is short);
 - :func:`load_saved`: the real loading path (``engine.loader.load``) on a saved model folder;
-- :func:`format_figures` / :func:`quantized_figures`: one weight format (bf16, fp8, int8) measured the same
-  way: its bytes, decode at 1 and ``QUANTIZED_ROWS`` rows, the peak memory, its greedy tokens against bf16's.
+- :func:`format_figures` / :func:`quantized_figures`: one weight format (bf16, fp8, int8, int4) measured the
+  same way: its bytes, decode at 1 and ``QUANTIZED_ROWS`` rows, the peak memory, its greedy tokens against
+  bf16's; :func:`slower_than_bf16`: the formats that read fewer bytes and still decode slower.
 """
 
 from __future__ import annotations
@@ -545,6 +546,24 @@ def format_figures(worker: Worker, reference: list[list[int]] | None = None, tok
     if reference is not None:
         figures["first_diff_vs_bf16"] = [first_difference(g, r) for g, r in zip(greedy, reference, strict=True)]
     return figures
+
+
+def slower_than_bf16(formats: dict[str, dict[str, Any] | None]) -> list[str]:
+    """Each quantized format that decodes slower than bf16 (at batch 1 or at ``QUANTIZED_ROWS`` rows) though its
+    decode step reads fewer weight bytes: what packing the weights is for, not delivered (one sentence each)."""
+    base = formats.get("bf16")
+    slower = []
+    for kind, figures in formats.items():
+        if kind == "bf16" or not figures or not base or figures["decode_weight_bytes"] >= base["decode_weight_bytes"]:
+            continue
+        for key, where in (("batch1_tokens_per_s", "at batch 1"), ("rows_tokens_per_s", f"at {figures['rows']} rows")):
+            if figures[key] < base[key]:
+                slower.append(
+                    f"{kind} decodes slower than bf16 {where} ({figures[key]:.1f} against {base[key]:.1f} tokens/s) "
+                    f"though its step reads {figures['decode_weight_bytes'] / GB:.1f} GB of weights against "
+                    f"{base['decode_weight_bytes'] / GB:.1f}"
+                )
+    return slower
 
 
 def quantized_figures(
