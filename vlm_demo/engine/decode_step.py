@@ -29,9 +29,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from vlm_demo.engine import packed
 from vlm_demo.engine.attention import PagedAttention, choose, moved
 from vlm_demo.engine.packed import PackedLinear, PackedWeight
+from vlm_demo.engine.packed import merge as merge_packed
 from vlm_demo.engine.pages import PagePool, PageShape, page_tokens_for
 from vlm_demo.engine.rows import StepInputs
 
@@ -64,7 +64,7 @@ def merge(linears: list[torch.nn.Module]) -> torch.Tensor | PackedWeight | None:
     values and scales (:func:`~vlm_demo.engine.packed.merge`). ``None`` where the weights are neither plain
     tensors of one dtype and device nor packed alike."""
     if any(isinstance(linear, PackedLinear) for linear in linears):
-        return packed.merge(linears)
+        return merge_packed(linears)
     weights = [linear.weight for linear in linears]
     if any(linear.bias is not None for linear in linears) or any(type(w.data) is not torch.Tensor for w in weights):
         return None
