@@ -335,17 +335,18 @@ def test_the_engine_reports_its_weights(quantized, worker) -> None:
 
 
 @pytest.mark.slow
-def test_the_app_with_int8_weights_answers_as_the_unquantized_model_and_says_so(worker, tmp_path) -> None:
-    """``python app.py --model tiny --quantize int8``: held-out colour questions through the page's API come back
-    well-formed, right, and equal to the unquantized model's answers; the page's header, ``/health``, ``/metrics``
-    and ``/v1/models`` say "int8" (the engine process's stats carry it over the pipe)."""
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+def test_the_app_with_8_bit_weights_answers_as_the_unquantized_model_and_says_so(worker, tmp_path, kind) -> None:
+    """``python app.py --model tiny --quantize int8`` (and fp8): held-out colour questions through the page's API come
+    back well-formed, right, and equal to the unquantized model's answers; the page's header, ``/health``,
+    ``/metrics`` and ``/v1/models`` name the format (the engine process's stats carry it over the pipe)."""
     import requests
     from gradio_client import Client, handle_file
     from support import running_app
 
     cases = [CASES[i * len(SIZES) + i % len(SIZES)] for i in range(len(COLOURS))]  # every colour, every size
     want = answers(worker, "continuous", cases)
-    with running_app("--quantize", "int8", "--response-cache-mb", "0") as url:
+    with running_app("--quantize", kind, "--response-cache-mb", "0") as url:
         client = Client(url, verbose=False)
         for (colour, width, height, noise, question), reference in zip(cases, want, strict=True):
             path = tmp_path / f"{colour}.png"
@@ -354,10 +355,10 @@ def test_the_app_with_int8_weights_answers_as_the_unquantized_model_and_says_so(
             match = WELL_FORMED.match(raw.strip())
             assert match and match.group(1).strip() == f"The image is {colour}.", raw
             assert raw == reference.text
-        assert requests.get(url + "/health", timeout=10).json()["details"]["weights"] == "int8"
-        assert 'vlm_weights_info{weights="int8"} 1.0' in requests.get(url + "/metrics", timeout=10).text
-        assert requests.get(url + "/v1/models", timeout=10).json()["data"][0]["weights"] == "int8"
-        assert "· int8 weights" in requests.get(url + "/config", timeout=10).text  # the page's header
+        assert requests.get(url + "/health", timeout=10).json()["details"]["weights"] == kind
+        assert f'vlm_weights_info{{weights="{kind}"}} 1.0' in requests.get(url + "/metrics", timeout=10).text
+        assert requests.get(url + "/v1/models", timeout=10).json()["data"][0]["weights"] == kind
+        assert f"· {kind} weights" in requests.get(url + "/config", timeout=10).text  # the page's header
 
 
 @pytest.mark.slow
