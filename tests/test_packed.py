@@ -160,3 +160,17 @@ def test_the_kernel_compiles_for_ampere_and_hopper_gpus_without_one() -> None:
     lines = [line.split() for line in done.stdout.splitlines()]
     assert len(lines) == 6, done.stdout
     assert all(mma == "True" and local == "False" and int(size) > 1000 for *_, mma, local, size in lines), lines
+
+
+def test_the_gpu_checks_kernel_comparison_passes_the_kernel_and_catches_a_wrong_product(tiny_dir, monkeypatch) -> None:
+    """``gpu_measure.packed_kernel_error`` (what gpucheck's weight-format stage fails above 2 %): the Triton kernel
+    (interpreted) agrees with torch's product, a product that drops the residual does not."""
+    from vlm_demo.tools import gpu_measure
+
+    model = loader.load(tiny_dir, device="cpu", quantize="int8").model
+    monkeypatch.setattr(packed, "weight_only_linear", via_triton)
+    assert gpu_measure.packed_kernel_error(model, rows=(1, 20)) < 1e-5
+    monkeypatch.setattr(
+        packed, "weight_only_linear", lambda x, v, s, z, r, a: packed.torch_product(x, v, s, z, None, a)
+    )
+    assert gpu_measure.packed_kernel_error(model, rows=(1, 20)) > 0.1

@@ -61,12 +61,10 @@ def widened(values: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None
     return (codes * scale[..., None].to(dtype) + zero[..., None].to(dtype)).reshape(rows, -1)
 
 
-@torch.library.custom_op("vlm_demo::weight_only_linear", mutates_args=())
-def weight_only_linear(x: torch.Tensor, values: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
-                       residual: torch.Tensor | None, alpha: float) -> torch.Tensor:  # fmt: skip
-    """``residual + alpha · x @ Wᵀ`` (without ``residual``: ``alpha · x @ Wᵀ``) for packed ``W``, in ``x``'s
-    dtype. Here, the CPU's (and any device's but CUDA's) torch operations: int8 and fp8 widen their values and
-    scale the product's columns, int4 widens the whole weight."""
+def torch_product(x: torch.Tensor, values: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
+              residual: torch.Tensor | None, alpha: float) -> torch.Tensor:  # fmt: skip
+    """The operator in torch operations: int8 and fp8 widen their values and scale the product's columns, int4
+    widens the whole weight."""
     if zero is None:
         product = F.linear(x, values.to(x.dtype)) * scale.to(x.dtype)
     else:
@@ -76,15 +74,22 @@ def weight_only_linear(x: torch.Tensor, values: torch.Tensor, scale: torch.Tenso
     return torch.add(residual, product, alpha=alpha)
 
 
+@torch.library.custom_op("vlm_demo::weight_only_linear", mutates_args=())
+def weight_only_linear(x: torch.Tensor, values: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
+                       residual: torch.Tensor | None, alpha: float) -> torch.Tensor:  # fmt: skip
+    """``residual + alpha · x @ Wᵀ`` (without ``residual``: ``alpha · x @ Wᵀ``) for packed ``W``, in ``x``'s
+    dtype. Here, the CPU's (and any device's but CUDA's): torch operations."""
+    return torch_product(x, values, scale, zero, residual, alpha)
+
+
 @weight_only_linear.register_kernel("cuda")
 def _(x: torch.Tensor, values: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
       residual: torch.Tensor | None, alpha: float) -> torch.Tensor:  # fmt: skip
     rows = _rows(x)
-    if rows.shape[0] > TRITON_ROWS:
-        product = F.linear(x, widened(values, scale, zero, x.dtype))
-        return product * alpha if residual is None else torch.add(residual, product, alpha=alpha)
+    if rows.shape[0] > TRITON_ROWS:  # a prefill: cuBLAS on the widened weight
+        return torch_product(x, values, scale, zero, residual, alpha)
     out = _output(x, values)
-    kept = _rows(residual) if residual is not None else None
+    kept = _rows(residual).contiguous() if residual is not None else None
     triton_matmul(rows.contiguous(), values, scale, zero, kept, alpha, _rows(out))
     return out
 
@@ -167,7 +172,7 @@ def from_torchao(linear: torch.nn.Linear, int4_group: int | None) -> PackedLinea
     exactly its values) and packs them again on the same grid."""
     weight, width = linear.weight, linear.in_features
     if int4_group is None:
-        values, scale = weight.qdata, weight.scale.reshape(-1).float()
+        values, scale = weight.qdata.contiguous(), weight.scale.reshape(-1).float()  # the kernel walks rows
         zero_point = getattr(weight, "zero_point", None)
         if zero_point is not None and zero_point.device.type != "meta" and bool(zero_point.any()):
             raise ValueError("an asymmetric int8 weight: the packed format has no zero points")

@@ -566,14 +566,36 @@ def slower_than_bf16(formats: dict[str, dict[str, Any] | None]) -> list[str]:
     return slower
 
 
+def packed_kernel_error(model: torch.nn.Module, rows: tuple[int, ...] = (1, 8, 300)) -> float:
+    """The device's packed product (on CUDA the Triton kernel up to ``TRITON_ROWS`` rows) against the same product
+    in torch operations, over the first text layer's packed projections with a residual: the largest difference
+    relative to the product's largest value."""
+    from vlm_demo.engine.packed import PackedLinear, torch_product
+
+    layer = model.model.language_model.layers[0]
+    worst = 0.0
+    generator = torch.Generator().manual_seed(0)
+    for module in (m for m in layer.modules() if isinstance(m, PackedLinear)):
+        weights = module.packed()
+        dtype = layer.input_layernorm.weight.dtype
+        for n in rows:
+            x = torch.randn(n, module.in_features, generator=generator).to(module.weight.device, dtype)
+            residual = torch.randn(n, module.out_features, generator=generator).to(x)
+            with torch.inference_mode():
+                got = weights(x, residual, 0.5).float()
+                want = torch_product(x, weights.values, weights.scale, weights.zero, residual, 0.5).float()
+            worst = max(worst, float((got - want).abs().max() / want.abs().max()))
+    return worst
+
+
 def quantized_figures(
     model: str, device: torch.device, processor: Any, kind: str, reference: list[list[int]]
 ) -> dict[str, Any]:
     """:func:`format_figures` for the model under test rebuilt (same seed: the same weights) and quantized to
-    ``kind`` in place; its memory is returned once measured."""
+    ``kind`` in place, with :func:`packed_kernel_error`; its memory is returned once measured."""
     worker = build_worker(model, device, processor, quantize=kind)
     try:
-        return format_figures(worker, reference)
+        return {**format_figures(worker, reference), "kernel_vs_torch": packed_kernel_error(worker.model)}
     finally:
         del worker
         if device.type == "cuda":

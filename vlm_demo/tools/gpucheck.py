@@ -96,6 +96,7 @@ NEED_S = {
     "weights: quantized": 50.0,  # the same, plus building the model again and quantizing it
 }
 FULL_MODEL_S = 150.0
+KERNEL_TOLERANCE = 2e-2  # the packed kernel against torch's product, relative: bf16 rounding of the output, not more
 
 
 # ---- versions ------------------------------------------------------------------------------------------
@@ -528,6 +529,8 @@ def weight_formats(stages: Stages, worker: Any, processor: Any, model: str) -> N
         formats[kind] = figures
         if figures is not None and figures["errors"]:
             stages.fail(f"{name}: {figures['errors']} of the {measure.QUANTIZED_ROWS} answers failed")
+        if figures is not None and figures.get("kernel_vs_torch", 0.0) > KERNEL_TOLERANCE:
+            stages.fail(f"{name}: the packed kernel differs from torch's product by {figures['kernel_vs_torch']:.3g}")
         report.write()
     slower = report["weight_formats_slower"] = measure.slower_than_bf16(formats)
     for why in slower:
