@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from vlm_demo.engine import loader
 from vlm_demo.engine.attention import fewest_bands
 from vlm_demo.engine.decode_step import TextDecodeStep
 from vlm_demo.engine.request import Request
@@ -116,10 +117,13 @@ def test_bands_are_the_fewest_that_keep_the_padding_allowed() -> None:
     assert fewest_bands([], 0, 4) == []
 
 
-def test_a_row_in_a_batch_gets_its_logits_alone(worker) -> None:
+@pytest.mark.parametrize("weights", ["fp32", "int8", "fp8", "int4"])
+def test_a_row_in_a_batch_gets_its_logits_alone(worker, tiny_dir, weights) -> None:
     """A row's attention reads only its own pages, so its logits in a batch are its logits alone, up to the
     rounding of the batch's matrix products (fp32), and the same token: what makes batched answers equal
-    single ones."""
+    single ones; with the language model's projections packed too (merged, residuals inside the products)."""
+    if weights != "fp32":
+        worker = loader.load(tiny_dir, device="cpu", quantize=weights)
     together, step = paged(worker)
     join(worker, together, requests(worker, JOBS))
     singles = []

@@ -143,6 +143,7 @@ def test_each_weight_format_is_measured_alike(worker) -> None:
     assert int8["weights"] == "int8" and int8["weight_bytes"] < 0.7 * base["weight_bytes"]
     assert int8["decode_weight_bytes"] < base["decode_weight_bytes"] and int8["errors"] == 0
     assert int8["first_diff_vs_bf16"] == [None, None]  # the trained tiny model keeps its greedy tokens
+    assert int8["kernel_vs_torch"] < 1e-6  # on a CPU both are torch's product (on CUDA: the Triton kernel)
 
 
 def test_a_run_out_of_budget_skips_what_does_not_fit_and_says_why(tiny_dir, tmp_path, monkeypatch) -> None:
@@ -187,18 +188,53 @@ def test_on_a_gpu_without_fp8_the_weight_format_stage_skips_fp8_with_the_loaders
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (60 * 10**9, 80 * 10**9))
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     measured = []
-    monkeypatch.setattr(gpu_measure, "format_figures", lambda worker, ref: measured.append("bf16") or {"greedy": [[1]]})
-    monkeypatch.setattr(gpu_measure, "quantized_figures", lambda *args: measured.append(args[3]) or {"errors": 0})
+    monkeypatch.setattr(
+        gpu_measure, "format_figures", lambda worker, ref: measured.append("bf16") or figures(90, 900, 18.6)
+    )
+    monkeypatch.setattr(
+        gpu_measure, "quantized_figures", lambda *args: measured.append(args[3]) or figures(95, 950, 10)
+    )
     report = gpucheck.Report(str(tmp_path / "r.json"))
     report.update(gpu="NVIDIA A10G", weight_bytes=21.3e9)
     stages = gpucheck.Stages(report, gpucheck.Clock(budget_s=300.0))
     worker = SimpleNamespace(device=SimpleNamespace(type="cuda"), dtype=torch.bfloat16)
     gpucheck.weight_formats(stages, worker, None, "full")
-    assert measured == ["bf16", "int8"] and set(report["weight_formats"]) == {"bf16", "int8"}
+    assert measured == ["bf16", "int8", "int4"] and set(report["weight_formats"]) == {"bf16", "int8", "int4"}
     assert "compute capability 8.6" in report["skipped"]["weights: fp8"] and report["failed"] == []
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (20 * 10**9, 80 * 10**9))
     gpucheck.weight_formats(stages, worker, None, "full")  # no room for a second bf16 copy: skipped, not failed
     assert "rebuilt in bf16" in report["skipped"]["weights: int8"] and report["failed"] == []
+
+
+def figures(batch1: float, rows: float, read_gb: float, kernel: float = 0.0) -> dict:
+    return {"batch1_tokens_per_s": batch1, "rows_tokens_per_s": rows, "rows": 32, "decode_weight_bytes": read_gb * 1e9,
+            "errors": 0, "greedy": [[1]], "kernel_vs_torch": kernel}  # fmt: skip
+
+
+def test_a_format_that_reads_fewer_bytes_but_decodes_slower_than_bf16_fails_the_check(tmp_path, monkeypatch) -> None:
+    """The stage's verdict on an H200 (faked, as above): int8 reads half the bytes and is faster at batch 1 but
+    slower at 32 rows — flagged; fp8 is faster at both — fine; a format reading no fewer bytes is not judged; a
+    packed kernel that differs from torch's product fails too."""
+    assert gpu_measure.slower_than_bf16({"bf16": figures(140, 3000, 18.6), "fp8": figures(230, 3600, 10.0)}) == []
+    slower = gpu_measure.slower_than_bf16({"bf16": figures(140, 3000, 18.6), "int8": figures(200, 2500, 10.0),
+                                           "int4": None, "odd": figures(100, 100, 19.0)})  # fmt: skip
+    assert slower == ["int8 decodes slower than bf16 at 32 rows (2500.0 against 3000.0 tokens/s) though its step "
+                      "reads 10.0 GB of weights against 18.6"]  # fmt: skip
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (100 * 10**9, 140 * 10**9))
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(gpu_measure, "format_figures", lambda worker, ref: figures(140, 3000, 18.6))
+    measured = {"fp8": figures(230, 3600, 10.0), "int8": figures(120, 3100, 10.0), "int4": figures(300, 3900, 5.9, 0.3)}
+    monkeypatch.setattr(gpu_measure, "quantized_figures", lambda *args: measured[args[3]])
+    report = gpucheck.Report(str(tmp_path / "r.json"))
+    report.update(gpu="NVIDIA H200", weight_bytes=21.3e9)
+    stages = gpucheck.Stages(report, gpucheck.Clock(budget_s=300.0))
+    gpucheck.weight_formats(stages, SimpleNamespace(device=SimpleNamespace(type="cuda"), dtype=torch.bfloat16), None,
+                            "full")  # fmt: skip
+    assert set(report["weight_formats"]) == {"bf16", "fp8", "int8", "int4"}
+    assert report["failed"][0] == "weights: int4: the packed kernel differs from torch's product by 0.3"
+    assert report["failed"][1:] == report["weight_formats_slower"] and len(report["failed"]) == 2
+    assert report["failed"][1].startswith("int8 decodes slower than bf16 at batch 1 (120.0 against 140.0")
 
 
 def test_benchmark_runs_that_would_end_past_the_budget_are_skipped() -> None:

@@ -22,6 +22,7 @@ from vlm_demo.cot import parse_stages
 from vlm_demo.engine import loader, make_engine, quantize
 from vlm_demo.engine.continuous import ContinuousEngine
 from vlm_demo.engine.dynamic import DynamicEngine
+from vlm_demo.engine.packed import PackedLinear
 from vlm_demo.engine.placement import meta_model
 from vlm_demo.engine.worker import Worker
 from vlm_demo.errors import ModelLoadError
@@ -106,24 +107,33 @@ def beam(temperature: float, seed: int = 0) -> SamplingParams:
 @pytest.mark.parametrize("kind", FORMATS)
 def test_the_loader_stores_what_the_plan_counts_and_only_where_it_should(quantized, kind) -> None:
     """Bytes as stored equal the planned count (the fit tool's and auto's), the label says the format, every
-    linear layer of the language model has it, the vision tower's are int8, and the LM head, the projector,
+    linear layer of the language model is packed in it (values of its width, float32 row scales; int4: two codes
+    a byte, a scale and a zero per group), the vision tower's are torchao's int8, and the LM head, the projector,
     biases, embeddings, norms and gates stay fp32."""
     model = quantized[kind].model
     planned = quantize.weight_bytes(meta_model(model.config), torch.float32, kind, cuda=False)
     assert sum(quantize.stored_bytes(p) for p in model.parameters()) == planned
     assert planned < sum(p.numel() * 4 for p in model.parameters())
     assert quantize.weights_label(model) == kind
-    stored = {"int8": "Int8Tensor", "int4": "Int4OpaqueTensor", "fp8": "Float8Tensor"}
-    linear_weights = set()
+    values = {"int8": torch.int8, "int4": torch.uint8, "fp8": torch.float8_e4m3fn}
+    linear_weights, packed = set(), 0
     for name, module in model.named_modules():
-        if isinstance(module, torch.nn.Linear):
+        if isinstance(module, PackedLinear):
+            assert name.startswith("model.language_model.") and module.format == kind, name
+            assert module.weight.dtype == values[kind] and module.weight.shape[0] == module.out_features
+            width = module.in_features // 2 if kind == "int4" else module.in_features
+            assert module.weight.shape[1] == width and (module.zero is not None) == (kind == "int4")
+            assert module.scale.dtype == torch.float32 and module.scale.shape[0] == module.out_features
+            linear_weights |= {f"{name}.{part}" for part in ("weight", "scale", "zero")}
+            packed += 1
+        elif isinstance(module, torch.nn.Linear):
             linear_weights.add(f"{name}.weight")
             expected = "Parameter"  # the LM head, the projector
-            if name.startswith("model.language_model."):
-                expected = stored[kind]
-            elif name.startswith("model.vision_model."):
+            assert not name.startswith("model.language_model."), name
+            if name.startswith("model.vision_model."):
                 expected = "Int8Tensor"
             assert type(module.weight).__name__ == expected, name
+    assert packed == 7 * model.config.text_config.num_hidden_layers
     others = {name: type(p).__name__ for name, p in model.named_parameters() if name not in linear_weights}
     assert set(others.values()) == {"Parameter"}, others  # biases, embeddings, norms, gates
     assert "model.language_model.layers.2.cross_attn_attn_gate" in others
@@ -325,17 +335,18 @@ def test_the_engine_reports_its_weights(quantized, worker) -> None:
 
 
 @pytest.mark.slow
-def test_the_app_with_int8_weights_answers_as_the_unquantized_model_and_says_so(worker, tmp_path) -> None:
-    """``python app.py --model tiny --quantize int8``: held-out colour questions through the page's API come back
-    well-formed, right, and equal to the unquantized model's answers; the page's header, ``/health``, ``/metrics``
-    and ``/v1/models`` say "int8" (the engine process's stats carry it over the pipe)."""
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+def test_the_app_with_8_bit_weights_answers_as_the_unquantized_model_and_says_so(worker, tmp_path, kind) -> None:
+    """``python app.py --model tiny --quantize int8`` (and fp8): held-out colour questions through the page's API come
+    back well-formed, right, and equal to the unquantized model's answers; the page's header, ``/health``,
+    ``/metrics`` and ``/v1/models`` name the format (the engine process's stats carry it over the pipe)."""
     import requests
     from gradio_client import Client, handle_file
     from support import running_app
 
     cases = [CASES[i * len(SIZES) + i % len(SIZES)] for i in range(len(COLOURS))]  # every colour, every size
     want = answers(worker, "continuous", cases)
-    with running_app("--quantize", "int8", "--response-cache-mb", "0") as url:
+    with running_app("--quantize", kind, "--response-cache-mb", "0") as url:
         client = Client(url, verbose=False)
         for (colour, width, height, noise, question), reference in zip(cases, want, strict=True):
             path = tmp_path / f"{colour}.png"
@@ -344,10 +355,10 @@ def test_the_app_with_int8_weights_answers_as_the_unquantized_model_and_says_so(
             match = WELL_FORMED.match(raw.strip())
             assert match and match.group(1).strip() == f"The image is {colour}.", raw
             assert raw == reference.text
-        assert requests.get(url + "/health", timeout=10).json()["details"]["weights"] == "int8"
-        assert 'vlm_weights_info{weights="int8"} 1.0' in requests.get(url + "/metrics", timeout=10).text
-        assert requests.get(url + "/v1/models", timeout=10).json()["data"][0]["weights"] == "int8"
-        assert "· int8 weights" in requests.get(url + "/config", timeout=10).text  # the page's header
+        assert requests.get(url + "/health", timeout=10).json()["details"]["weights"] == kind
+        assert f'vlm_weights_info{{weights="{kind}"}} 1.0' in requests.get(url + "/metrics", timeout=10).text
+        assert requests.get(url + "/v1/models", timeout=10).json()["data"][0]["weights"] == kind
+        assert f"· {kind} weights" in requests.get(url + "/config", timeout=10).text  # the page's header
 
 
 @pytest.mark.slow

@@ -12,8 +12,10 @@ rotary embedding is computed once per step for all layers, as one rotation per r
 applies to its queries and keys together in one matrix product; queries, keys and values come from one
 merged projection, the MLP's gate and up projections from another (the modules' weights become views of
 the merged ones: no extra memory, and the stock forward that prefills uses the same numbers); the
-residual additions ride on the output projections (``addmm``). Token-identical to the stock forward in
-fp32 (the tests check it); its inputs are :class:`~vlm_demo.engine.rows.StepInputs`, tensors only.
+residual additions ride on the output projections (``addmm``). Quantized projections
+(:class:`~vlm_demo.engine.packed.PackedLinear`) merge the same way and take the same shape of step: one
+``vlm_demo::weight_only_linear`` per product, the residual added inside it. Token-identical to the stock
+forward in fp32 (the tests check it); its inputs are :class:`~vlm_demo.engine.rows.StepInputs`, tensors only.
 
 A model spread over several devices (``device_map``) runs here too: the hidden states move to each
 layer's device, as accelerate's hooks would move them, and each device holds its layers' pages.
@@ -28,6 +30,8 @@ import torch
 import torch.nn.functional as F
 
 from vlm_demo.engine.attention import PagedAttention, choose, moved
+from vlm_demo.engine.packed import PackedLinear, PackedWeight
+from vlm_demo.engine.packed import merge as merge_packed
 from vlm_demo.engine.pages import PagePool, PageShape, page_tokens_for
 from vlm_demo.engine.rows import StepInputs
 
@@ -54,10 +58,13 @@ def attention_geometry(model: Any, dtype: torch.dtype) -> tuple[PageShape, int, 
     return page_shape(model, dtype), heads, next(iter(layer_devices(model).values()))
 
 
-def merge(linears: list[torch.nn.Linear]) -> torch.Tensor | None:
+def merge(linears: list[torch.nn.Module]) -> torch.Tensor | PackedWeight | None:
     """One weight for several projections of the same input: the modules' weights become views of it (the
-    memory stays the same, and every other user of the modules sees the same values). ``None`` where the
-    weights are not plain tensors of one dtype and device (quantized layers keep their own)."""
+    memory stays the same, and every other user of the modules sees the same values); packed ones merge their
+    values and scales (:func:`~vlm_demo.engine.packed.merge`). ``None`` where the weights are neither plain
+    tensors of one dtype and device nor packed alike."""
+    if any(isinstance(linear, PackedLinear) for linear in linears):
+        return merge_packed(linears)
     weights = [linear.weight for linear in linears]
     if any(linear.bias is not None for linear in linears) or any(type(w.data) is not torch.Tensor for w in weights):
         return None
@@ -72,12 +79,16 @@ def merge(linears: list[torch.nn.Linear]) -> torch.Tensor | None:
     return merged
 
 
-Projection = torch.Tensor | torch.nn.Module  # a plain weight (transposed for ``addmm``), or a quantized layer
+Projection = torch.Tensor | PackedWeight | torch.nn.Module  # a plain weight (transposed for ``addmm``), a
+# packed one (never transposed: the operator takes it as stored), or another layer, which runs itself
 
 
-def projection(linear: torch.nn.Linear, transposed: bool = False) -> Projection:
+def projection(linear: torch.nn.Module, transposed: bool = False) -> Projection:
     """What the step multiplies by: the weight itself where it is a plain tensor (resolved once, not looked up
-    through the module every step), else the module, which runs its own kernel."""
+    through the module every step), a packed layer's :class:`PackedWeight`, else the module, which runs its own
+    kernel."""
+    if isinstance(linear, PackedLinear):
+        return linear.packed()
     weight = linear.weight
     if linear.bias is not None or type(weight.data) is not torch.Tensor:
         return linear
@@ -125,6 +136,7 @@ def _layer(index: int, module: Any, cross: bool, device: torch.device) -> Layer:
 
 
 def _apply(weight: Projection, x: torch.Tensor) -> torch.Tensor:
+    """``x`` through a projection that is not transposed (a merged or a query weight)."""
     return F.linear(x, weight) if isinstance(weight, torch.Tensor) else weight(x)
 
 
@@ -195,7 +207,7 @@ class TextDecodeStep:
         if isinstance(layer.qkv, tuple):
             qkv = torch.cat([_apply(p, x) for p in layer.qkv], dim=-1)
         else:
-            qkv = F.linear(x, layer.qkv)
+            qkv = _apply(layer.qkv, x)
         heads = self.heads + self.kv_heads
         qk = torch.matmul(qkv[:, : heads * dim].view(rows, heads, dim), rotation)  # rotary, queries and keys at once
         value = qkv[:, heads * dim :].view(rows, self.kv_heads, dim)
@@ -218,7 +230,7 @@ class TextDecodeStep:
         if isinstance(layer.gate_up, tuple):
             gate, up = (_apply(p, x) for p in layer.gate_up)
         else:
-            gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
+            gate, up = _apply(layer.gate_up, x).chunk(2, dim=-1)
         inner = F.silu(gate) * up
         if row_mask is None:
             return _add_projected(hidden, layer.down, inner)
@@ -231,10 +243,12 @@ def _norm(x: torch.Tensor, norm: tuple[torch.Tensor, float]) -> torch.Tensor:
 
 
 def _add_projected(hidden: torch.Tensor, weight: Projection, x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
-    """``hidden + scale · x @ weight``: one ``addmm`` for a plain (transposed) weight; a quantized layer runs its
-    own module."""
+    """``hidden + scale · x @ weight``: one ``addmm`` for a plain (transposed) weight, one packed product with the
+    residual inside for a packed one; another layer runs its own module."""
     if isinstance(weight, torch.Tensor):
         return torch.addmm(hidden, x, weight, alpha=scale)
+    if isinstance(weight, PackedWeight):
+        return weight(x, hidden, scale)
     return hidden + scale * weight(x) if scale != 1.0 else hidden + weight(x)
 
 

@@ -249,7 +249,8 @@ def load(
     quantize: str = "none",
 ) -> Worker:
     """Load weights and processor from a hub id or folder (``tiny`` builds the test model), the language
-    model's linear layers quantized as ``quantize`` says (:mod:`~vlm_demo.engine.quantize`).
+    model's linear layers quantized as ``quantize`` says and packed for its decode step
+    (:mod:`~vlm_demo.engine.quantize`).
 
     Raises :class:`ModelLoadError` (one sentence, no traceback needed) for ``--device cuda`` without CUDA,
     a format the GPU cannot run, a missing folder, an unreachable hub id, a checkpoint that is not Mllama,
@@ -287,6 +288,7 @@ def load(
         placement.check_on_gpus(net)
     else:
         net.to(dev)
+    quantization.pack(net, kind, cuda)  # the language model's layers into the layout its decode step reads
     net.eval()
     places = sorted({str(p.device) for p in net.parameters()})
     weights_as = quantization.weights_label(net)

@@ -15,14 +15,15 @@ layer gets which format (:func:`layer_configs`):
 - the embeddings, the LM head, the norms, the cross-attention tanh gates and the multimodal projector
   stay in the model dtype (the head and the embeddings decide every token; the rest is small).
 
-Formats (torchao 0.18): ``fp8`` is FP8 e4m3 weights with one scale per output row, and on a GPU with
-compute capability 8.9 or newer (Ada, Hopper) activations quantized per row at each call (dynamic) for
-``torch._scaled_mm``; on CPU the same weights with activations in the model dtype (torchao's dynamic FP8
-needs such a GPU; CPU runs are for testing the format). ``int8`` is int8 weight-only with per-row scales
-(any GPU, CPU). ``int4`` is int4 weight-only in groups of 128 input features with tinygemm's asymmetric
-scales: on CUDA the tinygemm kernel (compute capability 8.0 or newer, bf16), on CPU aten's CPU kernel
-for the same format (torchao's prototype ``Int4OpaqueTensor``; narrower layers take groups of 64 or 32).
-What a GPU cannot do is refused before anything loads (:func:`problem`).
+Loading quantizes with torchao 0.18: ``fp8`` is FP8 e4m3 weights with one scale per output row (on a GPU
+with compute capability 8.9 or newer, Ada and Hopper, torchao's dynamic-activation config; on CPU its
+weight-only one: the weights are rounded alike); ``int8`` int8 with per-row scales; ``int4`` 4 bits in
+groups of 128 input features with tinygemm's asymmetric scales (on CUDA its tile-packed layout, compute
+capability 8.0 or newer, bf16; on CPU torchao's prototype ``Int4OpaqueTensor``, narrower layers in groups of 64
+or 32). Then the language model's layers are re-packed once into our own layout (:func:`pack`,
+:mod:`~vlm_demo.engine.packed`): its decode step reads each weight once, in its stored width, through one
+kernel per product with q/k/v and gate/up merged; torchao's kernels run only the vision tower (prefill). What
+a GPU cannot do is refused before anything loads (:func:`problem`).
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from vlm_demo.engine.packed import PackedLinear, from_torchao, pack_int4, packed_bytes
 
 KINDS = ("none", "fp8", "int8", "int4")  # most precise first: ``auto`` takes the first that fits
 CHOICES = (*KINDS, "auto")
@@ -133,14 +136,36 @@ def load_config(meta_model: torch.nn.Module, kind: str, cuda: bool) -> Any:
 
 
 def quantize_model(model: torch.nn.Module, kind: str) -> torch.nn.Module:
-    """Quantize a model already in memory, in place, where it is (a random-weight model, a test)."""
+    """Quantize a model already in memory, in place, where it is (a random-weight model, a test, a shapes-only
+    model on ``meta``), and pack its language model. Its int4 layers are packed straight from their weights
+    (torchao's int4 cannot quantize ``meta`` tensors; the grid is the same)."""
     if kind == "none":
         return model
     cuda = next(model.parameters()).device.type == "cuda"
     from torchao.quantization import quantize_
 
     for name, config in layer_configs(model, kind, cuda).items():  # layer by layer, as the loader does
+        if kind == "int4" and name.startswith(TEXT):
+            continue
         quantize_(model.get_submodule(name.removesuffix(".weight")), config, filter_fn=lambda module, fqn: True)
+    return pack(model, kind, cuda)
+
+
+def pack(model: torch.nn.Module, kind: str, cuda: bool) -> torch.nn.Module:
+    """Replace each quantized ``nn.Linear`` of the language model by its :class:`PackedLinear` (in place; int8
+    and fp8 keep torchao's bytes, int4 is read back and packed again, one layer at a time)."""
+    for name, module in list(model.named_modules()):
+        chosen = layer_format(kind, name, module.in_features, cuda) if isinstance(module, torch.nn.Linear) else None
+        if chosen is None or not name.startswith(TEXT):
+            continue
+        fmt, group = chosen
+        if type(module.weight.data) is torch.Tensor:  # not quantized yet: int4 from quantize_model
+            assert fmt == "int4" and group is not None, name
+            packed = pack_int4(module.weight, group, module.weight.dtype)
+        else:
+            packed = from_torchao(module, group if fmt == "int4" else None)
+        parent, child = name.rsplit(".", 1)
+        setattr(model.get_submodule(parent), child, packed)
     return model
 
 
@@ -148,7 +173,7 @@ def quantize_model(model: torch.nn.Module, kind: str) -> torch.nn.Module:
 
 
 def linear_bytes(fmt: str, out_features: int, in_features: int, dtype: torch.dtype, group: int | None) -> int:
-    """A quantized weight's bytes: its values plus its scales (and zero points), as torchao stores them."""
+    """A quantized weight's bytes as torchao stores them: its values plus its scales (and zero points)."""
     values = out_features * in_features
     if fmt == "int8":
         return values + out_features * (4 + 1)  # float32 scale and int8 zero point per row
@@ -161,14 +186,15 @@ def linear_bytes(fmt: str, out_features: int, in_features: int, dtype: torch.dty
 def weight_bytes(
     model: torch.nn.Module, dtype: torch.dtype, kind: str, cuda: bool, include: Callable[[str], bool] | None = None
 ) -> int:
-    """The model's weights in bytes once loaded as ``kind`` (shapes only: a meta-device model will do);
+    """The model's weights in bytes once loaded as ``kind`` (shapes only: a meta-device model will do, unquantized);
     ``include`` keeps only the parameters it accepts by name."""
     quantized = {}
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.Linear):
             chosen = layer_format(kind, name, module.in_features, cuda)
             if chosen is not None:
-                quantized[f"{name}.weight"] = linear_bytes(chosen[0], *module.weight.shape, dtype, chosen[1])
+                count = packed_bytes if name.startswith(TEXT) else linear_bytes  # ours, or torchao's (vision)
+                quantized[f"{name}.weight"] = count(chosen[0], *module.weight.shape, dtype, chosen[1])
     total = 0
     for name, param in model.named_parameters():
         if include is None or include(name):
@@ -190,6 +216,8 @@ def weights_label(model: torch.nn.Module) -> str:
     (``bf16``, ``fp32``, …) when they are not quantized; read from the weights themselves, not the setting."""
     dtype = torch.float32
     for name, module in model.named_modules():
+        if isinstance(module, PackedLinear) and name.startswith(TEXT):
+            return module.format
         if isinstance(module, torch.nn.Linear) and name.startswith(TEXT):
             kind = type(module.weight).__name__
             for prefix, label in (("Float8", "fp8"), ("Int8", "int8"), ("Int4", "int4")):

@@ -36,6 +36,7 @@ from typing import Any
 from vlm_demo.config import Config
 from vlm_demo.engine import make_engine
 from vlm_demo.engine.loader import load
+from vlm_demo.engine.quantize import KINDS
 from vlm_demo.engine.worker import Worker
 from vlm_demo.models.tiny import COLOURS, solid_image
 from vlm_demo.request import Limits, SamplingParams, ValidRequest, validate_request
@@ -401,7 +402,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--count-kernels",
         action="store_true",
-        help="print, as JSON, the kernels one decode step launches at the real 11B depth (tools/kernels.py)",
+        help="print, as JSON, the kernels one decode step launches at the real 11B depth and the bytes its linear "
+        "layers read from their weights (tools/kernels.py)",
+    )
+    p.add_argument(
+        "--quantize",
+        choices=KINDS,
+        default="none",
+        help="the language model's weight format: for --count-kernels the format counted; for the in-process modes "
+        "(unbatched, dynamic, continuous, engine) the format the model loads in",
     )
     p.add_argument(
         "--prefill-stall",
@@ -425,7 +434,7 @@ def backend_factories(args: argparse.Namespace) -> dict[str, tuple[int, Callable
     factories: dict[str, tuple[int, Callable[[], Any]]] = {}
     worker: Worker | None = None
     if any(m in ("unbatched", "dynamic", "continuous", "engine") for m in modes):
-        worker = load(args.model, args.device, args.dtype, cpu_threads=args.cpu_threads)
+        worker = load(args.model, args.device, args.dtype, cpu_threads=args.cpu_threads, quantize=args.quantize)
 
     def local(max_batch: int, batching: str) -> Callable[[], Any]:
         def make() -> Any:
@@ -525,7 +534,7 @@ def main(argv: list[str] | None = None) -> list[RunResult]:
     if args.count_kernels or args.prefill_stall:
         from vlm_demo.tools import kernels, prefill_stall
 
-        counted = kernels.report() if args.count_kernels else prefill_stall.report(args.repeats)
+        counted = kernels.report(args.quantize) if args.count_kernels else prefill_stall.report(args.repeats)
         print(json.dumps(counted, indent=2))
         if args.json_path:
             with open(args.json_path, "w") as out:

@@ -17,8 +17,9 @@ tiny model, the GPU run with the narrow real-shape model in fp32 and the full 11
 - :func:`peak_run`: the planned row limit filled, rows joining and leaving, to see the join/evict peak
   next to the memory plan (:func:`peak_rows_that_fit`: fewer rows when time is short);
 - :func:`load_saved`: the real loading path (``engine.loader.load``) on a saved model folder;
-- :func:`format_figures` / :func:`quantized_figures`: one weight format (bf16, fp8, int8) measured the same
-  way: its bytes, decode at 1 and ``QUANTIZED_ROWS`` rows, the peak memory, its greedy tokens against bf16's.
+- :func:`format_figures` / :func:`quantized_figures`: one weight format (bf16, fp8, int8, int4) measured the
+  same way: its bytes, decode at 1 and ``QUANTIZED_ROWS`` rows, the peak memory, its greedy tokens against
+  bf16's; :func:`slower_than_bf16`: the formats that read fewer bytes and still decode slower.
 """
 
 from __future__ import annotations
@@ -548,14 +549,54 @@ def format_figures(worker: Worker, reference: list[list[int]] | None = None, tok
     return figures
 
 
+def slower_than_bf16(formats: dict[str, dict[str, Any] | None]) -> list[str]:
+    """Each quantized format that decodes slower than bf16 (at batch 1 or at ``QUANTIZED_ROWS`` rows) though its
+    decode step reads fewer weight bytes: what packing the weights is for, not delivered (one sentence each)."""
+    base = formats.get("bf16")
+    slower = []
+    for kind, figures in formats.items():
+        if kind == "bf16" or not figures or not base or figures["decode_weight_bytes"] >= base["decode_weight_bytes"]:
+            continue
+        for key, where in (("batch1_tokens_per_s", "at batch 1"), ("rows_tokens_per_s", f"at {figures['rows']} rows")):
+            if figures[key] < base[key]:
+                slower.append(
+                    f"{kind} decodes slower than bf16 {where} ({figures[key]:.1f} against {base[key]:.1f} tokens/s) "
+                    f"though its step reads {figures['decode_weight_bytes'] / GB:.1f} GB of weights against "
+                    f"{base['decode_weight_bytes'] / GB:.1f}"
+                )
+    return slower
+
+
+def packed_kernel_error(model: torch.nn.Module, rows: tuple[int, ...] = (1, 8, 300)) -> float:
+    """The device's packed product (on CUDA the Triton kernel up to ``TRITON_ROWS`` rows) against the same product
+    in torch operations, over the first text layer's packed projections with a residual: the largest difference
+    relative to the product's largest value."""
+    from vlm_demo.engine.packed import PackedLinear, torch_product
+
+    layer = model.model.language_model.layers[0]
+    worst = 0.0
+    generator = torch.Generator().manual_seed(0)
+    for module in (m for m in layer.modules() if isinstance(m, PackedLinear)):
+        weights = module.packed()
+        dtype = layer.input_layernorm.weight.dtype
+        for n in rows:
+            x = torch.randn(n, module.in_features, generator=generator).to(module.weight.device, dtype)
+            residual = torch.randn(n, module.out_features, generator=generator).to(x)
+            with torch.inference_mode():
+                got = weights(x, residual, 0.5).float()
+                want = torch_product(x, weights.values, weights.scale, weights.zero, residual, 0.5).float()
+            worst = max(worst, float((got - want).abs().max() / want.abs().max()))
+    return worst
+
+
 def quantized_figures(
     model: str, device: torch.device, processor: Any, kind: str, reference: list[list[int]]
 ) -> dict[str, Any]:
     """:func:`format_figures` for the model under test rebuilt (same seed: the same weights) and quantized to
-    ``kind`` in place; its memory is returned once measured."""
+    ``kind`` in place, with :func:`packed_kernel_error`; its memory is returned once measured."""
     worker = build_worker(model, device, processor, quantize=kind)
     try:
-        return format_figures(worker, reference)
+        return {**format_figures(worker, reference), "kernel_vs_torch": packed_kernel_error(worker.model)}
     finally:
         del worker
         if device.type == "cuda":

@@ -18,9 +18,10 @@ random bf16 weights directly on the GPU and measures, in order (:mod:`vlm_demo.t
    eagerly and replayed from CUDA graphs at 1-128 rows, NaN steps, the profiler's attention kernels; then
    admitting newcomers: the vision tower per picture of 1-4 real tiles, and the running rows' longest pause
    while 8 newcomers with 4-tile pictures join (``bench --prefill-stall``'s run; more than 3 decode steps fails);
-6. weight formats: the same model with fp8 (compute capability 8.9+) and int8 weights next to bf16,
+6. weight formats: the same model with fp8 (compute capability 8.9+), int8 and int4 weights next to bf16,
    measured alike: weight bytes, decode tokens/s at 1 and 32 rows, peak memory, greedy tokens against
-   bf16's (skipped, with the reason, on CPU);
+   bf16's; a format whose step reads fewer bytes but decodes slower than bf16's fails the check (skipped,
+   with the reason, on CPU);
 7. the planned row limit filled (rows joining and leaving) to check the join/evict peak.
 
 Device time is scarce (15 minutes a session, 10 a command, and a rerun must fit), so the run keeps to
@@ -98,6 +99,7 @@ NEED_S = {
     "weights: quantized": 50.0,  # the same, plus building the model again and quantizing it
 }
 FULL_MODEL_S = 150.0
+KERNEL_TOLERANCE = 2e-2  # the packed kernel against torch's product, relative: bf16 rounding of the output, not more
 
 
 # ---- versions ------------------------------------------------------------------------------------------
@@ -514,8 +516,10 @@ def prefill(stages: Stages, worker: Any) -> None:
 
 
 def weight_formats(stages: Stages, worker: Any, processor: Any, model: str) -> None:
-    """5. bf16 (the model under test), then fp8 where the GPU has it and int8, each measured alike; a format the
-    GPU cannot run is skipped with the loader's own reason. CPU: skipped (these are GPU figures)."""
+    """5. bf16 (the model under test), then fp8 where the GPU has it, int8 and int4, each measured alike and
+    timed against bf16; a format that reads fewer bytes per step yet decodes slower fails the check
+    (``weight_formats_slower``). A format the GPU cannot run is skipped with the loader's own reason. CPU:
+    skipped (these are GPU figures)."""
     import torch
 
     from vlm_demo.engine.quantize import problem
@@ -532,7 +536,7 @@ def weight_formats(stages: Stages, worker: Any, processor: Any, model: str) -> N
     if base is None:
         return
     capability = torch.cuda.get_device_capability(device)
-    for kind in ("fp8", "int8"):
+    for kind in ("fp8", "int8", "int4"):
         name = f"weights: {kind}"
         refused = problem(kind, True, capability, report["gpu"], worker.dtype)
         torch.cuda.empty_cache()
@@ -549,7 +553,12 @@ def weight_formats(stages: Stages, worker: Any, processor: Any, model: str) -> N
         formats[kind] = figures
         if figures is not None and figures["errors"]:
             stages.fail(f"{name}: {figures['errors']} of the {measure.QUANTIZED_ROWS} answers failed")
+        if figures is not None and figures.get("kernel_vs_torch", 0.0) > KERNEL_TOLERANCE:
+            stages.fail(f"{name}: the packed kernel differs from torch's product by {figures['kernel_vs_torch']:.3g}")
         report.write()
+    slower = report["weight_formats_slower"] = measure.slower_than_bf16(formats)
+    for why in slower:
+        stages.fail(why)
 
 
 def peak(stages: Stages, worker: Any, rows: int, benchmarked: int) -> None:

@@ -16,22 +16,36 @@ narrow widths (head dim 8, random weights; the number of operations does not dep
   like the one before it, and ``after_rows_change`` the first step after rows joined or left, where the
   reference gathers its lines from the pool again;
 - ``stock_forward``: the text model's own forward with a ``DynamicCache`` (what ``generate`` runs), for
-  comparison.
+  comparison;
+- ``--quantize fp8|int8|int4``: all of the above with the language model's projections in that format (packed,
+  :mod:`~vlm_demo.engine.packed`), and beside them ``unquantized`` (the same counts in the model dtype) and
+  ``kernels_over_unquantized``;
+- ``weight_bytes_read_per_step``: the bytes the step's linear layers read from their weights, counted — every
+  kernel's tensor arguments that are (views of) those weights, by their bytes as passed, and tensors computed
+  from the weights alone, such as a per-call widened copy, as weights too — against ``weight_bytes``, those
+  weights' own bytes as stored (values and scales). The linear weights are those a decode step multiplies
+  by: the text decoder's projections but the cross-attention keys/values (cached at prefill), and the LM head.
+  Counted on ``meta`` at the 11B model's real shapes in bf16 (``weights_counted_on``), with the kernel ``auto``
+  takes on CUDA.
 
 Counted at the dispatcher (a ``TorchDispatchMode``): *kernels* are operations that produce a new tensor —
 views and in-place operations (whose outputs alias an input) are not counted, as in the measurement this
-replaces; *aten_ops* are all operations; *in_place* (cache writes, accumulations) are listed apart.
+replaces (so neither is an operation that may return its input, ``to``, when it casts: the step's one, its
+positions to float, is not counted; its weight reads are); *aten_ops* are all operations; *in_place* (cache
+writes, accumulations) are listed apart.
 Sampling (two or three operations) is not part of the step.
 """
 
 from __future__ import annotations
 
 import collections
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 REAL_CROSS_LAYERS = (3, 8, 13, 18, 23, 28, 33, 38)
 ROWS = (1, 8)
@@ -42,15 +56,34 @@ class Counts:
     kernels: int = 0
     in_place: int = 0
     aten_ops: int = 0
+    weight_bytes_read: int = 0  # bytes of the watched weights (and tensors made from them alone) kernels took
     by_op: collections.Counter = field(default_factory=collections.Counter)
 
 
-class Counter(TorchDispatchMode):
-    """Counts the operations dispatched while it is active."""
+def _storage(tensor: torch.Tensor) -> int:
+    """Which memory a tensor (or a view of it) lives in; works on ``meta`` too."""
+    return tensor.untyped_storage()._cdata
 
-    def __init__(self) -> None:
+
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    return [t for t in tree_leaves(tree) if isinstance(t, torch.Tensor)]
+
+
+def _copied(args: tuple, kwargs: dict | None, out: Any) -> bool:
+    """Whether an operation's outputs live in memory none of its inputs do."""
+    inputs = {_storage(t) for t in _tensors((args, kwargs))}
+    outputs = _tensors(out)
+    return bool(outputs) and all(_storage(t) not in inputs for t in outputs)
+
+
+class Counter(TorchDispatchMode):
+    """Counts the operations dispatched while it is active, and the bytes of ``weights`` their kernels read."""
+
+    def __init__(self, weights: Iterable[torch.Tensor] = ()) -> None:
         super().__init__()
         self.counts = Counts()
+        self.weights = {_storage(w) for w in weights}
+        self._made: list[torch.Tensor] = []  # tensors made from weights alone, kept so their memory is not reused
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         out = func(*args, **(kwargs or {}))
@@ -60,22 +93,62 @@ class Counter(TorchDispatchMode):
         if not aliasing:
             counts.kernels += 1
             counts.by_op[str(func.overloadpacket.__name__)] += 1
+            self._read(args, kwargs, out)
         elif any(a.is_write for a in aliasing):
             counts.in_place += 1
+        elif _copied(args, kwargs, out):  # may return its input (``to``) but made a new tensor: a cast reads too
+            self._read(args, kwargs, out)
         return out
 
+    def _read(self, args: tuple, kwargs: dict | None, out: Any) -> None:
+        """A kernel's reads of weights; its outputs count as weights when weights were all it read."""
+        if not self.weights:
+            return
+        inputs = _tensors((args, kwargs))
+        read = [t for t in inputs if _storage(t) in self.weights]
+        self.counts.weight_bytes_read += sum(t.numel() * t.element_size() for t in read)
+        if read and len(read) == len(inputs):
+            made = _tensors(out)
+            self.weights |= {_storage(t) for t in made}
+            self._made += made
 
-def count(run: Any) -> Counts:
-    with torch.inference_mode(), Counter() as counter:
+
+def count(run: Any, weights: Iterable[torch.Tensor] = ()) -> Counts:
+    with torch.inference_mode(), Counter(weights) as counter:
         run()
     return counter.counts
 
 
-def narrow_model(device: str) -> Any:
+def step_weights(model: Any) -> list[torch.Tensor]:
+    """The weights of the linear layers a decode step multiplies by (their values and scales): the text decoder's
+    projections but those :func:`~vlm_demo.engine.memory.read_by_decode` leaves out, and the LM head."""
+    from vlm_demo.engine.memory import read_by_decode
+    from vlm_demo.engine.packed import PackedLinear
+
+    found = []
+    for name, module in model.named_modules():
+        if isinstance(module, (torch.nn.Linear, PackedLinear)) and read_by_decode(f"{name}.weight"):
+            if name.startswith("model.language_model.") or name == "lm_head":
+                found += [p for p in module.parameters(recurse=False)]
+    return found
+
+
+def narrow_model(device: str, quantize: str = "none") -> Any:
+    """The real depth and heads at narrow widths, in float32, its language model's projections in ``quantize``."""
+    from vlm_demo.engine.quantize import quantize_model
     from vlm_demo.models import realshape
 
     config = realshape.narrow_config(hidden=256, layers=40, cross_layers=REAL_CROSS_LAYERS)
-    return realshape.build_model(config, torch.float32, device, attn_implementation="sdpa")
+    return quantize_model(realshape.build_model(config, torch.float32, device, attn_implementation="sdpa"), quantize)
+
+
+def full_shape_model(quantize: str = "none") -> Any:
+    """The 11B model's real shapes in bf16 on ``meta`` (nothing allocated), in ``quantize``: for bytes."""
+    from vlm_demo.engine.quantize import quantize_model
+    from vlm_demo.models import realshape
+
+    model = realshape.build_model(realshape.full_config(), torch.bfloat16, "meta", attn_implementation="sdpa")
+    return quantize_model(model, quantize)
 
 
 def synthetic_rows(decoder: Any, rows: int, device: torch.device, length: int = 5, dtype: Any = torch.float32) -> Any:
@@ -104,14 +177,15 @@ def engine_step(model: Any, rows: int, kernel: str, after_a_change: bool = False
     from vlm_demo.engine.decode_step import TextDecodeStep, layer_devices
 
     device = next(iter(layer_devices(model).values()))
+    dtype = model.lm_head.weight.dtype
     # the kernel itself, not a --decode-attention choice: on meta the fast kernels run shapes only (no probe)
-    decoder = TextDecodeStep.over_pool(model, torch.float32, 8 + rows * 80, kernel=KERNELS[kernel])
-    running = synthetic_rows(decoder, rows, device)
+    decoder = TextDecodeStep.over_pool(model, dtype, 8 + rows * 80, kernel=KERNELS[kernel])
+    running = synthetic_rows(decoder, rows, device, dtype=dtype)
     with torch.inference_mode():
         inputs = running.step_inputs()
         if not after_a_change:
             decoder(inputs)
-    return count(lambda: decoder(inputs))
+    return count(lambda: decoder(inputs), step_weights(model))  # after the step merged its weights
 
 
 def stock_step(model: Any, rows: int) -> Counts:
@@ -141,12 +215,21 @@ def stock_step(model: Any, rows: int) -> Counts:
     return count(run)
 
 
-def report() -> dict[str, Any]:
-    """The counts as ``bench --count-kernels`` prints them (JSON)."""
+def figures(counts: dict[int, Counts]) -> dict[str, Any]:
+    return {
+        "kernels_per_decode_step": {str(n): c.kernels for n, c in counts.items()},
+        "aten_ops_per_decode_step": {str(n): c.aten_ops for n, c in counts.items()},
+        "in_place_per_decode_step": {str(n): c.in_place for n, c in counts.items()},
+    }
+
+
+def kernel_counts(quantize: str = "none") -> dict[str, Any]:
+    """The step's operations with the language model's projections in ``quantize``: on CUDA with each decode
+    attention (shapes only), on the CPU, and the stock forward's."""
     from vlm_demo.engine.attention.flash import paged_call_missing
 
-    cpu_model = narrow_model("cpu")
-    meta_model = narrow_model("meta")
+    cpu_model = narrow_model("cpu", quantize)
+    meta_model = narrow_model("meta", quantize)
     missing = paged_call_missing()
     unavailable = {"flash": missing} if missing else {}
     by_kernel: dict[str, dict[int, Counts] | None] = {
@@ -159,15 +242,7 @@ def report() -> dict[str, Any]:
     cpu = {n: engine_step(cpu_model, n, "reference") for n in ROWS}
     by_kernel["reference"] = cpu
     cpu_changed = {n: engine_step(cpu_model, n, "reference", after_a_change=True) for n in ROWS}
-    stock = {n: stock_step(narrow_model("cpu"), n) for n in ROWS}
-
-    def figures(counts: dict[int, Counts]) -> dict[str, Any]:
-        return {
-            "kernels_per_decode_step": {str(n): c.kernels for n, c in counts.items()},
-            "aten_ops_per_decode_step": {str(n): c.aten_ops for n, c in counts.items()},
-            "in_place_per_decode_step": {str(n): c.in_place for n, c in counts.items()},
-        }
-
+    stock = {n: stock_step(narrow_model("cpu", quantize), n) for n in ROWS}
     return {
         **figures(cuda),
         "decode_attention": auto,
@@ -188,3 +263,37 @@ def report() -> dict[str, Any]:
         "stock_forward": figures(stock),
         "structure": {"text_layers": 40, "cross_attention_layers": list(REAL_CROSS_LAYERS), "heads": 32, "kv_heads": 8},
     }
+
+
+def weight_figures(quantize: str, kernel: str) -> dict[str, Any]:
+    """What the step's linear layers read from their weights at 1 and 8 rows, and those weights' bytes, at the
+    11B model's shapes in bf16 with ``quantize``'s weights and decode attention ``kernel``."""
+    from vlm_demo.engine.quantize import stored_bytes
+
+    model = full_shape_model(quantize)
+    counts = {n: engine_step(model, n, kernel) for n in ROWS}
+    return {
+        "weight_bytes_read_per_step": {str(n): c.weight_bytes_read for n, c in counts.items()},
+        "weight_bytes": sum(stored_bytes(w) for w in step_weights(model)),
+    }
+
+
+def report(quantize: str = "none") -> dict[str, Any]:
+    """The counts as ``bench --count-kernels [--quantize KIND]`` prints them (JSON)."""
+    counted = kernel_counts(quantize)
+    auto = counted["decode_attention"]
+    weights = weight_figures(quantize, auto)
+    out = {
+        "quantize": quantize,
+        "kernels_per_decode_step": counted.pop("kernels_per_decode_step"),
+        **weights,
+        "weights_counted_on": "meta, the 11B model's shapes in bf16: its text decoder's projections but the "
+        "cross-attention keys/values, and the LM head",
+        **counted,
+    }
+    if quantize != "none":
+        meta_model = narrow_model("meta")
+        plain = {str(n): engine_step(meta_model, n, auto).kernels for n in ROWS}
+        out["unquantized"] = {"kernels_per_decode_step": plain, **weight_figures("none", auto)}
+        out["kernels_over_unquantized"] = {n: round(out["kernels_per_decode_step"][n] / plain[n], 3) for n in plain}
+    return out

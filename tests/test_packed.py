@@ -1,0 +1,176 @@
+"""Packed quantized projections (``engine/packed.py``): the Triton kernel (run on CPU tensors by Triton's interpreter,
+``TRITON_INTERPRET=1``, set by conftest) against the torch path, merging, int4 read back from torchao without loss,
+a decode step through the kernel, and the kernel built for Ampere and Hopper GPUs without one."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from support import ROOT
+
+from vlm_demo.engine import loader, packed
+from vlm_demo.engine.decode_step import TextDecodeStep
+from vlm_demo.engine.packed import PackedLinear, pack_int4, weight_only_linear
+from vlm_demo.tools import kernels
+
+FORMATS = ("int8", "fp8", "int4")
+
+
+def packed_random(fmt: str, rows: int, width: int, seed: int, dtype: torch.dtype = torch.float32) -> PackedLinear:
+    """A ``[rows, width]`` Gaussian weight packed as ``fmt`` (int8 and fp8 as torchao rounds them: per-row scales)."""
+    weight = torch.randn(rows, width, generator=torch.Generator().manual_seed(seed))
+    if fmt == "int4":
+        return pack_int4(weight, 32, dtype)
+    top = 127.0 if fmt == "int8" else 448.0
+    scale = weight.abs().amax(1) / top
+    scaled = weight / scale[:, None]
+    values = scaled.round().clamp(-128, 127).to(torch.int8) if fmt == "int8" else scaled.to(torch.float8_e4m3fn)
+    return PackedLinear(values, scale, None, width)
+
+
+def via_triton(x, values, scale, zero, residual, alpha):
+    """The operator's arithmetic through the Triton kernel instead of torch's operations (interpreted on CPU)."""
+    rows = x.reshape(-1, x.shape[-1]).contiguous()
+    out = x.new_empty((rows.shape[0], values.shape[0]))
+    kept = residual.reshape(-1, values.shape[0]) if residual is not None else None
+    packed.triton_matmul(rows, values, scale, zero, kept, alpha, out)
+    return out.reshape(*x.shape[:-1], values.shape[0])
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("rows", [1, 8, 40], ids=["1-row", "8-rows", "40-rows"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_kernel_computes_what_the_torch_path_computes(fmt, rows, dtype) -> None:
+    """``residual + alpha · x @ Wᵀ`` and ``x @ Wᵀ`` alone, at tile sizes a decode step and a wider batch take (40 rows:
+    a second row tile, partly empty), over 160 inputs (not a multiple of the 8-bit kernel's 128-input steps) and 72
+    outputs (not a multiple of its column tiles)."""
+    layer = packed_random(fmt, 72, 160, seed=rows, dtype=dtype)
+    x = torch.randn(rows, 160, generator=torch.Generator().manual_seed(7)).to(dtype)
+    residual = torch.randn(rows, 72, generator=torch.Generator().manual_seed(8)).to(dtype)
+    weights = layer.packed()
+    for kept, alpha in ((residual, 0.75), (None, 1.0)):
+        got = via_triton(x, weights.values, weights.scale, weights.zero, kept, alpha).float()
+        want = weight_only_linear(x.float(), weights.values, weights.scale.float(),
+                                  None if weights.zero is None else weights.zero.float(),
+                                  None if kept is None else kept.float(), alpha)  # fmt: skip
+        # fp32: the sums' order only; bf16: the output's rounding (8 bits of mantissa) and the inputs'
+        tolerance = 2e-5 if dtype == torch.float32 else 1e-2
+        assert (got - want).abs().max() <= tolerance * want.abs().max(), (fmt, rows, dtype, kept is None)
+
+
+def test_the_torch_path_is_the_widened_weight_times_x() -> None:
+    """int8/fp8: values × row scale; int4: each group's codes × its scale + its zero, the codes spanning the group's
+    minimum to its maximum (so the widened weight is within half a step of the original everywhere)."""
+    weight = torch.randn(24, 64, generator=torch.Generator().manual_seed(0))
+    layer = pack_int4(weight, 32, torch.float32)
+    widened = packed.widened(layer.weight, layer.scale, layer.zero, torch.float32)
+    step = layer.scale.repeat_interleave(32, dim=1)
+    assert ((widened - weight).abs() <= step / 2 + 1e-6).all()
+    groups = weight.reshape(24, 2, 32)
+    assert torch.allclose(widened.reshape(24, 2, 32).amin(-1), groups.amin(-1), atol=1e-6)
+    assert torch.allclose(widened.reshape(24, 2, 32).amax(-1), groups.amax(-1), atol=1e-6)
+    x = torch.randn(3, 64)
+    assert torch.allclose(layer(x), x @ widened.t(), atol=1e-5)
+    eight = packed_random("int8", 24, 64, seed=1)
+    assert torch.allclose(eight(x), x @ (eight.weight.float() * eight.scale[:, None]).t(), atol=1e-5)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_merged_projections_give_the_separate_products_and_keep_the_memory(fmt) -> None:
+    """q/k/v merged: one product equals the three concatenated (to float precision: a wider product may sum in another
+    order); the modules' parameters become views of the merged tensors (no second copy), so the stock forward that
+    prefills reads the same numbers."""
+    layers = [packed_random(fmt, n, 64, seed=n) for n in (32, 8, 8)]
+    x = torch.randn(5, 64)
+    separate = torch.cat([layer(x) for layer in layers], dim=-1)
+    merged = packed.merge(layers)
+    assert merged is not None and torch.allclose(merged(x), separate, atol=1e-5, rtol=1e-6)
+    for layer in layers:
+        assert layer.weight.untyped_storage().data_ptr() == merged.values.untyped_storage().data_ptr()
+        assert layer.scale.untyped_storage().data_ptr() == merged.scale.untyped_storage().data_ptr()
+    assert torch.equal(torch.cat([layer(x) for layer in layers], dim=-1), separate)  # the same values through views
+    assert packed.merge([layers[0], torch.nn.Linear(64, 8, bias=False)]) is None  # a plain layer: not merged
+
+
+def test_int4_read_back_from_torchao_is_packed_without_loss() -> None:
+    """torchao's int4 layer (aten's CPU packing) re-packed through ``I @ Wᵀ``: the packed layer answers as the
+    torchao one, and packing its widened weight again gives the same codes (the same 16-level grid)."""
+    from torchao.prototype.quantization.int4.inference_workflow import PrototypeInt4WeightOnlyConfig
+    from torchao.quantization import quantize_
+
+    linear = torch.nn.Linear(96, 48, bias=False)
+    quantize_(linear, PrototypeInt4WeightOnlyConfig(group_size=32, set_inductor_config=False))
+    mine = packed.from_torchao(linear, 32)
+    x = torch.randn(4, 96)
+    assert torch.allclose(mine(x), linear(x), atol=1e-5, rtol=1e-5)
+    again = pack_int4(packed.widened(mine.weight, mine.scale, mine.zero, torch.float32), 32, torch.float32)
+    assert torch.equal(again.weight, mine.weight)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+def test_a_decode_step_through_the_kernel_agrees_with_the_torch_path(tiny_dir, fmt, monkeypatch) -> None:
+    """The tiny model loaded as ``fmt`` (merged q/k/v and gate/up, residuals inside the products): one decode step of 3
+    rows with every product through the Triton kernel gives the torch path's logits to float precision."""
+    worker = loader.load(tiny_dir, device="cpu", quantize=fmt)
+    decoder = TextDecodeStep.over_pool(worker.model, worker.dtype, 64)
+    running = kernels.synthetic_rows(decoder, 3, torch.device("cpu"))
+    with torch.inference_mode():
+        inputs = running.step_inputs()
+        want = decoder(inputs)
+        monkeypatch.setattr(packed, "weight_only_linear", via_triton)
+        got = decoder(inputs)
+    assert torch.allclose(got, want, atol=1e-4, rtol=1e-4), (got - want).abs().max()
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+COMPILE = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from vlm_demo.engine import packed_kernels as kernels
+
+INTS = ["M", "N", "stride_xm", "stride_wn", "stride_sn", "stride_rm", "stride_om"]
+for cc, fmt, values, rows in ((90, "fp8", "*fp8e4nv", 1), (90, "int8", "*i8", 1), (90, "int4", "*u8", 1),
+                              (90, "int8", "*i8", 256), (90, "int4", "*u8", 256), (80, "int8", "*i8", 8)):
+    block_m, block_n, block_k = kernels.blocks(rows, 128 if fmt == "int4" else 0)
+    constants = dict(K=4096, GROUP=128 if fmt == "int4" else 1, INT4=fmt == "int4", HAS_RESIDUAL=True, UPCAST=False,
+                     PRECISION="tf32", BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+    scales = "*bf16" if fmt == "int4" else "*fp32"
+    signature = {"X": "*bf16", "W": values, "SCALE": scales, "ZERO": scales, "RES": "*bf16", "OUT": "*bf16",
+                 **dict.fromkeys(INTS, "i32"), "alpha": "fp32", **dict.fromkeys(constants, "constexpr")}
+    out = triton.compile(ASTSource(kernels._weight_only_matmul, signature, constants),
+                         target=GPUTarget("cuda", cc, 32), options={"num_warps": 4, "num_stages": 4})
+    ptx = out.asm["ptx"]
+    print(cc, fmt, rows, "mma" in ptx, ".local" in ptx, len(out.asm["cubin"]))
+"""
+
+
+def test_the_kernel_compiles_for_ampere_and_hopper_gpus_without_one() -> None:
+    """Triton's compiler and ptxas (in its wheel) build the GPU code here: the 11B model's widths (4,096 inputs, int4
+    groups of 128) in bf16 for sm_90 (fp8, int8 and int4; a decode step's row tiles and a 256-row batch's) and sm_80
+    (int8) — tensor-core products (``mma``), no registers spilled to local memory."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compiled, not interpreted
+    done = subprocess.run([sys.executable, "-c", COMPILE], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [line.split() for line in done.stdout.splitlines()]
+    assert len(lines) == 6, done.stdout
+    assert all(mma == "True" and local == "False" and int(size) > 1000 for *_, mma, local, size in lines), lines
+
+
+def test_the_gpu_checks_kernel_comparison_passes_the_kernel_and_catches_a_wrong_product(tiny_dir, monkeypatch) -> None:
+    """``gpu_measure.packed_kernel_error`` (what gpucheck's weight-format stage fails above 2 %): the Triton kernel
+    (interpreted) agrees with torch's product, a product that drops the residual does not."""
+    from vlm_demo.tools import gpu_measure
+
+    model = loader.load(tiny_dir, device="cpu", quantize="int8").model
+    monkeypatch.setattr(packed, "weight_only_linear", via_triton)
+    assert gpu_measure.packed_kernel_error(model, rows=(1, 20)) < 1e-5
+    monkeypatch.setattr(
+        packed, "weight_only_linear", lambda x, v, s, z, r, a: packed.torch_product(x, v, s, z, None, a)
+    )
+    assert gpu_measure.packed_kernel_error(model, rows=(1, 20)) > 0.1
