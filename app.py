@@ -2,7 +2,9 @@
 
 Also the ``app_file`` of the Hugging Face Space. It only parses options and launches; see
 ``vlm_demo/web/server.py`` (web server) and ``vlm_demo/web/page.py`` (the page). Options are parsed before
-Gradio and torch are imported, so ``--help`` and a mistyped flag answer at once.
+Gradio and torch are imported, so ``--help`` and a mistyped flag answer at once; the first import after them is
+Hugging Face's ``spaces`` package (on a ZeroGPU Space it must patch torch before anything can initialise CUDA;
+elsewhere it does nothing).
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ def main(argv: list[str] | None = None) -> None:
     from vlm_demo.config import load_config
 
     config = load_config(argv, description="LLaVA-CoT (Llama-3.2V-11B-cot) web demo")
+    import spaces  # noqa: F401 - first of everything that may reach torch: ZeroGPU's CUDA emulation (docs/gpu.md)
+
     from vlm_demo import logs
 
     logs.setup()

@@ -95,13 +95,13 @@ def server_env(**extra: str) -> dict[str, str]:
 
 
 def start_app(
-    port: int, *extra: str, env: dict[str, str] | None = None, model: str | None = "tiny"
+    port: int, *extra: str, env: dict[str, str] | None = None, model: str | None = "tiny", script: str = "app.py"
 ) -> subprocess.Popen:
-    """``python app.py --model tiny`` (``model=None``: no --model, as a newcomer runs it) on a loopback port
-    (``extra`` flags after the defaults win). Its output goes to a file (read by :func:`server_output`): a
-    pipe nobody reads would stall a chatty server."""
+    """``python app.py --model tiny`` (``model=None``: no --model, as a newcomer runs it; ``script``: another
+    launcher of ``app.main``) on a loopback port (``extra`` flags after the defaults win). Its output goes to a file
+    (read by :func:`server_output`): a pipe nobody reads would stall a chatty server."""
     chosen = ["--model", model] if model else []
-    cmd = [sys.executable, "app.py", *chosen, "--host", "127.0.0.1", "--port", str(port), *extra]
+    cmd = [sys.executable, script, *chosen, "--host", "127.0.0.1", "--port", str(port), *extra]
     log = tempfile.TemporaryFile("w+")  # noqa: SIM115 - closed by stop_app
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env or server_env(), stdout=log, stderr=subprocess.STDOUT, text=True)
     proc.log = log  # type: ignore[attr-defined]

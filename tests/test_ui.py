@@ -334,6 +334,30 @@ def test_a_remote_model_servers_failure_reads_as_plainly_as_the_local_ones(page:
     assert updates[-1][-1].asked == "What colour?", "a server failure can be retried"
 
 
+def test_zerogpus_refusal_mid_answer_is_the_status_line_in_its_own_words_over_the_text_so_far(page: DemoUI) -> None:
+    """A ZeroGPU call aborted mid-answer (or refused at its start: out of quota): the status line gives ZeroGPU's
+    title and message, the panels keep what was written, and Retry is offered (waiting can help)."""
+    from vlm_demo.errors import ZeroGPUError
+
+    aborted = ZeroGPUError("GPU task aborted", "ZeroGPU worker error")
+    updates = asyncio.run(_ask_page(page, lambda s: s.write("<SUMMARY>a plan"), lambda s: s.fail(aborted)))
+    assert _statuses(updates)[-1] == "⚠ ZeroGPU worker error: GPU task aborted"
+    assert updates[-1][0] == "a plan", "the panels keep what was written"
+    assert updates[-1][-1].asked == "What colour?", "Retry is offered"
+
+
+def test_where_each_call_borrows_a_gpu_ask_batch_runs_one_batch_at_a_time() -> None:
+    """On ZeroGPU each GPU call batches only its own requests: /ask_batch gets a lane of one, so the requests that
+    arrive while a batch runs gather into the next; /ask keeps a handler for every answer."""
+    backend = ScriptedBackend()
+    backend.features = Features(gpu_per_call=True)
+    demo = DemoUI(Answers(backend, Config(max_batch_size=4), Metrics())).build()  # type: ignore[arg-type]
+    by_name = {fn.api_name: fn for fn in demo.fns.values()}
+    batch, ask = by_name["ask_batch"], by_name["ask"]
+    assert (batch.concurrency_limit, batch.max_batch_size) == (1, 4) and batch.concurrency_id != ask.concurrency_id
+    assert ask.concurrency_limit == 4 + Config().max_queue
+
+
 def test_retry_is_not_offered_after_an_input_error(page: DemoUI) -> None:
     async def ask(question: str) -> list[tuple]:
         return [u async for u in page.handlers.ask_page(RED, question, 64, 0.0, 1.0)]

@@ -287,6 +287,25 @@ class Config:
     triton_timeout: float = field(
         default=120.0, metadata={"group": "triton", "help": "Seconds before a Triton call gives up.", "min": 0.1}
     )
+    zerogpu_tokens_per_s: float = field(
+        default=25.0,
+        metadata={
+            "group": "zerogpu",
+            "help": "The decode speed of one answer a ZeroGPU call's duration is reckoned with: a call asks for "
+            "--zerogpu-start-s plus max_new_tokens / this seconds (more with Think harder's candidates); ZeroGPU "
+            "refuses a call longer than the visitor's tier allows and schedules shorter ones sooner.",
+            "min": 0.1,
+        },
+    )
+    zerogpu_start_s: float = field(
+        default=30.0,
+        metadata={
+            "group": "zerogpu",
+            "help": "Seconds every ZeroGPU call asks for on top of the answer's own: a new GPU worker first moves the "
+            "weights onto its GPU and builds the engine.",
+            "min": 0,
+        },
+    )
     tiny_dir: str = field(
         default="",
         metadata={
@@ -304,6 +323,7 @@ GROUPS = {
     "engine": "the model and the batching engine",
     "api": "API and security",
     "triton": "a remote Triton instead of a local model",
+    "zerogpu": "Hugging Face ZeroGPU (only where SPACES_ZERO_GPU is true)",
 }
 EXAMPLES = """examples:
   python app.py                                   the demo on http://127.0.0.1:7860 (tiny without a GPU)

@@ -145,6 +145,22 @@ class BackendTimeoutError(DemoError):
     remote_words = "The model server took too long to answer; please try again in a minute."
 
 
+class ZeroGPUError(DemoError):
+    """Hugging Face ZeroGPU refused or ended the GPU call behind an answer: the visitor's quota is spent, the call
+    asks for more time than the visitor's tier allows, no GPU came free, the GPU worker died. ZeroGPU's own title
+    and words are shown (they say how long to wait, or to sign in)."""
+
+    code = "zerogpu"
+    status = 429
+    kind = RATE_LIMIT
+    title = "ZeroGPU"
+
+    def __init__(self, message: str, title: str = "") -> None:
+        super().__init__(message)
+        if title:
+            self.title = title  # type: ignore[misc]  # ZeroGPU's title for this refusal, e.g. "ZeroGPU quota exceeded"
+
+
 class ModelLoadError(DemoError):
     """The model cannot be loaded as configured (missing folder, no network, no GPU, not Mllama,
     does not fit); the message is one sentence for the operator, with what to do instead."""

@@ -10,8 +10,9 @@ from vlm_demo.results import LoadProgress
 
 
 def make_backend(config: Config, progress: Callable[[LoadProgress], None] | None = None) -> Backend:
-    """The Triton backend when ``--triton-url`` is set, else the local batching engine: in its own
-    process (the default), or in this one with ``--no-engine-process``; with the response cache in front
+    """The Triton backend when ``--triton-url`` is set; else on a ZeroGPU Space (``SPACES_ZERO_GPU``) the
+    weights here and the engine in ZeroGPU's GPU calls; else the local batching engine: in its own process
+    (the default), or in this one with ``--no-engine-process``; with the response cache in front
     (``--response-cache-mb``).
 
     Raises ``SystemExit`` with one sentence when the model cannot be loaded at all.
@@ -31,6 +32,16 @@ def _make_backend(config: Config, progress: Callable[[LoadProgress], None] | Non
         if progress is not None:
             progress(LoadProgress(f"connecting to Triton at {config.triton_url}"))
         return TritonBackend.from_config(config, progress)
+    from vlm_demo.backends import zerogpu
+    from vlm_demo.errors import DemoError
+
+    if zerogpu.enabled():
+        from vlm_demo.backends.zerogpu.backend import ZeroGPUBackend
+
+        try:
+            return ZeroGPUBackend.from_config(config, progress)
+        except DemoError as err:
+            raise SystemExit(f"Cannot start the model: {err}") from None
     if config.engine_process:
         from vlm_demo.backends.engine_client import EngineProcessBackend, EngineStartError
 
@@ -39,7 +50,6 @@ def _make_backend(config: Config, progress: Callable[[LoadProgress], None] | Non
         except EngineStartError as err:
             raise SystemExit(f"Cannot start the model: {err}") from None
     from vlm_demo.backends.local import LocalBackend
-    from vlm_demo.errors import DemoError
     from vlm_demo.models.choice import choose_model
 
     config, notice = choose_model(config)

@@ -78,10 +78,13 @@ class Features:
 
     stage_beam: bool = True  # "Think harder": needs the engine's continuous batching
     history: bool = True  # follow-up questions (earlier turns in the prompt)
+    # Each call borrows a GPU of its own for its duration (ZeroGPU): requests batch only within one call, so the page
+    # runs one /ask_batch batch at a time and lets the requests that arrive meanwhile gather into the next.
+    gpu_per_call: bool = False
 
 
 class Backend(Protocol):
-    name: str  # "engine-process", "in-process" (the engine in this process) or "triton": /health and the page say it
+    name: str  # "engine-process", "in-process" (the engine in this process), "triton", "zerogpu": /health, the page
     remote: bool  # health() asks another server over the network (it may take seconds): never on an event loop
     model: str  # what the page and /health show
     notice: str | None  # the page's banner when the model is not the real one (the tiny test model)

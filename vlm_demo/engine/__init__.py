@@ -20,11 +20,15 @@ if TYPE_CHECKING:  # for the annotations only: the modules themselves load torch
 
 
 def make_engine(
-    config: Config, worker: Worker | None = None, progress: Callable[[LoadProgress], None] | None = None
+    config: Config,
+    worker: Worker | None = None,
+    progress: Callable[[LoadProgress], None] | None = None,
+    start: bool = True,
 ) -> Engine:
     """A started engine of the configured batching kind (``config.batching``), over ``worker`` or over
     the model ``config`` names (loaded here, reporting to ``progress``; raises
-    :class:`~vlm_demo.errors.ModelLoadError`)."""
+    :class:`~vlm_demo.errors.ModelLoadError`). With ``start`` false its thread is not started: the caller
+    steps it (a ZeroGPU call, which may use the GPU only while it runs)."""
     from vlm_demo.engine.continuous import ContinuousEngine
     from vlm_demo.engine.decode_step import pageable
     from vlm_demo.engine.dynamic import DynamicEngine
@@ -40,6 +44,8 @@ def make_engine(
         )
         config = dataclasses.replace(config, batching="dynamic")
     engine = kinds[config.batching](worker, config)
+    if not start:
+        return engine
     if progress is not None:
         progress(LoadProgress("warming up the engine"))
     return engine.start()

@@ -25,6 +25,7 @@ only translates its own wire format; what is common is written once:
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import dataclasses
 import ipaddress
 import logging
@@ -169,10 +170,12 @@ class Answers:
     # ---- starting ----------------------------------------------------------------------------------
     async def start(self, admit: Callable[[], ValidRequest], client: str) -> Stream:
         """Run the door's ``admit`` (it decodes the image: up to ~0.1 s, so not on the event loop that serves
-        everyone) and submit its request as ``client``; a refusal is counted and raised."""
+        everyone) and submit its request as ``client``; a refusal is counted and raised. The caller's context
+        goes along (the Gradio request, whose visitor ZeroGPU bills)."""
         loop = asyncio.get_running_loop()
+        context = contextvars.copy_context()
         try:
-            return await loop.run_in_executor(None, self._start, admit, client)
+            return await loop.run_in_executor(None, context.run, self._start, admit, client)
         except DemoError as err:
             self.metrics.rejected(err.code)
             raise

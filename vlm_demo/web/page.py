@@ -37,6 +37,7 @@ from vlm_demo.web.render import cleared, history_html, tracker_html
 log = logging.getLogger(__name__)
 
 CONCURRENCY_ID = "engine"  # /ask and /ask_batch share one limit: they share one model
+GPU_BATCH_ID = "gpu_batch"  # on ZeroGPU /ask_batch has a limit of its own (each batch is one GPU call)
 PANEL_LINES = {"summary": 2, "caption": 3, "reasoning": 6, "conclusion": 2}
 QUEUE_POLL_S = 0.05  # how often Gradio's idle queue looks for new events (its own default on Windows)
 
@@ -305,6 +306,13 @@ class DemoUI:
         cheap (async; the /ask_batch ones wait in a thread)."""
         return self.config.max_batch_size + self.config.max_queue
 
+    def _batch_lanes(self) -> dict[str, Any]:
+        """How many /ask_batch batches run at once: as many as the engine holds answers, or, where each call borrows
+        a GPU of its own (ZeroGPU), one, so that the requests arriving while it runs gather into the next batch."""
+        if self.backend.features.gpu_per_call:
+            return {"concurrency_id": GPU_BATCH_ID, "concurrency_limit": 1}
+        return {"concurrency_id": CONCURRENCY_ID, "concurrency_limit": self._concurrency_limit()}
+
     def _wire(
         self, demo: gr.Blocks, given: dict[str, Any], outputs: list[Any], controls: dict[str, Any], conversation: Any
     ) -> None:
@@ -379,8 +387,7 @@ class DemoUI:
             batch=True,
             max_batch_size=self.config.max_batch_size,
             preprocess=False,
-            concurrency_id=CONCURRENCY_ID,
-            concurrency_limit=self._concurrency_limit(),
+            **self._batch_lanes(),
         )
         demo.load(None, js=OPEN_API_JS)
         demo.unload(self.handlers.forget_session)

@@ -26,7 +26,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from vlm_demo import ASSETS_DIR
-from vlm_demo.backends import make_backend
+from vlm_demo.backends import make_backend, zerogpu
 from vlm_demo.backends.base import Backend, Health
 from vlm_demo.config import Config
 from vlm_demo.images import DEFAULT_MAX_BYTES
@@ -38,12 +38,12 @@ from vlm_demo.web.metrics import CacheCounts, Metrics
 from vlm_demo.web.openai_api import OpenAIAPI
 from vlm_demo.web.operator import OperatorDoor
 from vlm_demo.web.page import CSS, THEME, DemoUI
-from vlm_demo.web.spaces import on_spaces
+from vlm_demo.web.spaces import expose_server, on_spaces, start_zerogpu
 
 log = logging.getLogger(__name__)
 
 
-REMOTE_BATCH_SIZE = 8  # Gradio batch size and concurrency when Triton (not we) sizes the batches
+REMOTE_BATCH_SIZE = 8  # Gradio batch size and concurrency when no engine here sizes the batches (Triton, ZeroGPU)
 
 
 @dataclass
@@ -242,7 +242,11 @@ def serve(config: Config) -> None:
     """Take the port, answer at once with the loading page, build everything in the background, then serve
     the demo until interrupted; the backend is closed on the way out.
 
-    A model that cannot load ends the server with its one-line reason (``SystemExit``)."""
+    A model that cannot load ends the server with its one-line reason (``SystemExit``).
+
+    On a ZeroGPU Space the weights load first, on this thread (``spaces`` emulates CUDA for the thread that
+    imported it), then ``spaces``' start-up packs them (:func:`~vlm_demo.web.spaces.start_zerogpu`); the port
+    answers after that (the Space shows that it is starting meanwhile)."""
     share = config.share
     if share and on_spaces():
         log.warning("--share is ignored on Hugging Face Spaces (the Space already has a public URL)")
@@ -255,6 +259,11 @@ def serve(config: Config) -> None:
     with bind(config.host, config.port) as sock:
         port = sock.getsockname()[1]
         url = f"http://{f'[{config.host}]' if ':' in config.host else config.host}:{port}"
+        backend = None
+        if not config.triton_url and zerogpu.enabled():
+            log.info("ZeroGPU: loading the weights before serving (the GPU calls fork this process)")
+            backend = make_backend(config)
+            start_zerogpu()
         state = LoadingState(config.triton_url or config.model)
         switch = Switch(loading_app(state, OperatorDoor(config)))
         proxies = config.forwarded_allow_ips or ("*" if on_spaces() else None)  # a Space's proxy names the visitor
@@ -268,7 +277,7 @@ def serve(config: Config) -> None:
                 forwarded_allow_ips=proxies,
             )
         )
-        build = _Build(config, state, switch, server, url)
+        build = _Build(config, state, switch, server, url, backend)
         switch.on_start = build.start
         if share:
             threading.Thread(target=_share_when_up, args=(server, config.host, port), daemon=True).start()
@@ -284,8 +293,17 @@ def serve(config: Config) -> None:
 class _Build:
     """Builds the demo in a thread while the loading page answers, then switches the server over to it."""
 
-    def __init__(self, config: Config, state: LoadingState, switch: Switch, server: uvicorn.Server, url: str) -> None:
+    def __init__(
+        self,
+        config: Config,
+        state: LoadingState,
+        switch: Switch,
+        server: uvicorn.Server,
+        url: str,
+        backend: Backend | None = None,
+    ) -> None:
         self.config, self.state, self.switch, self.server, self.url = config, state, switch, server, url
+        self.backend = backend  # built already (ZeroGPU); else built here, with the loading page showing its progress
         self.demo_app: DemoApp | None = None
         self.failure: str | None = None
         self._thread = threading.Thread(target=self._run, name="vlm-build", daemon=True)
@@ -297,7 +315,9 @@ class _Build:
 
     def _run(self) -> None:
         try:
-            demo_app = create_app(self.config, progress=self.state.update)
+            demo_app = create_app(self.config, self.backend, progress=self.state.update)
+            if self.backend is not None:  # built before serving: ZeroGPU's, whose GPU workers fork this process
+                expose_server(demo_app.demo, self.server)
         except SystemExit as err:
             self._fail(str(err.code))
             return
