@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from support import join_running
 
 from vlm_demo.engine import loader
 from vlm_demo.engine.attention import fewest_bands
@@ -36,15 +37,6 @@ def requests(worker, jobs) -> list[Request]:
     return out
 
 
-def join(worker, rows: RunningRows, chunk: list[Request]) -> torch.Tensor:
-    """Prefill ``chunk`` together and join it, as the continuous engine does; returns the prefill's logits."""
-    prefill = worker.prefill(chunk)
-    places = rows.place(prefill, list(range(len(chunk))))
-    sampling = RowSampling([r.params for r in chunk], prefill.logits.device)
-    rows.join([Row(r, None) for r in chunk], places, sampling.sample(prefill.logits), sampling)
-    return prefill.logits
-
-
 def stock_step(worker, cache, token: torch.Tensor, position: int, inputs: dict) -> torch.Tensor:
     """One row's next logits through the model's own forward (what ``generate`` runs), extending ``cache``."""
     out = worker.model(
@@ -72,10 +64,11 @@ def test_the_paged_step_follows_the_stock_forward_row_by_row(worker, group, dens
     # inf: one product whatever the padding
     monkeypatch.setattr("vlm_demo.engine.attention.reference.DENSE_PADDING", padding)
     monkeypatch.setattr("vlm_demo.engine.attention.reference.HELD_BYTES", 256 * 2**20 if held else 0)
+    monkeypatch.setattr(worker, "vision_tiles", "all")  # the stock forward runs every tile the processor packed
     rows, step = paged(worker)
     batch = requests(worker, JOBS)
     for start in range(0, len(batch), group):
-        join(worker, rows, batch[start : start + group])
+        join_running(worker, rows, batch[start : start + group])
     alone = []
     for request in batch:  # each row on its own, through the stock forward and a DynamicCache
         inputs = worker.to_device(request.inputs)
@@ -125,11 +118,11 @@ def test_a_row_in_a_batch_gets_its_logits_alone(worker, tiny_dir, weights) -> No
     if weights != "fp32":
         worker = loader.load(tiny_dir, device="cpu", quantize=weights)
     together, step = paged(worker)
-    join(worker, together, requests(worker, JOBS))
+    join_running(worker, together, requests(worker, JOBS))
     singles = []
     for job in JOBS:
         rows, own = paged(worker)
-        join(worker, rows, requests(worker, [job]))
+        join_running(worker, rows, requests(worker, [job]))
         singles.append((rows, own))
     for n in range(40):
         with torch.inference_mode():
@@ -146,7 +139,7 @@ def test_a_row_in_a_batch_gets_its_logits_alone(worker, tiny_dir, weights) -> No
 def test_image_states_take_only_the_tiles_a_picture_shows(worker) -> None:
     rows, _ = paged(worker)
     batch = requests(worker, JOBS)
-    join(worker, rows, batch)
+    join_running(worker, rows, batch)
     shape = rows.shape
     tiles = [r.place.tiles for r in rows.rows]
     assert tiles == [r.tiles for r in batch] and tiles[1] == 1 and tiles[2] == 4

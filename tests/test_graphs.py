@@ -7,15 +7,14 @@ import logging
 
 import pytest
 import torch
-from support import door
+from support import door, join_running
 
 from vlm_demo.config import Config
 from vlm_demo.engine.continuous import ContinuousEngine
 from vlm_demo.engine.decode_step import TextDecodeStep
 from vlm_demo.engine.graphs import DecodeGraphs, bucket_for, buckets, decode_graphs
 from vlm_demo.engine.request import Request
-from vlm_demo.engine.rows import Row, RunningRows
-from vlm_demo.engine.sampler import RowSampling
+from vlm_demo.engine.rows import RunningRows
 from vlm_demo.errors import ModelLoadError
 from vlm_demo.models.tiny import COLOURS, solid_image
 from vlm_demo.request import SamplingParams
@@ -40,10 +39,7 @@ def join(worker, rows: RunningRows, jobs) -> None:
         request = Request(image=image, question=question, params=SamplingParams(max_new_tokens=50, temperature=0))
         request.inputs = worker.prepare(image, question)
         requests.append(request)
-    prefill = worker.prefill(requests)
-    sampling = RowSampling([r.params for r in requests], prefill.logits.device)
-    rows.join([Row(r, None) for r in requests], rows.place(prefill, list(range(len(requests)))),
-              sampling.sample(prefill.logits), sampling)  # fmt: skip
+    join_running(worker, rows, requests)
 
 
 @pytest.mark.parametrize(

@@ -124,6 +124,20 @@ def test_the_reserve_closes_the_running_stage_and_opens_the_conclusion(worker, g
     assert tracker.cut == "summary"
 
 
+def test_a_closing_tag_broken_off_at_the_budgets_end_is_written_whole(worker, grammar) -> None:
+    """Four tokens left in the CONCLUSION: "</" may start its closing tag, but "b" after it ("</b") puts the
+    whole tag back to write, so the tag is forced then, while it still fits (hypothesis found it)."""
+    budget = 60
+    head = grammar.encode("<SUMMARY>a</SUMMARY><CAPTION>b</CAPTION><REASONING>c</REASONING><CONCLUSION>")
+    filler = grammar.encode(" x") * (budget - len(head) - 4)
+    tail = grammar.encode("</") + grammar.encode("b") + grammar.encode(" y") * 3
+    tracker = grammar.answer(budget)
+    committed = replay(grammar, tracker, head + filler + tail, redraw=0)
+    text = worker.tokenizer.decode(committed)
+    assert len(committed) <= budget and tracker.done and text.endswith("</CONCLUSION>"), text
+    assert malformed(text, cut=tracker.cut is not None) is None, text
+
+
 # Pieces a hot sample writes where tags go wrong (each tokenised as the model's tokenizer splits it).
 ADVERSARIAL = ["<SUMMARY>", "</SUMMARY>", "<CAPTION>", "</CAPTION>", "<REASONING>", "</REASONING>", "<CONCLUSION>",
                "</CONCLUSION>", "</<SUMMARY>", "</<", "</", "<", "< ", "</ ", "</cONCLUSION>", "<summary>", "</SUM",

@@ -307,19 +307,18 @@ def test_build_is_deterministic_and_restores_torch_settings(tmp_path: Path) -> N
 
 
 @pytest.mark.slow
-def test_the_recipe_rebuilds_what_was_shipped_on_any_cpu(tmp_path: Path) -> None:
+def test_the_recipe_rebuilds_what_was_shipped_on_any_cpu(recipe_build: Path) -> None:
     """What the recipe promises wherever it runs: built again from this repository's code, every file but the
     weights is bit-identical to the shipped copy (tokenizer, configs, template, stamp), the weights have the same
     tensors (names, shapes, dtypes, bytes), and the rebuilt model answers like the shipped one — every colour,
     held-out wordings and sizes, four well-formed stages. The weights' bits are the CPU's business: training's
     sums follow its vector kernels (an AVX-512 CPU trains other floats than the one that built the shipped
-    copy), and a build repeated on one machine is bit-identical (the test above)."""
+    copy), and a build repeated on one machine is bit-identical (the test above). The build runs beside the
+    rest of the suite, started with the session (``conftest.py``)."""
     from safetensors import safe_open
     from transformers import AutoProcessor, MllamaForConditionalGeneration
 
-    out = tmp_path / "rebuilt"
-    tiny.build_tiny(out)
-    (out / tiny.VERSION_FILE).write_text(tiny.TINY_VERSION + "\n")  # as ensure_tiny and the CLI stamp it
+    out = recipe_build  # the CLI's build (``python -m vlm_demo.models.tiny``), stamped as ensure_tiny stamps it
     shipped = sorted(p.name for p in tiny.SHIPPED_DIR.iterdir())
     assert sorted(p.name for p in out.iterdir()) == shipped
     for name in shipped:

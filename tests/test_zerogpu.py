@@ -17,6 +17,7 @@ import base64
 import dataclasses
 import json
 import os
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -28,7 +29,7 @@ from gradio_client import Client, handle_file
 from support import ROOT, door, free_port, metric, server_env, start_app, stop_app, wait_ready, wait_until
 from zerogpu_standin import FakeScheduler, read_events
 
-from vlm_demo.backends.zerogpu.calls import GpuSide
+from vlm_demo.backends.zerogpu.calls import GpuSide, close_server_sockets
 from vlm_demo.backends.zerogpu.duration import call_seconds
 from vlm_demo.config import Config
 from vlm_demo.engine.faults import FailPoints
@@ -177,6 +178,25 @@ def test_a_gpu_worker_keeps_none_of_the_servers_sockets(zerogpu: ZeroGPUApp) -> 
     assert sockets_on_port(zerogpu.pid, port), "the web process listens on the port: the check sees its sockets"
     for worker in zerogpu.workers():
         assert sockets_on_port(worker, port) == []
+
+
+def test_a_worker_closes_the_server_sockets_that_slipped_past_spaces() -> None:
+    """A connection accepted between spaces' list of sockets and its fork: the worker's own sweep closes it (and
+    the listening socket), so the visitor's side sees the end; sockets on other ports stay open."""
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+    visitor = socket.create_connection(("127.0.0.1", port))
+    accepted, _ = server.accept()
+    other = socket.create_server(("127.0.0.1", 0))
+    try:
+        assert close_server_sockets(port) == 2  # the listening socket and the accepted connection
+        visitor.settimeout(10)
+        assert visitor.recv(1) == b""  # closed on the server's side
+        assert close_server_sockets(port) == 0 and other.getsockname()[1] != port
+        assert close_server_sockets(0) == 0  # no port known: nothing closed
+    finally:
+        server.detach(), accepted.detach()  # their descriptors are closed already
+        visitor.close(), other.close()
 
 
 @pytest.mark.slow

@@ -175,6 +175,8 @@ class StageTracker:
                 if fix is not None:
                     self.repaired = True
                     self.forced.extend(fix)  # type: ignore[arg-type]
+                elif not self._closes_in_time(token, written):  # "</" then "b": the tag would no longer fit
+                    self._close_last(self.grammar.encode(self._rest_of_close()))
         if self.forced:
             forced = self.forced.popleft()
             self._take(self.grammar.texts[forced])
@@ -201,9 +203,25 @@ class StageTracker:
         if self.close_at_end and self.stage == last and self.phase == "body" and self.content:
             closing = self.grammar.encode(self._rest_of_close())
             if left <= len(closing):
-                self.cut = self.cut or last
-                self.close_at_end = False
-                self.forced.extend(closing)
+                self._close_last(closing)
+
+    def _close_last(self, closing: list[int]) -> None:
+        """Force the last stage's closing tag (``closing``: what is left of it) with the budget's last tokens."""
+        self.cut = self.cut or self.stages[-1]
+        self.close_at_end = False
+        self.forced.extend(closing)
+
+    def _closes_in_time(self, token: int, written: int) -> bool:
+        """Whether, with ``token`` taken, the last stage's closing tag still fits the budget (a token that
+        breaks off a closing tag under way puts the whole tag back to write)."""
+        if not (self.close_at_end and self.stage == self.stages[-1] and self.phase == "body"):
+            return True
+        probe = _Probe(self)
+        probe.feed(self.grammar.texts[token])
+        if probe.phase != "body" or not probe.content:
+            return True
+        rest = self.grammar.encode(_rest_of_close(CLOSE[self.stage], probe.pending))
+        return 1 + len(rest) <= self.budget - written
 
     def _jump_text(self) -> str | None:
         """Close the running stage and open the last one (a candidate: just close its stage); ``None``

@@ -12,7 +12,8 @@ every running row over the page pool.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -103,6 +104,16 @@ class Worker:
         if self.vision_tiles == "real":
             return real_tiles(inputs["aspect_ratio_mask"])[0]
         return int(inputs["pixel_values"].shape[2])
+
+    @contextmanager
+    def tiles_as(self, mode: str) -> Iterator[None]:
+        """Run the tower on ``mode``'s tiles for a while (``all``: to compare with the stock forward, which
+        runs every tile the processor packed), then back to the engine's choice."""
+        kept, self.vision_tiles = self.vision_tiles, mode
+        try:
+            yield
+        finally:
+            self.vision_tiles = kept
 
     def _pad_id(self) -> int:
         tok = self.tokenizer

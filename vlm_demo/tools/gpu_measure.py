@@ -187,19 +187,21 @@ def generate_alone(worker: Worker, requests: list[ValidRequest], tokens: int) ->
 
 
 def batched_vs_single(worker: Worker, tokens: int) -> Comparison:
-    """Every case alone (greedy, through plain ``model.generate``) and a seeded sampled row alone, then all
-    together: through the dynamic engine in one batch, and through the continuous engine with a first row
-    that runs ``4 × tokens`` while the others join it, prefilled together in one forward pass. A mode whose
-    rows do not all end in ``REQUEST_TIMEOUT_S`` is recorded in ``errors``, not waited for."""
+    """Every case alone and a seeded sampled row alone, then all together: through the dynamic engine in one
+    batch (against plain ``model.generate``), and through the continuous engine (against itself with one row:
+    both run the same tiles, ``--vision-tiles``) with a first row that runs ``4 × tokens`` while the others join
+    it at one step boundary, prefilled together, a forward pass per tile count. A mode whose rows do not all
+    end in ``REQUEST_TIMEOUT_S`` is recorded in ``errors``, not waited for."""
     greedy = SamplingParams(max_new_tokens=tokens, temperature=0.0, ignore_eos=True)
     requests = jobs(greedy)
     long_first = dataclasses.replace(requests[0], params=dataclasses.replace(greedy, max_new_tokens=4 * tokens))
     sampled = dataclasses.replace(requests[2], params=dataclasses.replace(SAMPLED, max_new_tokens=tokens))
     refs = generate_alone(worker, requests, tokens)
-    first_ref, sampled_ref = _alone(worker, [long_first, sampled])
+    first_ref, *alone_refs, sampled_ref = _alone(worker, [long_first, *requests[1:], sampled])
     result = Comparison()
     for mode in ("dynamic", "continuous"):
-        config = Config(batching=mode, max_batch_size=len(requests) + 1, batch_window_ms=2000.0)
+        # --prefill-share 0: the joiners are prefilled at the step boundary they arrive at, not paced over steps
+        config = Config(batching=mode, max_batch_size=len(requests) + 1, batch_window_ms=2000.0, prefill_share=0.0)
         engine = make_engine(config, worker)
         try:
             if mode == "continuous":
@@ -219,7 +221,7 @@ def batched_vs_single(worker: Worker, tokens: int) -> Comparison:
             continue
         finally:
             engine.shutdown()
-        wanted = [first_ref if mode == "continuous" else refs[0], *refs[1:]]
+        wanted = [first_ref, *alone_refs] if mode == "continuous" else refs
         result.first_diff[mode] = [first_difference(h.token_ids, r) for h, r in zip(handles, wanted, strict=False)]
         result.sampled_first_diff[mode] = first_difference(handles[-1].token_ids, sampled_ref)
         if mode == "continuous":
@@ -227,6 +229,9 @@ def batched_vs_single(worker: Worker, tokens: int) -> Comparison:
                 "first_row_tokens_when_others_joined": written,
                 "first_row_tokens": 4 * tokens,
                 "prefills": stats.prefills_run,
+                "tile_counts_joining": len(
+                    {worker.tiles_run(worker.prepare(v.image, v.question)) for v in requests[1:]}
+                ),
                 "max_batch_size": max(r.batch_size for r in results),
             }
     return result
@@ -236,6 +241,11 @@ def step_vs_stock(worker: Worker, steps: int = 4) -> dict[str, float | bool | st
     """The engine's decode step over the page pool against each row's own stock forward (what ``generate``
     runs): the largest logit difference, whether every row picks the same token, and which attention
     kernel the step ran (on CUDA: FlashAttention's paged kernel when it passed its probe)."""
+    with worker.tiles_as("all"):  # the stock forward runs every tile the processor packed
+        return _step_vs_stock(worker, steps)
+
+
+def _step_vs_stock(worker: Worker, steps: int) -> dict[str, float | bool | str]:
     requests = [make_request(valid, worker) for valid in jobs(SamplingParams(max_new_tokens=steps + 1, temperature=0))]
     shape = page_shape(worker.model, worker.dtype)
     pages = sum(shape.row_pages(r.prompt_tokens + steps + 1, shape.max_tiles) for r in requests)
@@ -644,11 +654,9 @@ TILE_PICTURES = {1: (1, 1), 2: (2, 1), 3: (3, 1), 4: (2, 2)}  # tiles -> the pic
 def tower_seconds(worker: Worker, repeats: int = 3) -> dict[str, float]:
     """Seconds the vision tower and the projector take for one picture of 1, 2, 3 and 4 real tiles
     (``--vision-tiles real``), and for a 1-tile picture run the stock way (every tile): medians of ``repeats``."""
-    kept = worker.vision_tiles
     figures = {}
-    try:
-        for mode, tiles in [("real", n) for n in TILE_PICTURES] + [("all", 1)]:
-            worker.vision_tiles = mode
+    for mode, tiles in [("real", n) for n in TILE_PICTURES] + [("all", 1)]:
+        with worker.tiles_as(mode):
             width, height = (side * worker.tower.image_size for side in TILE_PICTURES[tiles])
             inputs = worker.prepare(noise_image(tiles, width, height), "What is in this image?")
             assert worker.tiles_run(inputs) == (tiles if mode == "real" else 4)
@@ -661,8 +669,6 @@ def tower_seconds(worker: Worker, repeats: int = 3) -> dict[str, float]:
                 worker.synchronize()
                 times.append(time.perf_counter() - start)
             figures[f"{tiles}_tiles_{mode}"] = round(statistics.median(times), 5)
-    finally:
-        worker.vision_tiles = kept
     return figures
 
 

@@ -77,6 +77,8 @@ class GpuSide:
         if self.engine is None:
             from vlm_demo.engine import make_engine
 
+            close_server_sockets(self.config.port)
+
             started = time.monotonic()
             self.engine = make_engine(self.config, self.worker, start=False)
             log.info(
@@ -117,3 +119,21 @@ class GpuSide:
         except Exception:
             log.exception("the engine failed while its call's answers were stopped: dropped")
         self.engine = None  # the next call on this worker builds a fresh one
+
+
+def close_server_sockets(port: int) -> int:
+    """Close the web server's sockets this GPU worker inherited (listening, or a visitor's connection), found by the
+    server's ``port``; returns how many. ``spaces`` closes those it listed before forking, but a connection the
+    server accepts between its list and the fork slips through, and a worker holding it would keep that
+    visitor's connection open after the server closed it."""
+    from spaces.zero.utils import get_process_connections  # spaces' own /proc scan, the one its fork uses
+
+    fds = [conn.fd for conn in get_process_connections() if port and conn.port == port]
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:  # closed meanwhile
+            pass
+    if fds:
+        log.info("GPU worker %d closed %d server socket(s) it inherited", os.getpid(), len(fds))
+    return len(fds)
