@@ -59,7 +59,7 @@ def engines(worker):
 
 
 # The tiny model's recipe trains for minutes on one core: when its test is selected, the build starts with the
-# session, in the background at a lower priority, and the test collects it at its turn.
+# session, in the background (one thread), and the test collects it at its turn.
 RECIPE_TEST = ("test_tiny.py", "test_the_recipe_rebuilds_what_was_shipped_on_any_cpu")
 RECIPE_BUILD = pytest.StashKey[tuple[subprocess.Popen, Path]]()
 
@@ -74,8 +74,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
             stdout=log,
             stderr=subprocess.STDOUT,
             cwd=Path(__file__).resolve().parents[1],
-            preexec_fn=lambda: os.nice(10),  # noqa: PLW1509 - no threads yet at collection
-        )
+        )  # at the tests' priority: a lower one starves it on a loaded machine
     session.config.stash[RECIPE_BUILD] = (build, folder)
 
 
