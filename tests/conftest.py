@@ -65,7 +65,7 @@ RECIPE_BUILD = pytest.StashKey[tuple[subprocess.Popen, Path]]()
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
-    if not any((item.path.name, item.name) == RECIPE_TEST for item in session.items):
+    if session.config.option.collectonly or not any((i.path.name, i.name) == RECIPE_TEST for i in session.items):
         return
     folder = Path(tempfile.mkdtemp(prefix="tiny-recipe-"))
     with open(folder / "build.log", "wb") as log:
