@@ -31,7 +31,7 @@ from vlm_demo.backends.triton.remote import Endpoint, check_ready
 from vlm_demo.config import GROUPS, Config, env_name
 from vlm_demo.errors import BackendTimeoutError, BackendUnavailableError
 
-HEAVY = ("gradio", "torch", "transformers")
+HEAVY = ("gradio", "torch", "transformers", "spaces")
 # Runs app.py as `python app.py ...` does, then reports which heavy packages got imported (even on exit).
 IMPORT_WATCH = (
     "import atexit, runpy, sys\n"
@@ -55,8 +55,9 @@ def run_app(*args: str, env: dict[str, str] | None = None, timeout: float = 60) 
     )
 
 
-def test_help_is_fast_lists_every_default_and_variable_and_imports_nothing_heavy() -> None:
-    started = time.monotonic()
+def test_help_lists_every_default_and_variable_and_imports_nothing_heavy() -> None:
+    """``--help`` is fast because it imports none of the heavy packages (counted, not timed: a wall-clock bound
+    fails on a busy machine; the packages' own import times are the speed)."""
     out = subprocess.run(
         [sys.executable, "-c", IMPORT_WATCH, "--help"],
         cwd=ROOT,
@@ -65,9 +66,7 @@ def test_help_is_fast_lists_every_default_and_variable_and_imports_nothing_heavy
         text=True,
         timeout=30,
     )
-    elapsed = time.monotonic() - started
     assert out.returncode == 0, out.stderr
-    assert elapsed < 2.0, f"--help took {elapsed:.1f} s"
     assert "imported: []" in out.stderr, out.stderr
     # One block per option: its line and the wrapped help lines under it.
     blocks = [" ".join(block.split()) for block in re.split(r"\n(?=  -)", out.stdout)]
