@@ -271,23 +271,19 @@ def join_running(worker: Any, rows: Any, requests: list[Any]) -> Any:
     """Prefill ``requests`` and join them to ``rows`` in their order, as the continuous engine does: one prefill
     per run of pictures of one tile count (``Worker.tiles_run``: a prefill's pictures share it); returns the
     prefills' last logits, a row each."""
+    from itertools import groupby
+
     import torch
 
     from vlm_demo.engine.rows import Row
     from vlm_demo.engine.sampler import RowSampling
 
     logits = []
-    start = 0
-    while start < len(requests):
-        tiles = worker.tiles_run(requests[start].inputs)
-        end = start + 1
-        while end < len(requests) and worker.tiles_run(requests[end].inputs) == tiles:
-            end += 1
-        chunk = requests[start:end]
+    for _, run in groupby(requests, key=lambda r: worker.tiles_run(r.inputs)):
+        chunk = list(run)
         prefill = worker.prefill(chunk)
         sampling = RowSampling([r.params for r in chunk], prefill.logits.device)
         places = rows.place(prefill, list(range(len(chunk))))
         rows.join([Row(r, None) for r in chunk], places, sampling.sample(prefill.logits), sampling)
         logits.append(prefill.logits)
-        start = end
     return torch.cat(logits)
