@@ -19,16 +19,16 @@ def main(argv: list[str] | None = None) -> None:
     from vlm_demo.config import load_config
 
     config = load_config(argv, description="LLaVA-CoT (Llama-3.2V-11B-cot) web demo")
+    from vlm_demo.models.choice import folder_problem  # torch-free
+
+    problem = None if config.triton_url else folder_problem(config.model)  # before spaces, gradio and torch load
+    if problem:
+        raise SystemExit(f"Cannot start the model: {problem}")
     import spaces  # noqa: F401 - first of everything that may reach torch: ZeroGPU's CUDA emulation (docs/gpu.md)
 
     from vlm_demo import logs
 
     logs.setup()
-    from vlm_demo.models.choice import folder_problem
-
-    problem = None if config.triton_url else folder_problem(config.model)  # before gradio and torch load
-    if problem:
-        raise SystemExit(f"Cannot start the model: {problem}")
     from vlm_demo.web.server import serve  # imports gradio and torch: seconds
 
     serve(config)

@@ -163,14 +163,40 @@ def wait_status(page, text: str, timeout: float = 60_000) -> None:
     )
 
 
-def done_again(page, before: str, timeout: float = 90_000) -> None:
-    """Until the status line says a new answer is done (it names its tokens and times: never the same twice)."""
-    page.wait_for_function(
-        "before => { const s = document.querySelector('#status [data-testid=markdown]')?.innerText.trim() || '';"
-        " return s.startsWith('Done') && s !== before; }",
-        arg=before,
-        timeout=timeout,
+STATUS_JS = "document.querySelector('#status [data-testid=markdown]')?.innerText.trim() || ''"
+# Gradio's progress mark on the status line: shown (no ``hide`` class) from the moment an answer is asked for
+# until its event has ended.
+BUSY_JS = "!!document.querySelector('#status [data-testid=status-tracker]:not(.hide)')"
+
+
+def watch_status(page) -> str:
+    """Start watching for a new answer before it is asked for; returns the status line now. Two answers can end
+    on the same line (the same tokens, rate and time) and a fast one is over before a poll sees it run, so
+    :func:`done_again` waits for the progress mark an observer saw come (it hears every change), then go."""
+    page.wait_for_function(f"() => !({BUSY_JS})", timeout=60_000)  # the last answer's event has ended
+    return page.evaluate(
+        f"""() => {{
+            window.answerRan = false;
+            new MutationObserver(() => {{ if ({BUSY_JS}) window.answerRan = true; }}).observe(
+                document.querySelector('#status'), {{subtree: true, childList: true, attributes: true}});
+            return {STATUS_JS};
+        }}"""
     )
+
+
+def done_again(page, before: str, timeout: float = 90_000) -> None:
+    """Until the answer asked for since :func:`watch_status` returned ``before`` has ended with "Done"; on a
+    timeout, the line the status shows instead (an error, a wait) is the failure's message."""
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
+    try:
+        page.wait_for_function(
+            f"() => window.answerRan && !({BUSY_JS}) && ({STATUS_JS}).startsWith('Done')", timeout=timeout
+        )
+    except PlaywrightTimeout:
+        raise AssertionError(
+            f"no new answer in {timeout / 1000:.0f} s; the status line: {status_text(page)!r}, before: {before!r}"
+        ) from None
 
 
 # ---- contrast, from the colours the browser rendered ---------------------------------------------------
@@ -396,7 +422,10 @@ def stop_one_visitor_of_two(page, server: str) -> None:
     watch(page, click_when_writing("#stop", "reasoning"))
     page.locator("#ask").click()
     seen(page, "REASONING start")
+    assert page.locator("#q textarea").input_value() == "", "the asked question left the box"
     wait_status(page, "Stopped after", 20_000)
+    # The question left the box as it was asked; stopped, it comes back to be asked again or mended.
+    page.wait_for_function("q => document.querySelector('#q textarea').value === q", arg=LONG_QUESTION, timeout=10_000)
     time.sleep(1.0)
     reasoning = panel_text(page, "reasoning")
     time.sleep(1.0)
@@ -493,7 +522,7 @@ def test_a_follow_up_is_answered_with_the_first_turn_shown_retry_asks_again_and_
         assert page.locator("#new_chat").is_visible() and "follow-up" in page.locator("#q").inner_text()
         assert page.locator("#history .turn").count() == 0, "the answer on screen is not history yet"
 
-        before = status_text(page)
+        before = watch_status(page)
         page.locator("#q textarea").fill(LONG_QUESTION)
         page.locator("#q textarea").press("Enter")
         turn = page.locator("#history details.turn")
@@ -508,7 +537,7 @@ def test_a_follow_up_is_answered_with_the_first_turn_shown_retry_asks_again_and_
         turn.click()  # unfolds: the first answer's stages are inside
         assert "CONCLUSION" in turn.inner_text() and "red" in turn.inner_text()
 
-        before = status_text(page)
+        before = watch_status(page)
         page.locator("#retry").click()
         done_again(page, before)
         assert page.locator("#history .asking").inner_text() == f"Question {LONG_QUESTION}", "Retry asks it again"
@@ -527,7 +556,7 @@ def test_a_follow_up_is_answered_with_the_first_turn_shown_retry_asks_again_and_
         wait_status(page, "Done", 60_000)
         assert "blue" in panel_text(page, "conclusion") and page.locator("#history .turn").count() == 0
         page.locator("#q textarea").fill("Describe this picture in detail.")
-        before = status_text(page)
+        before = watch_status(page)
         page.locator("#ask").click()
         done_again(page, before)
         assert page.locator("#history details.turn").count() == 1, "the blue answer is the new first turn"
@@ -688,7 +717,7 @@ def test_the_loading_page_turns_into_the_demo_when_its_triton_is_ready(browser, 
         # Think harder through Triton: the status line says the rows are this visitor's, as the local path does.
         page.locator("#reasoning").get_by_text("Think harder", exact=True).click()
         page.locator("#new_chat").click()  # a first question again: this model's follow-ups are another test's
-        before = status_text(page)
+        before = watch_status(page)
         page.locator("#q textarea").fill("What colour is this image?")
         page.locator("#ask").click()
         done_again(page, before)

@@ -175,6 +175,9 @@ def test_status_says_done_when_the_answer_has_its_conclusion(page: DemoUI) -> No
     updates = asyncio.run(_ask_page(page, lambda s: s.write(answer), lambda s: s.finish(answer)))
     assert _statuses(updates)[-1].startswith("Done"), _statuses(updates)
     assert updates[-1][3] == "red"
+    # The question leaves the box with the first update, and no later one writes the box: what the visitor
+    # types while the answer streams stays.
+    assert updates[0][-2].get("value") == "" and all("value" not in u[-2] for u in updates[1:]), updates
 
 
 def test_a_bad_request_on_the_page_is_one_status_line_not_an_error(page: DemoUI) -> None:
@@ -185,6 +188,7 @@ def test_a_bad_request_on_the_page_is_one_status_line_not_an_error(page: DemoUI)
     assert len(updates) == 1
     assert updates[0][5].startswith("⚠ Invalid input: ") and "type a question" in updates[0][5]
     assert updates[0][:4] == ("", "", "", ""), "the panels are cleared, not left holding an older answer"
+    assert "value" not in updates[0][-2], "the question stays in the box, to be mended"
 
 
 def test_a_stage_cut_or_stopped_is_marked_so_never_done() -> None:
@@ -363,7 +367,7 @@ def test_retry_is_not_offered_after_an_input_error(page: DemoUI) -> None:
         return [u async for u in page.handlers.ask_page(RED, question, 64, 0.0, 1.0)]
 
     rejected = asyncio.run(ask("   "))[-1][-1]
-    retry, _, box = DemoUI.after_answer(rejected)
+    retry, _, box = DemoUI.after_answer(rejected, "   ")
     assert retry["visible"] is False and "value" not in box, "the box keeps what the visitor typed, to mend it"
 
 
@@ -373,9 +377,12 @@ def test_an_answered_question_leaves_the_box_and_stays_above_the_panels() -> Non
     from vlm_demo.web.render import history_html
 
     answered = Conversation().finished("What <colour>?", "<CONCLUSION>red</CONCLUSION>")
-    retry, new_chat, box = DemoUI.after_answer(answered)
-    assert box["value"] == "" and retry["visible"] and new_chat["visible"]
-    assert "value" not in DemoUI.after_answer(answered.unfinished("And now?"))[2], "a stopped question stays"
+    retry, new_chat, box = DemoUI.after_answer(answered, "")
+    assert "value" not in box and retry["visible"] and new_chat["visible"], "answered: the box stays empty"
+    assert "value" not in DemoUI.after_answer(answered, "And the")[2], "typed while it streamed: kept"
+    stopped = answered.unfinished("And now?")
+    assert DemoUI.after_answer(stopped, "")[2]["value"] == "And now?", "a stopped question comes back"
+    assert "value" not in DemoUI.after_answer(stopped, "Or")[2], "unless the visitor typed anew"
     shown = DemoUI.shown_history(answered, "And the border?")
     assert shown.index("What &lt;colour&gt;?") < shown.index('class="asking"') and "And the border?" in shown
     assert history_html((), asking="  ") == "" and "Why?" in history_html((), asking="Why?")

@@ -151,24 +151,28 @@ class Handlers:
         (what was already streamed stays), instead of an error toast and a red mark on every output.
 
         A follow-up: the ``conversation``'s earlier turns go with the question, and every update also
-        carries the conversation as it stands (a finished answer becomes its newest turn)."""
+        carries the question box and the conversation as it stands (a finished answer becomes its newest turn)."""
         talk = Conversation.of(conversation)
         seen = Seen()
         asked = talk.unfinished(question if isinstance(question, str) else "")
         inputs = (image, question, max_new_tokens, temperature, top_p, reasoning, beams, talk.history())
         sent = None  # the conversation the page holds: sent again only when it changes (a State output set
         # on every update would cost Gradio a component config rebuild each time; gr.skip() costs nothing)
+        # The question box: emptied with the first update, once the request is taken (an input error leaves it
+        # to be mended), so the visitor can type the next question while this one streams; nothing later
+        # writes it (DemoUI.after_answer puts back a question that got no answer, into an empty box only).
+        box = gr.update(value="")
         try:  # aclosing: when Gradio closes this generator (Clear, a closed tab) the inner one ends too
             async with contextlib.aclosing(self._ask(inputs, request, seen)) as updates:
                 async for update in updates:
                     if seen.result is not None and seen.result.finish_reason in ("stop", "length"):
                         asked = talk.finished(asked.asked.strip(), seen.result.text)
-                    yield (*update, gr.skip() if asked is sent else asked)
-                    sent = asked
+                    yield (*update, box, gr.skip() if asked is sent else asked)
+                    sent, box = asked, gr.skip()
         except gr.Error as err:
             if isinstance(err, PageError) and not err.retry_helps:  # the input must change first: no Retry
                 asked = talk.unfinished("")
-            yield (*render(seen.raw, f"⚠ {err.title}: {err.message}", final=True, ended="error"), asked)
+            yield (*render(seen.raw, f"⚠ {err.title}: {err.message}", final=True, ended="error"), gr.skip(), asked)
 
     async def _ask(
         self, inputs: tuple[Any, ...], request: gr.Request | None, seen: Seen | None = None

@@ -162,15 +162,17 @@ class DemoUI:
         return history_html(talk.history(), talk.dropped, question if isinstance(question, str) else "")
 
     @staticmethod
-    def after_answer(conversation: Any) -> tuple[Any, ...]:
+    def after_answer(conversation: Any, box: Any) -> tuple[Any, ...]:
         """Once an answer ended: Retry for the question just asked (not after an input error: the answer
         handler then leaves no question to retry), New conversation, and a hint that the next question
-        follows on. An answered question leaves the box (it stays above the panels), so Enter does not ask it
-        again as a follow-up; one that was stopped or failed stays, to be asked again or mended."""
+        follows on. The question left the box as its answer started (it stays above the panels, and Enter
+        does not ask it again as a follow-up); one that was stopped or failed comes back, to be asked again or
+        mended, but only into an empty ``box``: what the visitor typed meanwhile is never overwritten."""
         talk = Conversation.of(conversation)
         hint = FOLLOW_UP_INFO if talk.turns else QUESTION_INFO
-        box = gr.update(info=hint, value="") if talk.answered else gr.update(info=hint)
-        return gr.update(visible=bool(talk.asked)), gr.update(visible=bool(talk.turns)), box
+        empty = not (box if isinstance(box, str) else "")
+        update = gr.update(info=hint, value=talk.asked) if empty and talk.asked and not talk.answered else None
+        return gr.update(visible=bool(talk.asked)), gr.update(visible=bool(talk.turns)), update or gr.update(info=hint)
 
     def retry(self, conversation: Any) -> tuple[Any, ...]:
         """Retry: the last question back in the box, its answer forgotten, ready to be asked again."""
@@ -334,21 +336,26 @@ class DemoUI:
             self.handlers.ask, inputs=inputs, outputs=outputs, api_name=contract.ASK, **streaming
         )
         page_answer: dict[str, Any] = dict(
-            inputs=[*inputs, conversation], outputs=[*outputs, conversation], api_visibility="private", **streaming
+            inputs=[*inputs, conversation],
+            outputs=[*outputs, question, conversation],
+            api_visibility="private",
+            **streaming,
         )
         turn_buttons: dict[str, Any] = dict(
-            inputs=[conversation], outputs=[retry, new_chat, question], queue=False, show_progress="hidden"
+            inputs=[conversation, question], outputs=[retry, new_chat, question], queue=False, show_progress="hidden"
         )
         quiet: dict[str, Any] = dict(queue=False, show_progress="hidden", api_visibility="private")
         running = []
         for trigger, name in ((controls["ask"].click, contract.ASK_PAGE), (question.submit, None)):
+            # In order: the page runs a trigger's events one after another and waits for a streaming one to
+            # end, so the scroll to the answer comes first.
+            trigger(None, js=SHOW_ANSWER_JS)
             trigger(self.shown_history, inputs=[conversation, question], outputs=[history], **quiet)
             answer = trigger(self.handlers.ask_page, api_name=name, **page_answer)
             answer.then(self.after_answer, api_visibility="private", **turn_buttons)
             running.append(answer)
-            trigger(None, js=SHOW_ANSWER_JS)
-        retried = retry.click(self.retry, inputs=[conversation], outputs=[question, conversation, history], **quiet)
         retry.click(None, js=SHOW_ANSWER_JS)
+        retried = retry.click(self.retry, inputs=[conversation], outputs=[question, conversation, history], **quiet)
         answer = retried.then(self.handlers.ask_page, **page_answer)
         answer.then(self.after_answer, api_visibility="private", **turn_buttons)
         running.append(answer)
