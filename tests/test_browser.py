@@ -791,7 +791,7 @@ def test_a_failed_start_shows_the_servers_own_message_on_the_loading_page(browse
     proc = start_app(port, "--decode-attention", "triton", env=env)
     page = browser.new_page()
     try:
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 120
         while True:  # the loading page answers from the server's first second
             try:
                 page.goto(f"http://127.0.0.1:{port}/", wait_until="domcontentloaded")
@@ -799,7 +799,10 @@ def test_a_failed_start_shows_the_servers_own_message_on_the_loading_page(browse
             except Exception:
                 assert time.monotonic() < deadline and proc.poll() is None, "the loading page never answered"
                 page.wait_for_timeout(200)
-        page.wait_for_function("document.querySelector('h1').textContent.includes('could not start')", timeout=15_000)
+        # How soon the start fails depends on the machine (the model loads first); the page must then say so
+        # while the server lingers (FAILED_LINGER_S), not "has stopped" after it is gone.
+        page.wait_for_function("!document.querySelector('h1').textContent.includes('getting ready')", timeout=120_000)
+        assert "could not start" in page.locator("h1").inner_text(), page.locator("body").inner_text()
         message = page.locator("#message").inner_text()
         assert "--decode-attention triton: on cpu it runs only under Triton's interpreter" in message, message
         assert "start it again" in page.locator("#hint").inner_text()
