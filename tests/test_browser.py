@@ -382,11 +382,11 @@ def test_enter_asks_shift_enter_adds_a_line_and_the_four_panels_fill(page) -> No
 def test_the_status_counts_tokens_and_seconds_from_ask_on(page) -> None:
     watch(
         page,
-        r"""() => {
-            const s = document.querySelector('#status [data-testid=markdown]')?.innerText.trim() || '';
+        rf"""() => {{
+            const s = {STATUS_JS};
             const m = /^Generating · writing [A-Z]+… · \d+ tokens · (\d+\.\d) s$/.exec(s);
             return m && parseFloat(m[1]) > 0 ? s : false;  // the time moves even in a sub-second answer
-        }""",
+        }}""",
     )
     ask(page, BLUE, LONG_QUESTION)
     counted = seen(page, "the live token and seconds counter")

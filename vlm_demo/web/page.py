@@ -170,9 +170,9 @@ class DemoUI:
         mended, but only into an empty ``box``: what the visitor typed meanwhile is never overwritten."""
         talk = Conversation.of(conversation)
         hint = FOLLOW_UP_INFO if talk.turns else QUESTION_INFO
-        empty = not (box if isinstance(box, str) else "")
-        update = gr.update(info=hint, value=talk.asked) if empty and talk.asked and not talk.answered else None
-        return gr.update(visible=bool(talk.asked)), gr.update(visible=bool(talk.turns)), update or gr.update(info=hint)
+        back = talk.asked and not talk.answered and not (box if isinstance(box, str) else "")
+        update = gr.update(info=hint, value=talk.asked) if back else gr.update(info=hint)
+        return gr.update(visible=bool(talk.asked)), gr.update(visible=bool(talk.turns)), update
 
     def retry(self, conversation: Any) -> tuple[Any, ...]:
         """Retry: the last question back in the box, its answer forgotten, ready to be asked again."""
