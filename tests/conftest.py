@@ -10,12 +10,14 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from triton_interpreter import mend as mend_triton_interpreter
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # The Triton decode attention on CPU tensors (Triton's interpreter); read when its kernels are first imported.
 os.environ.setdefault("TRITON_INTERPRET", "1")
+mend_triton_interpreter()  # runtime loop bounds and bf16 products under the interpreter (tests/triton_interpreter.py)
 
 
 @pytest.fixture(scope="session")

@@ -419,6 +419,16 @@ def build_parser() -> argparse.ArgumentParser:
         "before (prefilled at once, every tile) and after (paced, real tiles); prints the longest pause of the "
         "running rows and the median decode step as JSON (vlm_demo.tools.prefill_stall; --repeats runs each)",
     )
+    p.add_argument(
+        "--kernel-sass",
+        action="store_true",
+        help="instead of the closed loop: compile every decode kernel (attention_text, attention_image, merge, "
+        "packed_int8, packed_fp8, packed_int4) at the 11B shapes for sm_80, sm_89, sm_90 and sm_120 with a launch's "
+        "specialisation, read the machine code, and print per kernel and target its registers, spills, main loop "
+        "and ceiling as JSON (vlm_demo.tools.kernel_sass; no GPU needed)",
+    )
+    p.add_argument("--sass-targets", default="", help="with --kernel-sass: only these targets (comma-separated)")
+    p.add_argument("--sass-kernels", default="", help="with --kernel-sass: only these kernels (comma-separated)")
     p.add_argument("--json", dest="json_path", default="", help="write the runs as a JSON list")
     p.add_argument("--plot", dest="plot_path", default="", help="write a PNG of throughput and p95 latency")
     return p
@@ -531,10 +541,15 @@ def main(argv: list[str] | None = None) -> list[RunResult]:
             max_batch_size=Config().max_batch_size,  # the app's default (0: the engine sizes it)
         )
         args = parser.parse_args(argv)
-    if args.count_kernels or args.prefill_stall:
-        from vlm_demo.tools import kernels, prefill_stall
+    if args.count_kernels or args.prefill_stall or args.kernel_sass:
+        from vlm_demo.tools import kernel_sass, kernels, prefill_stall
 
-        counted = kernels.report(args.quantize) if args.count_kernels else prefill_stall.report(args.repeats)
+        if args.kernel_sass:
+            counted = kernel_sass.report(*kernel_sass.chosen(args.sass_targets, args.sass_kernels))
+        elif args.count_kernels:
+            counted = kernels.report(args.quantize)
+        else:
+            counted = prefill_stall.report(args.repeats)
         print(json.dumps(counted, indent=2))
         if args.json_path:
             with open(args.json_path, "w") as out:

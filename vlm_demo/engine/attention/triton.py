@@ -16,11 +16,13 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 
 from vlm_demo.engine.attention.tables import TableAttention, Tables
+from vlm_demo.engine.pages import PageShape
 
 
 def interpreted() -> bool:
@@ -43,10 +45,10 @@ def _kernels() -> Any:
 
 @torch.library.custom_op("vlm_demo::paged_decode_attention", mutates_args=())
 def paged_decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, table: torch.Tensor,
-                           lengths: torch.Tensor, scale: float, split: int, block: int) -> torch.Tensor:  # fmt: skip
+                           lengths: torch.Tensor, scale: float, block: int) -> torch.Tensor:  # fmt: skip
     """``[rows, heads, dim]`` queries over each row's ``lengths`` keys through ``table``: one split per row."""
     out = torch.empty_like(query, memory_format=torch.contiguous_format)
-    _kernels().split_attention(query, keys, values, table, lengths, scale, 1, split, block, out, None)
+    _kernels().split_attention(query, keys, values, table, lengths, scale, block, 1, 1, out, None)
     return out
 
 
@@ -57,18 +59,20 @@ def _(query: torch.Tensor, *args: Any) -> torch.Tensor:
 
 @torch.library.custom_op("vlm_demo::paged_decode_attention_split", mutates_args=())
 def paged_decode_attention_split(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, table: torch.Tensor,
-                                 lengths: torch.Tensor, scale: float, splits: int, split: int,
-                                 block: int) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """The same over ``splits`` splits of ``split`` keys: each split's part (float32) and its softmax's log total."""
-    parts, lse = _split_buffers(query, splits)
-    _kernels().split_attention(query, keys, values, table, lengths, scale, splits, split, block, parts, lse)
+                                 lengths: torch.Tensor, scale: float, block: int, min_blocks: int,
+                                 max_splits: int) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The same over each row's own splits (at most ``max_splits``, each at least ``min_blocks`` blocks of
+    ``block`` keys): each written split's part (float32) and its softmax's log total; unwritten parts stay as
+    allocated, and the merge never reads them."""
+    parts, lse = _split_buffers(query, max_splits)
+    _kernels().split_attention(query, keys, values, table, lengths, scale, block, min_blocks, max_splits, parts, lse)
     return parts, lse
 
 
 @paged_decode_attention_split.register_fake
 def _(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, table: torch.Tensor, lengths: torch.Tensor,
-      scale: float, splits: int, *args: Any) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    return _split_buffers(query, splits)
+      scale: float, block: int, min_blocks: int, max_splits: int) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    return _split_buffers(query, max_splits)
 
 
 def _split_buffers(query: torch.Tensor, splits: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -80,47 +84,86 @@ def _split_buffers(query: torch.Tensor, splits: int) -> tuple[torch.Tensor, torc
 
 
 @torch.library.custom_op("vlm_demo::merge_decode_splits", mutates_args=())
-def merge_decode_splits(parts: torch.Tensor, lse: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Each row's splits combined by their softmax totals -> ``[rows, heads, dim]`` of ``dtype``."""
+def merge_decode_splits(parts: torch.Tensor, lse: torch.Tensor, lengths: torch.Tensor, block: int, min_blocks: int,
+                        dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
+    """Each row's written splits (as many as its ``lengths`` gave it) combined by their softmax totals ->
+    ``[rows, heads, dim]`` of ``dtype``."""
     out = parts.new_empty((parts.shape[0], parts.shape[1], parts.shape[3]), dtype=dtype)
-    _kernels().merge(parts, lse, out)
+    _kernels().merge(parts, lse, lengths, block, min_blocks, out)
     return out
 
 
 @merge_decode_splits.register_fake
-def _(parts: torch.Tensor, lse: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def _(parts: torch.Tensor, lse: torch.Tensor, lengths: torch.Tensor, block: int, min_blocks: int,
+      dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
     return parts.new_empty((parts.shape[0], parts.shape[1], parts.shape[3]), dtype=dtype)
+
+
+@dataclass(frozen=True)
+class SplitPlan:
+    """How a device splits rows' keys: ``block`` keys per loop step (a page holds a whole number of them where it
+    can), a split of at least ``text_blocks`` / ``image_blocks`` blocks, and at most ``most`` splits a row."""
+
+    block: int
+    text_blocks: int
+    image_blocks: int
+    most: int
+
+    @classmethod
+    def for_device(cls, device: torch.device, shape: PageShape) -> SplitPlan:
+        """On a GPU, splits enough for one row's key/value heads to cover every multiprocessor (``most`` =
+        SMs ÷ KV heads: 17 on an H100 or H200), each at least two text blocks (a shorter split would not shorten
+        the longest one below 34 blocks, and each split costs a part written and read back) or one image block
+        (pictures are long); shapes-only (meta) steps count as an H100's. Under the interpreter, few big blocks
+        (each costs ~ms of Python) and up to 4 splits."""
+        if device.type == "cpu":
+            return cls(_block_for(64, shape), 1, 1, 4)
+        sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else H100_SMS
+        return cls(_block_for(32, shape), 2, 1, max(1, -(-sms // shape.kv_heads)))
+
+    def splits(self, bound: int, image: bool) -> int:
+        """The launch's split dimension for tables ``bound`` keys wide: no row there takes more."""
+        blocks = -(-bound // self.block)
+        return max(1, min(self.most, -(-blocks // (self.image_blocks if image else self.text_blocks))))
+
+
+H100_SMS = 132
+
+
+def _block_for(preferred: int, shape: PageShape) -> int:
+    """``preferred`` keys a block, fewer (down to ``tl.dot``'s 16) where that lets every page hold whole blocks."""
+    block = preferred
+    while block > 16 and (shape.page_tokens % block or shape.image_page_tokens % block):
+        block //= 2
+    return block
 
 
 class TritonAttention(TableAttention):
     name = "triton"
-    # (text keys per split, image-state keys per split, keys per block) by device: on a GPU, splits small enough
-    # to spread few long rows over the multiprocessors; under the interpreter, big blocks (each costs ~ms of
-    # Python). Shapes-only (meta) steps count as CUDA's.
-    SPLITS: ClassVar[dict[str, tuple[int, int, int]]] = {"cuda": (512, 1024, 32), "cpu": (256, 256, 64)}
+    PLANS: ClassVar[dict[str, SplitPlan]] = {}  # a device type's plan in place of its own (tests: small splits)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         device = next(iter(self.pool.keys.values())).device
-        self.text_split, self.image_split, self.block = self.SPLITS["cpu" if device.type == "cpu" else "cuda"]
+        self.plan = self.PLANS.get(device.type) or SplitPlan.for_device(device, self.shape)
 
     def self_attention(self, layer: int, query: torch.Tensor, layout: Tables) -> torch.Tensor:
-        return self._call(layer, query, layout.text_table, layout.text_lengths, layout.max_text, self.text_split)
+        return self._call(layer, query, layout.text_table, layout.text_lengths, layout.max_text, False)
 
     def cross_attention(self, layer: int, query: torch.Tensor, layout: Tables) -> torch.Tensor:
-        return self._call(layer, query, layout.image_table, layout.image_lengths, layout.max_image, self.image_split)
+        return self._call(layer, query, layout.image_table, layout.image_lengths, layout.max_image, True)
 
     def _call(self, layer: int, query: torch.Tensor, table: torch.Tensor, lengths: torch.Tensor, bound: int,
-              split: int) -> torch.Tensor:  # fmt: skip
-        """One launch when ``bound`` keys fit in one split (the split cut to them), else the splits and their merge;
-        ``bound`` is the tables' width in tokens, a constant under a CUDA graph."""
-        keys, values, rows = self.pool.keys[layer], self.pool.values[layer], query.shape[0]
-        splits = -(-bound // split)
+              image: bool) -> torch.Tensor:  # fmt: skip
+        """One launch when no row can take two splits, else the splits and their merge; ``bound`` is the tables'
+        width in tokens, a constant under a CUDA graph (so is the launch's split dimension)."""
+        keys, values, rows, plan = self.pool.keys[layer], self.pool.values[layer], query.shape[0], self.plan
+        splits = plan.splits(bound, image)
         if splits <= 1:
-            split = -(-bound // self.block) * self.block
-            out = paged_decode_attention(query, keys, values, table, lengths, self.scale, split, self.block)
+            out = paged_decode_attention(query, keys, values, table, lengths, self.scale, plan.block)
         else:
-            parts, lse = paged_decode_attention_split(query, keys, values, table, lengths, self.scale, splits, split,
-                                                      self.block)  # fmt: skip
-            out = merge_decode_splits(parts, lse, query.dtype)
+            least = plan.image_blocks if image else plan.text_blocks
+            parts, lse = paged_decode_attention_split(query, keys, values, table, lengths, self.scale, plan.block,
+                                                      least, splits)  # fmt: skip
+            out = merge_decode_splits(parts, lse, lengths, plan.block, least, query.dtype)
         return out.reshape(rows, self.heads * self.shape.head_dim)

@@ -3,19 +3,26 @@
 Imported only when the Triton kernel is chosen, so that ``TRITON_INTERPRET=1`` (Triton's interpreter: the same
 kernels on CPU tensors, with numpy) is read at the first import, as Triton requires.
 
-One program takes one row, one key/value head and one *split* of ``split`` keys of that row (flash-decoding):
-it loads the row's query heads of that key/value head (GQA: ``group`` of them, one matrix), walks its split's
-keys ``block`` at a time through the row's page table (each token's page looked up, so pages may be anywhere
-in the pool and a row's last page partly filled), and keeps an online softmax in float32. With one split the
-program writes the row's output; with more, each writes its part and the log of its softmax total, and
-``_merge`` combines a row's parts (a split past a row's keys writes an empty part, of weight zero). A split is a
-fixed number of keys, whatever the batch, so a row's result does not depend on the other rows (batched ==
-single, exactly, in float32).
+One program takes one row, one key/value head and one *split* of that row's keys (flash-decoding): it loads the
+row's query heads of that key/value head (GQA: ``group`` of them, one matrix), walks its split's keys ``BLOCK_N``
+at a time through the row's page table, and keeps an online softmax in float32. With one split the program writes
+the row's output; with more, each writes its part and the (base-2) log of its softmax total, and ``_merge``
+combines a row's parts.
 
-Keys are upcast to float32 before the products, on every device: bf16 and fp16 values are exact in TF32, which
-the GPU's products then take (``precision``), and the interpreter's 16-bit products are not to be trusted. The
-loops have static bounds (the interpreter cannot take a bound loaded from memory) and skip the blocks past a
-row's keys, so nothing a step launches depends on a value read on the host: it can be captured in a CUDA graph.
+**Splits are chosen on the device**, from each row's own length (``_row_splits``): a row of ``blocks`` key blocks
+takes ``min(max_splits, cdiv(blocks, MIN_BLOCKS))`` splits, its blocks dealt out evenly (the first splits one
+more). ``max_splits`` is the launch's third grid dimension, sized by the launcher from the GPU's multiprocessors
+so that one long row spreads over all of them; a program past its row's splits returns at once and writes
+nothing, and the merge reads only the parts written. A row's splits depend on its length alone, never on the
+other rows: batched == single, exactly, in float32. Nothing a step launches depends on a value read on the host:
+it can be captured in a CUDA graph (the lengths live in the graph's static buffers).
+
+**The key loop runs between bounds loaded from memory** (``range(lo, hi, BLOCK_N)``), the form Triton's software
+pipeliner rewrites into asynchronous copies (``cp.async``) issued stages ahead; loads under an ``if`` inside the
+loop it would leave alone. Where a page holds a whole number of blocks (the GPU's 256-token text and 1,024-token
+image pages) a block reads one page number; else each key looks its page up. Keys and values are loaded as stored
+(both issued before the first product) and multiplied in their own precision with float32 accumulation: bf16
+products on tensor cores on a GPU, float32 products (``ieee``) for float32 caches such as the CPU tests'.
 """
 
 from __future__ import annotations
@@ -23,6 +30,13 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+
+@triton.jit
+def _row_splits(length, max_splits, BLOCK_N: tl.constexpr, MIN_BLOCKS: tl.constexpr):
+    """A row's key blocks and its splits (at least one: an empty row writes zeros once)."""
+    blocks = tl.cdiv(length, BLOCK_N)
+    return blocks, tl.maximum(tl.minimum(tl.cdiv(blocks, MIN_BLOCKS), max_splits), 1)
 
 
 @triton.jit
@@ -34,73 +48,90 @@ def _split_attention(
     stride_tr,
     stride_or, stride_oh, stride_os,
     stride_lr, stride_lh,
-    scale,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, SPLIT: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
-    PARTS: tl.constexpr, PRECISION: tl.constexpr,
+    scale, max_splits,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+    MIN_BLOCKS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, PARTS: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     length = tl.load(LENGTHS + row)
-    start = split * SPLIT
-    g = tl.arange(0, BLOCK_G)
-    d = tl.arange(0, BLOCK_D)
-    g_live = g < GROUP
-    d_live = d < HEAD_DIM
-    heads = kv_head * GROUP + g
-    q = tl.load(Q + row * stride_qr + heads[:, None] * stride_qh + d[None, :],
-                mask=g_live[:, None] & d_live[None, :], other=0.0).to(tl.float32)  # fmt: skip
-    top = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    total = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    for i in range(0, SPLIT, BLOCK_N):
-        if start + i < length:
-            t = start + i + tl.arange(0, BLOCK_N)
-            live = t < length
-            page = tl.load(TABLE + row * stride_tr + t // PAGE, mask=live, other=0).to(tl.int64)
-            at = t % PAGE
-            kv_live = live[:, None] & d_live[None, :]
-            k = tl.load(K + (page * stride_kp + at * stride_kt + kv_head * stride_kh)[:, None] + d[None, :],
-                        mask=kv_live, other=0.0).to(tl.float32)  # fmt: skip
-            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [BLOCK_G, BLOCK_N]
+    blocks, splits = _row_splits(length, max_splits, BLOCK_N, MIN_BLOCKS)
+    if split < splits:
+        each = blocks // splits
+        more = blocks % splits  # the first ``more`` splits take one block more
+        first = split * each + tl.minimum(split, more)
+        lo = first * BLOCK_N
+        hi = tl.minimum((first + each + (split < more).to(tl.int32)) * BLOCK_N, length)
+        n = tl.arange(0, BLOCK_N)
+        g = tl.arange(0, BLOCK_G)
+        d = tl.arange(0, BLOCK_D)
+        heads = kv_head * GROUP + g
+        head_mask = (g < GROUP)[:, None] & (d < HEAD_DIM)[None, :]
+        q = tl.load(Q + row * stride_qr + heads[:, None] * stride_qh + d[None, :], mask=head_mask, other=0.0)
+        qk_scale = scale * 1.4426950408889634  # log2(e): scores in base 2, as exp2 is one instruction and exp two
+        top = tl.full([BLOCK_G], float("-inf"), tl.float32)
+        total = tl.zeros([BLOCK_G], tl.float32)
+        acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+        k_head = K + kv_head * stride_kh + d[None, :]
+        v_head = V + kv_head * stride_vh + d[None, :]
+        pages = TABLE + row * stride_tr
+        for s in range(lo, hi, BLOCK_N):
+            t = s + n
+            live = t < hi
+            if PAGE % BLOCK_N == 0:  # the block lies in one page: one page number for it
+                page = tl.load(pages + s // PAGE).to(tl.int64)
+                k_at = page * stride_kp + (s % PAGE + n) * stride_kt
+                v_at = page * stride_vp + (s % PAGE + n) * stride_vt
+            else:
+                page = tl.load(pages + t // PAGE, mask=live, other=0).to(tl.int64)
+                k_at = page * stride_kp + (t % PAGE) * stride_kt
+                v_at = page * stride_vp + (t % PAGE) * stride_vt
+            if HEAD_DIM == BLOCK_D:  # a mask constant along the head dim: 16-byte loads
+                kv_mask = live[:, None]
+            else:
+                kv_mask = live[:, None] & (d < HEAD_DIM)[None, :]
+            k = tl.load(k_head + k_at[:, None], mask=kv_mask, other=0.0)
+            v = tl.load(v_head + v_at[:, None], mask=kv_mask, other=0.0)
+            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [BLOCK_G, BLOCK_N], base 2
             scores = tl.where(live[None, :], scores, float("-inf"))
             new_top = tl.maximum(top, tl.max(scores, 1))
             shift = tl.where(new_top == float("-inf"), 0.0, new_top)
-            keep = tl.exp(top - shift)
-            weights = tl.exp(scores - shift[:, None])
+            keep = tl.exp2(top - shift)
+            weights = tl.exp2(scores - shift[:, None])
             total = total * keep + tl.sum(weights, 1)
-            v = tl.load(V + (page * stride_vp + at * stride_vt + kv_head * stride_vh)[:, None] + d[None, :],
-                        mask=kv_live, other=0.0).to(tl.float32)  # fmt: skip
-            acc = acc * keep[:, None] + tl.dot(weights, v, input_precision=PRECISION)
+            acc = acc * keep[:, None] + tl.dot(weights.to(v.dtype), v, input_precision=PRECISION)
             top = new_top
-    safe = tl.where(total > 0.0, total, 1.0)
-    out = acc / safe[:, None]
-    where = OUT + row * stride_or + heads[:, None] * stride_oh + split * stride_os + d[None, :]
-    tl.store(where, out.to(OUT.dtype.element_ty), mask=g_live[:, None] & d_live[None, :])
-    if PARTS:
-        lse = tl.where(total > 0.0, top + tl.log(safe), float("-inf"))
-        tl.store(LSE + row * stride_lr + heads * stride_lh + split, lse, mask=g_live)
+        safe = tl.where(total > 0.0, total, 1.0)
+        out = acc / safe[:, None]
+        where = OUT + row * stride_or + heads[:, None] * stride_oh + split * stride_os + d[None, :]
+        tl.store(where, out.to(OUT.dtype.element_ty), mask=head_mask)
+        if PARTS:
+            lse = tl.where(total > 0.0, top + tl.log2(safe), float("-inf"))
+            tl.store(LSE + row * stride_lr + heads * stride_lh + split, lse, mask=g < GROUP)
 
 
 @triton.jit
 def _merge(
-    PARTS, LSE, OUT, splits,
+    PARTS, LSE, LENGTHS, OUT, max_splits,
     stride_pr, stride_ph, stride_ps,
     stride_lr, stride_lh,
     stride_or, stride_oh,
-    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MIN_BLOCKS: tl.constexpr, BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0)
     head = tl.program_id(1)
+    _, splits = _row_splits(tl.load(LENGTHS + row), max_splits, BLOCK_N, MIN_BLOCKS)
     s = tl.arange(0, BLOCK_S)
     d = tl.arange(0, BLOCK_D)
-    s_live = s < splits
+    s_live = s < splits  # only the parts the row's splits wrote
     d_live = d < HEAD_DIM
     lse = tl.load(LSE + row * stride_lr + head * stride_lh + s, mask=s_live, other=float("-inf"))
     top = tl.max(lse, 0)
     shift = tl.where(top == float("-inf"), 0.0, top)
-    weights = tl.exp(lse - shift)  # an empty part: exp(-inf) = 0
+    weights = tl.exp2(lse - shift)  # an empty part: exp2(-inf) = 0
     parts = tl.load(PARTS + row * stride_pr + head * stride_ph + s[:, None] * stride_ps + d[None, :],
                     mask=s_live[:, None] & d_live[None, :], other=0.0)  # fmt: skip
     total = tl.sum(weights, 0)
@@ -114,41 +145,41 @@ def _blocks(query: torch.Tensor, group: int) -> tuple[int, int]:
 
 
 def split_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, table: torch.Tensor,
-                    lengths: torch.Tensor, scale: float, splits: int, split: int, block: int,
-                    parts: torch.Tensor, lse: torch.Tensor | None) -> None:  # fmt: skip
-    """Launch the split kernel: ``parts`` takes ``[rows, heads, splits, dim]`` (or ``[rows, heads, dim]`` output with
-    one split and no ``lse``)."""
+                    lengths: torch.Tensor, scale: float, block: int, min_blocks: int, max_splits: int,
+                    out: torch.Tensor, lse: torch.Tensor | None) -> None:  # fmt: skip
+    """Launch the split kernel: ``out`` takes ``[rows, heads, max_splits, dim]`` parts and ``lse`` their logs, or,
+    with ``max_splits`` 1 and no ``lse``, the ``[rows, heads, dim]`` output."""
     rows, heads, dim = query.shape
     kv_heads = keys.shape[2]
     group = heads // kv_heads
     block_g, block_d = _blocks(query, group)
-    out_split = parts.stride(2) if lse is not None else 0
+    out_split = out.stride(2) if lse is not None else 0
     lse_strides = (lse.stride(0), lse.stride(1)) if lse is not None else (0, 0)
-    _split_attention[(rows, kv_heads, splits)](
-        query, keys, values, table, lengths, parts, lse if lse is not None else parts,
+    _split_attention[(rows, kv_heads, max_splits)](
+        query, keys, values, table, lengths, out, lse if lse is not None else out,
         query.stride(0), query.stride(1),
         keys.stride(0), keys.stride(1), keys.stride(2),
         values.stride(0), values.stride(1), values.stride(2),
         table.stride(0),
-        parts.stride(0), parts.stride(1), out_split,
+        out.stride(0), out.stride(1), out_split,
         *lse_strides,
-        scale,
-        GROUP=group, HEAD_DIM=dim, PAGE=keys.shape[1], SPLIT=split, BLOCK_N=block, BLOCK_G=block_g,
-        BLOCK_D=block_d, PARTS=lse is not None,
-        PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        scale, max_splits,
+        GROUP=group, HEAD_DIM=dim, PAGE=keys.shape[1], BLOCK_N=block, MIN_BLOCKS=min_blocks, BLOCK_G=block_g,
+        BLOCK_D=block_d, PARTS=lse is not None, PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         num_warps=4,
     )  # fmt: skip
 
 
-def merge(parts: torch.Tensor, lse: torch.Tensor, out: torch.Tensor) -> None:
-    """Launch the merge: ``parts`` ``[rows, heads, splits, dim]`` float32 and ``lse`` ``[rows, heads, splits]`` into
-    ``out`` ``[rows, heads, dim]``."""
-    rows, heads, splits, dim = parts.shape
+def merge(parts: torch.Tensor, lse: torch.Tensor, lengths: torch.Tensor, block: int, min_blocks: int,
+          out: torch.Tensor) -> None:  # fmt: skip
+    """Launch the merge: each row's written ``parts`` ``[rows, heads, max_splits, dim]`` (float32) and ``lse``
+    ``[rows, heads, max_splits]`` into ``out`` ``[rows, heads, dim]``."""
+    rows, heads, max_splits, dim = parts.shape
     _merge[(rows, heads)](
-        parts, lse, out, splits,
+        parts, lse, lengths, out, max_splits,
         parts.stride(0), parts.stride(1), parts.stride(2),
         lse.stride(0), lse.stride(1),
         out.stride(0), out.stride(1),
-        HEAD_DIM=dim, BLOCK_S=max(2, triton.next_power_of_2(splits)), BLOCK_D=max(16, triton.next_power_of_2(dim)),
-        num_warps=4,
+        HEAD_DIM=dim, BLOCK_N=block, MIN_BLOCKS=min_blocks, BLOCK_S=max(2, triton.next_power_of_2(max_splits)),
+        BLOCK_D=max(16, triton.next_power_of_2(dim)), num_warps=4,
     )  # fmt: skip
