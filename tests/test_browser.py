@@ -481,7 +481,10 @@ def test_think_harder_shows_the_candidates_of_each_stage_then_the_winner(browser
             assert sum(counts) == 3 and len(set(texts_shown)) == len(texts_shown), (stage, texts_shown)
         chosen = page.locator("#beams_view [data-stage=caption] li.winner").inner_text()
         assert texts["caption"] in chosen, (texts["caption"], chosen)  # the panels hold the winners
-        assert "stage beam search" in status_text(page)
+        # The status line in a visitor's words: what Think harder did, none of the engine's jargon.
+        status = status_text(page)
+        assert status.startswith("Done · Thought harder: 3 candidates per stage, "), status
+        assert not re.search(r"batch|rows?\b|judge|beam", status), status
         page.screenshot(path=str(shots / "screenshot-think-harder.png"), full_page=True)
     finally:
         page.close()
@@ -717,14 +720,17 @@ def test_the_loading_page_turns_into_the_demo_when_its_triton_is_ready(browser, 
         ask(page, RED, "What colour is this image?")
         wait_status(page, "Done", 60_000)
         assert "red" in panel_text(page, "conclusion")
-        # Think harder through Triton: the status line says the rows are this visitor's, as the local path does.
+        # Think harder through Triton: the status line says the batch held this visitor's candidates only, as the
+        # local path does.
         page.locator("#reasoning").get_by_text("Think harder", exact=True).click()
         page.locator("#new_chat").click()  # a first question again: this model's follow-ups are another test's
         before = watch_status(page)
         page.locator("#q textarea").fill("What colour is this image?")
         page.locator("#ask").click()
         done_again(page, before)
-        assert status_text(page).startswith("Done · your 2 candidates in a batch of 2 rows · "), status_text(page)
+        assert status_text(page).startswith("Done · Thought harder: 2 candidates per stage, written side by side · "), (
+            status_text(page)
+        )
         # Triton goes away: the visitor reads a plain sentence; the address and transport status go to the log.
         stop_triton(triton, triton_ports[0])
         triton = None

@@ -233,13 +233,25 @@ def test_the_status_counts_tokens_and_seconds_while_it_streams_and_uses_plurals(
     assert progress("", ahead=3, elapsed=2.7).status == "Waiting for the model… 3 ahead of you · 2 s"
     assert progress("<SUMMARY>a", elapsed=0.34, tokens=1).status == "Generating · writing SUMMARY… · 1 token · 0.3 s"
     assert progress("<SUMMARY>a b", elapsed=4.2, tokens=12).status.endswith("· 12 tokens · 4.2 s")
+    # Steady between stages: the next one is named as soon as one closes (its opening tag is being written).
+    answer = "<SUMMARY>a</SUMMARY><CAPTION>b</CAPTION><REASONING>c</REASONING><CONCLUSION>d</CONCLUSION>"
+    named = [progress(answer[:end], tokens=1).status for end in range(answer.index(">") + 1, len(answer) + 1)]
+    assert all(s.startswith("Generating · writing ") for s in named), sorted(set(named))
+    assert [s.split("writing ")[1].split("…")[0] for s in dict.fromkeys(named)] == [
+        "SUMMARY",
+        "CAPTION",
+        "REASONING",
+        "CONCLUSION",
+    ], named
     searching = BeamView((StageChoice("caption", ("a", "b")),), "writing", 2)
     assert progress("<SUMMARY>a</SUMMARY>", searching, elapsed=0.56).status.endswith("2 candidates writing… · 0.6 s")
     view = BeamView((StageChoice("summary", ("a", "b", "c", "d"), winner=0),), "done", 4, judge_calls=1)
     result = GenerationResult("<SUMMARY>a</SUMMARY>", "stop", 5, 10, 20, 0.0, 0.1, 0.5, beam=view)
     status = render(result.text, final=True, result=result, view=view).status
-    assert "your 4 candidates in a batch of 5 rows" in status and "batch of 5 ·" not in status, status
-    assert status.endswith("4 candidates per stage, 1 judge call"), status
+    # Plain words: the candidates, the batch's fifth row as a fifth text written at once, one comparison.
+    assert "Thought harder: 4 candidates per stage, written side by side, up to 5 texts at once" in status, status
+    assert "batch of 5" not in status and "judge" not in status and "beam" not in status, status
+    assert "the best picked in 1 comparison ·" in status, status
     assert "1 judge call" in render(result.text, final=True, result=result, view=view).beams_html
 
 
@@ -398,8 +410,7 @@ def test_a_think_harder_answer_through_a_remote_engine_says_its_rows_are_the_vis
     result = GenerationResult(answer, "stop", 2, 10, 61, 0.0, 0.1, 0.6)
     beams = searched_beams(SamplingParams(reasoning="stage-beam", beams=2))
     status = render(answer, final=True, result=result, beams=beams).status
-    assert status.startswith("Done · your 2 candidates in a batch of 2 rows · 61 tokens"), status
-    assert status.endswith(" · stage beam search: 2 candidates per stage"), status
+    assert status.startswith("Done · Thought harder: 2 candidates per stage, written side by side · 61 tokens"), status
     assert searched_beams(SamplingParams(beams=2)) == 0
     assert render(answer, final=True, result=result).status.startswith("Done · batch of 2 · ")
 
