@@ -180,15 +180,25 @@ def test_status_says_done_when_the_answer_has_its_conclusion(page: DemoUI) -> No
     assert updates[0][-2].get("value") == "" and all("value" not in u[-2] for u in updates[1:]), updates
 
 
-def test_a_bad_request_on_the_page_is_one_status_line_not_an_error(page: DemoUI) -> None:
-    async def ask() -> list[tuple]:
-        return [u async for u in page.handlers.ask_page(RED, "   ", 64, 0.0, 1.0)]
+def test_a_bad_request_on_the_page_is_one_line_beside_the_input_not_an_error(page: DemoUI) -> None:
+    """An input the door refuses is said once, on the error line beside it (the question's, the image's), and the
+    status line points there; any other refusal stays in the status line."""
 
-    updates = asyncio.run(ask())  # raises nothing: no toast, no error mark on the outputs
+    async def ask(image: Any, question: str, top_p: float = 1.0) -> list[tuple]:
+        return [u async for u in page.handlers.ask_page(image, question, 64, 0.0, top_p)]
+
+    updates = asyncio.run(ask(RED, "   "))  # raises nothing: no toast, no error mark on the outputs
     assert len(updates) == 1
-    assert updates[0][5].startswith("⚠ Invalid input: ") and "type a question" in updates[0][5]
+    image_line, question_line = updates[0][-4:-2]
+    assert question_line == "⚠ Please type a question about the image." and image_line == "", updates[0]
+    assert updates[0][5] == "⚠ Invalid input: see the message by the question", updates[0][5]
     assert updates[0][:4] == ("", "", "", ""), "the panels are cleared, not left holding an older answer"
     assert "value" not in updates[0][-2], "the question stays in the box, to be mended"
+    missing = asyncio.run(ask(None, "What colour?"))[0]
+    assert missing[-4:-2] == ("⚠ Please upload an image first.", ""), missing
+    assert missing[5] == "⚠ Invalid input: see the message by the image", missing[5]
+    wide = asyncio.run(ask(RED, "What colour?", 7.0))[0]  # no page input's fault: the status line says it
+    assert wide[-4:-2] == ("", "") and wide[5].startswith("⚠ Invalid input: top_p must be"), wide[5]
 
 
 def test_a_stage_cut_or_stopped_is_marked_so_never_done() -> None:
