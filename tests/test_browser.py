@@ -469,9 +469,9 @@ def test_the_page_logs_no_warning_or_error_as_it_loads(browser, server: str) -> 
 
 def test_ask_keeps_the_question_and_its_box_in_view_on_a_desktop(browser, server: str) -> None:
     """A visitor who read down to the CONCLUSION asks a follow-up: Ask brought the stage strip to the top of a
-    1000-px window, and the question's line right above it ended just out of view (from the second follow-up on,
-    whatever the timing: the earlier turns then grow by one line only). The question's line, the strip and the
-    question box (where the next question is typed) are all in view after Ask."""
+    1000-px window, and the question's line right above it ended just out of view (how far out depended on how
+    much the earlier turns grew while the page scrolled: -0.3 px to -32 px). The question's line, the strip and
+    the question box (where the next question is typed) are all in view after Ask."""
     page = open_page(browser, server)
     try:
         ask(page, RED, "What colour is this image?")

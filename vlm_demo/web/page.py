@@ -14,7 +14,8 @@ components are built and listed by those names, and every output component is la
 the "Use via API" page and clients say it too. Styles and scripts are files in ``static/``.
 
 The page's own Ask (button and Enter) runs ``handlers.ask_page``, not ``/ask``: the same stream, but a
-request error is shown once, in the status line, instead of a toast plus an error mark on every output.
+request error is shown once instead of a toast plus an error mark on every output: in the status line, or for an
+input the door refused (the picture, the question), on the error line right under that input.
 """
 
 from __future__ import annotations
@@ -269,8 +270,9 @@ class DemoUI:
                 "meta": {"_type": "gradio.FileData"},
             },
         )
-        controls["upload_error"] = gr.Markdown("", elem_id="upload_error", visible=False)
-        # Ask's refusal of an input, beside it (handlers.ask_page writes them; CSS hides an empty one)
+        # The upload's own problem (shown as the file is chosen), then Ask's refusal of the picture (handlers.ask_page
+        # writes it and the question's; CSS hides an empty one): in the error colour, right under what to fix.
+        controls["upload_error"] = gr.Markdown("", elem_id="upload_error", elem_classes=["input-error"], visible=False)
         controls["image_error"] = gr.Markdown("", elem_id="image_error", elem_classes=["input-error"])
         given["question"] = with_api_example(
             gr.Textbox(
