@@ -238,7 +238,7 @@ def test_think_harder_streams_each_stages_candidates_then_the_winners(client: Cl
     assert any("[Candidate 3]" in update[2] for update in updates), "the REASONING candidates were never shown"
     assert all(final[:4]) and "[Candidate" not in "".join(final[:4]), final[:4]
     assert 'data-phase="done"' in final[8] and final[8].count("✓ chosen") == 4, final[8]
-    assert "stage beam search: 3 candidates per stage" in final[5]
+    assert "Thought harder: 3 candidates per stage" in final[5], final[5]
     batch = client.predict(handle_file(path), "What colour?", 300, 1.0, 1.0, "stage-beam", 2, api_name="/ask_batch")
     assert batch[5].startswith("Done") and batch[8].count("✓ chosen") == 4, batch[5]
     bad = client.predict(handle_file(path), "What colour?", 300, 1.0, 1.0, "stage-beam", 12, api_name="/ask_batch")

@@ -284,6 +284,32 @@ def assert_readable(page, selector: str, pseudo: str | None = None, minimum: flo
     assert min(measured.values()) >= minimum, measured
 
 
+# Where an input error line sits and how it looks: its box and the input's, its text's colour and the theme's
+# error colour (resolved the same way, through a probe element).
+INPUT_ERROR_JS = """([line, input]) => {
+    const box = id => document.getElementById(id).getBoundingClientRect();
+    const text = document.querySelector(`#${line} [data-testid=markdown] p`);
+    const probe = document.createElement('span');
+    probe.style.color = 'var(--error-text-color)';
+    document.getElementById(line).appendChild(probe);
+    const error = getComputedStyle(probe).color;
+    probe.remove();
+    return {line: box(line), input: box(input), colour: text && getComputedStyle(text).color, error};
+}"""
+
+
+def assert_beside(page, line: str, input_id: str) -> None:
+    """The error line ``line`` is right under the input ``input_id`` (the same column, at most a line's gap), in
+    view, in the theme's error colour, readable."""
+    found = page.evaluate(INPUT_ERROR_JS, [line, input_id])
+    box, under = found["line"], found["input"]
+    assert 0 <= box["top"] - under["bottom"] <= 40, f"{line} is not right under {input_id}: {found}"
+    assert box["left"] < under["right"] and under["left"] < box["right"], f"{line} is not in {input_id}'s column"
+    assert 0 <= box["top"] and box["bottom"] <= page.viewport_size["height"], f"{line} is out of view: {found}"
+    assert found["colour"] == found["error"], f"{line} is not in the error colour: {found}"
+    assert_readable(page, f"#{line} *")
+
+
 # Runs ``check`` (a JS function's source) on every change of the page until it returns something truthy,
 # kept in window.__seen. A MutationObserver sees each state the page passes through, however fast the tiny
 # model writes and however late a poll from here would come.
@@ -318,12 +344,15 @@ def seen(page, what: str, timeout: float = 60_000) -> Any:
 
 
 def click_when_writing(selector: str, stage: str = "") -> str:
-    """A check that clicks ``selector`` the moment ``stage`` (or any stage) is being written."""
+    """A check that clicks ``selector`` the moment ``stage`` (or any stage) is being written; it returns what
+    the question box held at that moment, read in the same step: after the click the page may write the box
+    (a stopped question comes back), sooner than a read from here could come."""
     active = f"[data-active={stage}]" if stage else "[data-active]:not([data-active=''])"
     return f"""() => {{
         if (!document.querySelector({json.dumps("#stages " + active)})) return false;
+        const question = document.querySelector('#q textarea').value;
         document.querySelector({json.dumps(selector)}).click();
-        return true;
+        return {{question}};
     }}"""
 
 
@@ -373,8 +402,11 @@ def test_enter_asks_shift_enter_adds_a_line_and_the_four_panels_fill(page) -> No
     page.wait_for_function("() => document.querySelector('#q textarea').value === ''", timeout=10_000)
     assert page.locator("#history .asking").inner_text() == "Question What colour\nis this image?"
     page.locator("#retry").wait_for(state="visible", timeout=10_000)
-    box.press("Enter")  # the empty box: an input error, and no Retry (asking again cannot help)
-    wait_status(page, "⚠ Invalid input: Please type a question", 20_000)
+    box.press("Enter")  # the empty box: an input error beside it, and no Retry (asking again cannot help)
+    wait_status(page, "⚠ Invalid input: see the message by the question", 20_000)
+    assert page.locator("#question_error").inner_text().strip() == "⚠ Please type a question about the image."
+    assert_beside(page, "question_error", "q")
+    assert not page.locator("#image_error").is_visible(), "the image is not what to fix"
     page.locator("#retry").wait_for(state="hidden", timeout=10_000)
     assert page.locator("#history details.turn").count() == 1, "the answered turn is still the conversation"
 
@@ -392,6 +424,77 @@ def test_the_status_counts_tokens_and_seconds_from_ask_on(page) -> None:
     counted = seen(page, "the live token and seconds counter")
     wait_status(page, "Done", 60_000)
     assert int(re.search(r"(\d+) tokens", counted).group(1)) > 0, counted
+
+
+def test_the_status_names_each_stage_in_turn_without_flickering(page) -> None:
+    """The status line said "Generating…" again between two stages ("writing SUMMARY…", "Generating…", "writing
+    CAPTION…"): every state it passes through is kept inside the page, and after the first stage it only moves on."""
+    page.evaluate(
+        """() => {
+            window.__statuses = [];
+            const status = document.querySelector('#status');
+            new MutationObserver(() => {
+                const text = (status.querySelector('[data-testid=markdown]')?.innerText || '').trim();
+                const said = text.replace(/ · \\d+ tokens?\\b.*$/, '');  // without the counter
+                if (said.startsWith('Generating') && window.__statuses.at(-1) !== said) window.__statuses.push(said);
+            }).observe(status, {subtree: true, childList: true, characterData: true});
+        }"""
+    )
+    before = watch_status(page)
+    ask(page, BLUE, LONG_QUESTION)
+    done_again(page, before)
+    said = page.evaluate("window.__statuses")
+    named = [line for line in said if line != "Generating…"]
+    assert len(named) >= 2, f"the status line never named a stage, or only one: {said}"
+    assert said[len(said) - len(named) :] == named, f"'Generating…' came back after a stage: {said}"
+    order = [STAGES.index(line.removeprefix("Generating · writing ").removesuffix("…").lower()) for line in named]
+    assert order == sorted(set(order)), f"the stages were not named in turn, each once: {said}"
+
+
+def test_the_page_logs_no_warning_or_error_as_it_loads(browser, server: str) -> None:
+    """Gradio's translations read the status line's label "status" as a group of messages: an i18n warning in the
+    console on every load."""
+    page = browser.new_page(viewport=DESKTOP)
+    logged: list[str] = []
+    page.on("console", lambda m: logged.append(f"{m.type}: {m.text}") if m.type in ("warning", "error") else None)
+    page.on("pageerror", lambda err: logged.append(f"page error: {err}"))
+    try:
+        page.goto(f"{server}/", wait_until="domcontentloaded")
+        page.locator("#p_conclusion").wait_for(timeout=60_000)
+        page.wait_for_timeout(2_000)  # the page's own scripts and Gradio's late ones have run
+        assert logged == [], logged
+    finally:
+        page.close()
+
+
+def test_ask_keeps_the_question_and_its_box_in_view_on_a_desktop(browser, server: str) -> None:
+    """A visitor who read down to the CONCLUSION asks a follow-up: Ask brought the stage strip to the top of a
+    1000-px window, and the question's line right above it ended just out of view (how far out depended on how
+    much the earlier turns grew while the page scrolled: -0.3 px to -32 px). The question's line, the strip and
+    the question box (where the next question is typed) are all in view after Ask."""
+    page = open_page(browser, server)
+    try:
+        ask(page, RED, "What colour is this image?")
+        wait_status(page, "Done", 60_000)
+        for question in ("What colour is this image?", LONG_QUESTION):
+            page.locator("#q textarea").fill(question)  # first: Playwright scrolls the box into view to type
+            page.evaluate("document.getElementById('p_conclusion').scrollIntoView({block: 'start'})")
+            assert page.locator("#stages").bounding_box()["y"] < 0, "the visitor had scrolled past the strip"
+            assert page.locator("#ask").bounding_box()["y"] > 0, "Ask is in view (the click scrolls nothing)"
+            before = watch_status(page)
+            page.locator("#ask").click()
+            done_again(page, before)
+            page.wait_for_function(  # the smooth scroll has settled
+                """() => new Promise(done => { const y = window.scrollY;
+                    setTimeout(() => done(window.scrollY === y), 300); })""",
+                timeout=10_000,
+            )
+            assert page.locator("#history .asking").inner_text() == f"Question {question}"
+            for selector in ("#history .asking", "#stages", "#q"):
+                box = page.locator(selector).bounding_box()
+                assert 0 <= box["y"] and box["y"] + box["height"] <= DESKTOP["height"], (question, selector, box)
+    finally:
+        page.close()
 
 
 @pytest.fixture(scope="module")
@@ -421,8 +524,8 @@ def stop_one_visitor_of_two(page, server: str) -> None:
     bystander = other_visitor.submit(handle_file(str(BLUE)), LONG_QUESTION, 1024, 0.0, 1.0, api_name="/ask")
     watch(page, click_when_writing("#stop", "reasoning"))
     page.locator("#ask").click()
-    seen(page, "REASONING start")
-    assert page.locator("#q textarea").input_value() == "", "the asked question left the box"
+    # The box as the answer was being written, when Stop was clicked: Stop soon puts the question back.
+    assert seen(page, "REASONING start")["question"] == "", "the asked question left the box"
     wait_status(page, "Stopped after", 20_000)
     # The question left the box as it was asked; stopped, it comes back to be asked again or mended.
     page.wait_for_function("q => document.querySelector('#q textarea').value === q", arg=LONG_QUESTION, timeout=10_000)
@@ -478,7 +581,10 @@ def test_think_harder_shows_the_candidates_of_each_stage_then_the_winner(browser
             assert sum(counts) == 3 and len(set(texts_shown)) == len(texts_shown), (stage, texts_shown)
         chosen = page.locator("#beams_view [data-stage=caption] li.winner").inner_text()
         assert texts["caption"] in chosen, (texts["caption"], chosen)  # the panels hold the winners
-        assert "stage beam search" in status_text(page)
+        # The status line in a visitor's words: what Think harder did, none of the engine's jargon.
+        status = status_text(page)
+        assert status.startswith("Done · Thought harder: 3 candidates per stage, "), status
+        assert not re.search(r"batch|rows?\b|judge|beam", status), status
         page.screenshot(path=str(shots / "screenshot-think-harder.png"), full_page=True)
     finally:
         page.close()
@@ -586,18 +692,25 @@ def test_a_bad_upload_is_named_next_to_the_image_at_once_and_ask_shows_one_messa
 
     page.locator("#q textarea").fill("What colour is this image?")
     page.locator("#ask").click()
-    wait_status(page, "⚠ Invalid input: Please upload an image first.", 20_000)
+    # Said beside what to fix, the empty image box, in the error colour; the status line points there.
+    wait_status(page, "⚠ Invalid input: see the message by the image", 20_000)
     time.sleep(0.5)  # give stray toasts or error marks time to appear
+    assert page.locator("#image_error").inner_text().strip() == "⚠ Please upload an image first."
+    assert_beside(page, "image_error", "upload_error")  # under the file's own message, under the image box
+    assert_beside(page, "upload_error", "img")
+    assert not page.locator("#question_error").is_visible(), "the question is not what to fix"
     assert page.locator(".toast-body").count() == 0, "the error must not also pop up as a toast"
     marks = page.evaluate("() => [...document.querySelectorAll('.error')].filter(e => e.offsetParent).length")
-    assert marks == 0, "no red error mark on the outputs: the status line says it once"
+    assert marks == 0, "no red error mark on the outputs: the line beside the image says it once"
     assert status_text(page).count("⚠") == 1
     shown = page.evaluate("() => document.body.innerText")
     assert shown.count("not an image we can read") == 1, "the file's problem is said once, next to the image"
+    assert shown.count("Please upload an image first") == 1, "Ask's message is said once, next to the image"
     assert not page.locator("#retry").is_visible(), "Retry cannot help until the image changes"
 
-    upload(page, RED)  # a good image takes the message away
+    upload(page, RED)  # a good image takes the messages away
     message.wait_for(state="hidden", timeout=20_000)
+    page.locator("#image_error").wait_for(state="hidden", timeout=20_000)
 
 
 def test_clear_stops_the_answer_and_empties_the_page(server: str, page) -> None:
@@ -714,14 +827,17 @@ def test_the_loading_page_turns_into_the_demo_when_its_triton_is_ready(browser, 
         ask(page, RED, "What colour is this image?")
         wait_status(page, "Done", 60_000)
         assert "red" in panel_text(page, "conclusion")
-        # Think harder through Triton: the status line says the rows are this visitor's, as the local path does.
+        # Think harder through Triton: the status line says the batch held this visitor's candidates only, as the
+        # local path does.
         page.locator("#reasoning").get_by_text("Think harder", exact=True).click()
         page.locator("#new_chat").click()  # a first question again: this model's follow-ups are another test's
         before = watch_status(page)
         page.locator("#q textarea").fill("What colour is this image?")
         page.locator("#ask").click()
         done_again(page, before)
-        assert status_text(page).startswith("Done · your 2 candidates in a batch of 2 rows · "), status_text(page)
+        assert status_text(page).startswith("Done · Thought harder: 2 candidates per stage, written side by side · "), (
+            status_text(page)
+        )
         # Triton goes away: the visitor reads a plain sentence; the address and transport status go to the log.
         stop_triton(triton, triton_ports[0])
         triton = None

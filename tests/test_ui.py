@@ -180,15 +180,25 @@ def test_status_says_done_when_the_answer_has_its_conclusion(page: DemoUI) -> No
     assert updates[0][-2].get("value") == "" and all("value" not in u[-2] for u in updates[1:]), updates
 
 
-def test_a_bad_request_on_the_page_is_one_status_line_not_an_error(page: DemoUI) -> None:
-    async def ask() -> list[tuple]:
-        return [u async for u in page.handlers.ask_page(RED, "   ", 64, 0.0, 1.0)]
+def test_a_bad_request_on_the_page_is_one_line_beside_the_input_not_an_error(page: DemoUI) -> None:
+    """An input the door refuses is said once, on the error line beside it (the question's, the image's), and the
+    status line points there; any other refusal stays in the status line."""
 
-    updates = asyncio.run(ask())  # raises nothing: no toast, no error mark on the outputs
+    async def ask(image: Any, question: str, top_p: float = 1.0) -> list[tuple]:
+        return [u async for u in page.handlers.ask_page(image, question, 64, 0.0, top_p)]
+
+    updates = asyncio.run(ask(RED, "   "))  # raises nothing: no toast, no error mark on the outputs
     assert len(updates) == 1
-    assert updates[0][5].startswith("⚠ Invalid input: ") and "type a question" in updates[0][5]
+    image_line, question_line = updates[0][-4:-2]
+    assert question_line == "⚠ Please type a question about the image." and image_line == "", updates[0]
+    assert updates[0][5] == "⚠ Invalid input: see the message by the question", updates[0][5]
     assert updates[0][:4] == ("", "", "", ""), "the panels are cleared, not left holding an older answer"
     assert "value" not in updates[0][-2], "the question stays in the box, to be mended"
+    missing = asyncio.run(ask(None, "What colour?"))[0]
+    assert missing[-4:-2] == ("⚠ Please upload an image first.", ""), missing
+    assert missing[5] == "⚠ Invalid input: see the message by the image", missing[5]
+    wide = asyncio.run(ask(RED, "What colour?", 7.0))[0]  # no page input's fault: the status line says it
+    assert wide[-4:-2] == ("", "") and wide[5].startswith("⚠ Invalid input: top_p must be"), wide[5]
 
 
 def test_a_stage_cut_or_stopped_is_marked_so_never_done() -> None:
@@ -233,13 +243,25 @@ def test_the_status_counts_tokens_and_seconds_while_it_streams_and_uses_plurals(
     assert progress("", ahead=3, elapsed=2.7).status == "Waiting for the model… 3 ahead of you · 2 s"
     assert progress("<SUMMARY>a", elapsed=0.34, tokens=1).status == "Generating · writing SUMMARY… · 1 token · 0.3 s"
     assert progress("<SUMMARY>a b", elapsed=4.2, tokens=12).status.endswith("· 12 tokens · 4.2 s")
+    # Steady between stages: the next one is named as soon as one closes (its opening tag is being written).
+    answer = "<SUMMARY>a</SUMMARY><CAPTION>b</CAPTION><REASONING>c</REASONING><CONCLUSION>d</CONCLUSION>"
+    named = [progress(answer[:end], tokens=1).status for end in range(answer.index(">") + 1, len(answer) + 1)]
+    assert all(s.startswith("Generating · writing ") for s in named), sorted(set(named))
+    assert [s.split("writing ")[1].split("…")[0] for s in dict.fromkeys(named)] == [
+        "SUMMARY",
+        "CAPTION",
+        "REASONING",
+        "CONCLUSION",
+    ], named
     searching = BeamView((StageChoice("caption", ("a", "b")),), "writing", 2)
     assert progress("<SUMMARY>a</SUMMARY>", searching, elapsed=0.56).status.endswith("2 candidates writing… · 0.6 s")
     view = BeamView((StageChoice("summary", ("a", "b", "c", "d"), winner=0),), "done", 4, judge_calls=1)
     result = GenerationResult("<SUMMARY>a</SUMMARY>", "stop", 5, 10, 20, 0.0, 0.1, 0.5, beam=view)
     status = render(result.text, final=True, result=result, view=view).status
-    assert "your 4 candidates in a batch of 5 rows" in status and "batch of 5 ·" not in status, status
-    assert status.endswith("4 candidates per stage, 1 judge call"), status
+    # Plain words: the candidates, the batch's fifth row as a fifth text written at once, one comparison.
+    assert "Thought harder: 4 candidates per stage, written side by side, up to 5 texts at once" in status, status
+    assert "batch of 5" not in status and "judge" not in status and "beam" not in status, status
+    assert "the best picked in 1 comparison ·" in status, status
     assert "1 judge call" in render(result.text, final=True, result=result, view=view).beams_html
 
 
@@ -398,8 +420,7 @@ def test_a_think_harder_answer_through_a_remote_engine_says_its_rows_are_the_vis
     result = GenerationResult(answer, "stop", 2, 10, 61, 0.0, 0.1, 0.6)
     beams = searched_beams(SamplingParams(reasoning="stage-beam", beams=2))
     status = render(answer, final=True, result=result, beams=beams).status
-    assert status.startswith("Done · your 2 candidates in a batch of 2 rows · 61 tokens"), status
-    assert status.endswith(" · stage beam search: 2 candidates per stage"), status
+    assert status.startswith("Done · Thought harder: 2 candidates per stage, written side by side · 61 tokens"), status
     assert searched_beams(SamplingParams(beams=2)) == 0
     assert render(answer, final=True, result=result).status.startswith("Done · batch of 2 · ")
 

@@ -33,7 +33,7 @@ from typing import Any
 
 import gradio as gr
 
-from vlm_demo.errors import DemoError, GenerationError, RequestCancelledError
+from vlm_demo.errors import DemoError, GenerationError, InvalidRequestError, RequestCancelledError
 from vlm_demo.images import load_image
 from vlm_demo.request import DEFAULT_BEAMS, NORMAL, PAGE_KNOBS, ValidRequest, has_image, sampling_from, validate_request
 from vlm_demo.results import GenerationResult
@@ -75,13 +75,29 @@ def client_of(request: gr.Request | None) -> str:
     return client_id(request.client.host if request.client is not None else "", request.session_hash)
 
 
-class PageError(gr.Error):
-    """A :class:`~vlm_demo.errors.DemoError` as Gradio shows it, still saying whether Retry can help."""
+# The page's inputs that have an error line beside them (page.py), and how the status line points to it.
+FIELDS: dict[str, str] = {"image": "the image", "question": "the question"}
 
-    def __init__(self, error: DemoError) -> None:
+
+def input_field(error: DemoError) -> str | None:
+    """Which of :data:`FIELDS` the door's refusal of a visitor's input is about: the picture (the door names no
+    parameter for it) or the question; ``None`` for the rest (a server setting, a sampling value the page's
+    controls cannot send), which the status line says."""
+    if not isinstance(error, InvalidRequestError) or error.code != InvalidRequestError.code:
+        return None
+    field = error.param or "image"
+    return field if field in FIELDS else None
+
+
+class PageError(gr.Error):
+    """A :class:`~vlm_demo.errors.DemoError` as Gradio shows it, still saying whether Retry can help and, for the
+    door's refusal of an input, which page input to fix (``field``, one of :data:`FIELDS`)."""
+
+    def __init__(self, error: DemoError, field: str | None = None) -> None:
         expected = error.code != GenerationError.code  # the rest are logged where they happen, or are the visitor's
         super().__init__(str(error), title=error.title, print_exception=not expected)
         self.retry_helps = error.retry_helps
+        self.field = field
 
 
 class Handlers:
@@ -147,11 +163,14 @@ class Handlers:
         conversation: Any = None,
         request: gr.Request = None,  # type: ignore[assignment]
     ) -> AsyncIterator[tuple[Any, ...]]:
-        """The page's Ask: like ``ask``, but a failure is shown once, in the status line, over cleared panels
-        (what was already streamed stays), instead of an error toast and a red mark on every output.
+        """The page's Ask: like ``ask``, but a failure is shown once, over cleared panels (what was already
+        streamed stays), instead of an error toast and a red mark on every output: in the status line, or for an
+        input the door refused, on the error line beside that input (the image, the question box; the status
+        line points there).
 
         A follow-up: the ``conversation``'s earlier turns go with the question, and every update also
-        carries the question box and the conversation as it stands (a finished answer becomes its newest turn)."""
+        carries the two error lines, the question box and the conversation as it stands (a finished answer
+        becomes its newest turn)."""
         talk = Conversation.of(conversation)
         seen = Seen()
         asked = talk.unfinished(question if isinstance(question, str) else "")
@@ -162,17 +181,26 @@ class Handlers:
         # to be mended), so the visitor can type the next question while this one streams; nothing later
         # writes it (DemoUI.after_answer puts back a question that got no answer, into an empty box only).
         box = gr.update(value="")
+        # The error lines beside the image and the question: plain values, emptied as the request is taken (an
+        # unchanged value costs nothing on the wire; an update dict would rebuild the component every time).
+        lines = dict.fromkeys(FIELDS, "")
         try:  # aclosing: when Gradio closes this generator (Clear, a closed tab) the inner one ends too
             async with contextlib.aclosing(self._ask(inputs, request, seen)) as updates:
                 async for update in updates:
                     if seen.result is not None and seen.result.finish_reason in ("stop", "length"):
                         asked = talk.finished(asked.asked.strip(), seen.result.text)
-                    yield (*update, box, gr.skip() if asked is sent else asked)
+                    yield (*update, *lines.values(), box, gr.skip() if asked is sent else asked)
                     sent, box = asked, gr.skip()
         except gr.Error as err:
             if isinstance(err, PageError) and not err.retry_helps:  # the input must change first: no Retry
                 asked = talk.unfinished("")
-            yield (*render(seen.raw, f"⚠ {err.title}: {err.message}", final=True, ended="error"), gr.skip(), asked)
+            status = f"⚠ {err.title}: {err.message}"
+            field = err.field if isinstance(err, PageError) else None
+            if field:
+                lines[field] = f"⚠ {err.message}"
+                status = f"⚠ {err.title}: see the message by {FIELDS[field]}"
+            final = render(seen.raw, status, final=True, ended="error")
+            yield (*final, *lines.values(), gr.skip(), asked)
 
     async def _ask(
         self, inputs: tuple[Any, ...], request: gr.Request | None, seen: Seen | None = None
@@ -185,8 +213,8 @@ class Handlers:
 
         try:
             stream = await self.answers.start(admit, client_of(request))
-        except DemoError as err:
-            raise PageError(self.for_visitor(err)) from None
+        except DemoError as err:  # nothing admitted: the door refused the inputs themselves
+            raise PageError(self.for_visitor(err), None if admitted else input_field(err)) from None
         beams = searched_beams(admitted[-1].params)  # candidates per stage, for the status line
         session = (request.session_hash if request is not None else None) or f"anonymous-{id(stream)}"
         started = time.monotonic()

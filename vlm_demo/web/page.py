@@ -9,11 +9,13 @@ door and talk to a :class:`~vlm_demo.backends.base.Backend`); it holds no model 
 - ``/ask_batch`` is Gradio's own batch mode (``batch=True``) for API clients that want final answers.
 
 Both take :data:`~vlm_demo.web.contract.INPUTS` and return :class:`~vlm_demo.web.contract.Outputs`; the
-components are built and listed by those names, and every output component is labelled with its name,
-so the "Use via API" page and clients say it too. Styles and scripts are files in ``static/``.
+components are built and listed by those names, and every output component is labelled with its name
+(where that name would clash with Gradio's own translations, :data:`BROWSER_LABELS`, only in the browser), so
+the "Use via API" page and clients say it too. Styles and scripts are files in ``static/``.
 
 The page's own Ask (button and Enter) runs ``handlers.ask_page``, not ``/ask``: the same stream, but a
-request error is shown once, in the status line, instead of a toast plus an error mark on every output.
+request error is shown once instead of a toast plus an error mark on every output: in the status line, or for an
+input the door refused (the picture, the question), on the error line right under that input.
 """
 
 from __future__ import annotations
@@ -57,6 +59,11 @@ PHOTOS_WITH_TINY = "Real photos: for the real model (the tiny test model only na
 QUESTION_INFO = "Enter asks · Shift+Enter starts a new line"
 FOLLOW_UP_INFO = "Ask a follow-up about this image: the model reads the answers so far · Enter asks"
 
+# Gradio's page looks every label up in its translations (svelte-i18n), where "status" is a group of messages, not a
+# message: a component labelled "status" logged an i18n warning on every page load. The status line is labelled
+# otherwise on the page, and Page.get_api_info gives its output the contract's name again.
+BROWSER_LABELS = {"status": "status line"}
+
 STATIC_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "static")
 
 
@@ -99,6 +106,17 @@ class Page(gr.Blocks):
         if 0 < missing <= len(OPTIONAL_INPUTS) and block_fn.api_name in (contract.ASK, contract.ASK_BATCH):
             inputs.extend([None] * missing)
         super().validate_inputs(block_fn, inputs)
+
+    def get_api_info(self, all_endpoints: bool = False, page: str | None = None) -> Any:
+        """Gradio's API description (the API page, clients, MCP), with every output named as in the contract:
+        the components labelled otherwise for the browser (:data:`BROWSER_LABELS`) get their names back."""
+        info = super().get_api_info(all_endpoints, page)
+        names = {shown: name for name, shown in BROWSER_LABELS.items()}
+        for endpoints in (info["named_endpoints"], info["unnamed_endpoints"]):
+            for endpoint in endpoints.values():
+                for output in endpoint["returns"]:
+                    output["label"] = names.get(output["label"], output["label"])
+        return info
 
 
 def control(name: str, cap: int, **layout: Any) -> gr.Slider | gr.Radio:
@@ -148,11 +166,12 @@ class DemoUI:
 
     @staticmethod
     def _new_conversation(question: str | None = None) -> tuple[Any, ...]:
-        """Updates for (conversation, history, retry, new conversation, question): no earlier turns (and the
-        question box emptied when ``question`` is "")."""
+        """Updates for (conversation, history, retry, new conversation, question, the image's and the question's
+        error lines): no earlier turns, no earlier Ask's input error (and the question box emptied when
+        ``question`` is "")."""
         hidden = gr.update(visible=False)
         box = gr.update(info=QUESTION_INFO) if question is None else gr.update(info=QUESTION_INFO, value=question)
-        return (None, "", hidden, hidden, box)
+        return (None, "", hidden, hidden, box, "", "")
 
     @staticmethod
     def shown_history(conversation: Any, question: Any) -> str:
@@ -204,7 +223,7 @@ class DemoUI:
                     shown["stages_html"] = gr.HTML(
                         tracker_html(parse_stages(""), None), label="stages_html", elem_id="stages"
                     )
-                    shown["status"] = gr.Markdown("", label="status", elem_id="status")
+                    shown["status"] = gr.Markdown("", label=BROWSER_LABELS["status"], elem_id="status")
                     for stage, elem_id in zip(PANELS, PANEL_ELEM_IDS, strict=True):
                         shown[stage] = gr.Textbox(
                             label=stage,  # the API's output name; CSS shows it in capitals as the heading
@@ -251,7 +270,10 @@ class DemoUI:
                 "meta": {"_type": "gradio.FileData"},
             },
         )
-        controls["upload_error"] = gr.Markdown("", elem_id="upload_error", visible=False)
+        # The upload's own problem (shown as the file is chosen), then Ask's refusal of the picture (handlers.ask_page
+        # writes it and the question's; CSS hides an empty one): in the error colour, right under what to fix.
+        controls["upload_error"] = gr.Markdown("", elem_id="upload_error", elem_classes=["input-error"], visible=False)
+        controls["image_error"] = gr.Markdown("", elem_id="image_error", elem_classes=["input-error"])
         given["question"] = with_api_example(
             gr.Textbox(
                 label="Question",
@@ -264,6 +286,7 @@ class DemoUI:
             ),
             API_EXAMPLE_QUESTION,
         )
+        controls["question_error"] = gr.Markdown("", elem_id="question_error", elem_classes=["input-error"])
         think = self.backend.features.stage_beam  # not offered where the server cannot run it
         cap = self.config.max_new_tokens
         with gr.Row(equal_height=True, elem_id="think", visible=think):
@@ -335,9 +358,10 @@ class DemoUI:
         gr.Button(visible=False, elem_id="ask_api").click(
             self.handlers.ask, inputs=inputs, outputs=outputs, api_name=contract.ASK, **streaming
         )
+        lines = [controls["image_error"], controls["question_error"]]  # in handlers.FIELDS' order
         page_answer: dict[str, Any] = dict(
             inputs=[*inputs, conversation],
-            outputs=[*outputs, question, conversation],
+            outputs=[*outputs, *lines, question, conversation],
             api_visibility="private",
             **streaming,
         )
@@ -365,7 +389,7 @@ class DemoUI:
         controls["stop"].click(self.handlers.stop, queue=False, api_visibility="undocumented")
         # Clear and New conversation stop this visitor's answer like Stop does, and also drop the handler
         # (``cancels=``): its last update must not bring the old answer back.
-        fresh = [conversation, history, retry, new_chat, question]
+        fresh = [conversation, history, retry, new_chat, question, *lines]
         controls["clear"].click(
             self.cleared_page,
             outputs=[image, controls["upload_error"], *fresh, *outputs],

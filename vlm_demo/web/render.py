@@ -78,10 +78,12 @@ def tracker_html(
     )
 
 
-def result_status(result: GenerationResult, stages: Stages | None = None, beams: int = 0) -> str:
-    """The status line for a finished answer: how it ended, how it ran (batch size; with a stage-beam
-    search's ``beams``, how many of the batch's rows were this answer's candidates) and how fast. What the
-    backend could not tell (a remote that reports no batch size, token count or decoding time) is left out."""
+def result_status(
+    result: GenerationResult, stages: Stages | None = None, beams: int = 0, comparisons: int | None = None
+) -> str:
+    """The status line for a finished answer: how it ended, how it ran (batch size; with Think harder's
+    ``beams``, :func:`thought_harder` instead) and how fast. What the backend could not tell (a remote that
+    reports no batch size, token count or decoding time) is left out."""
     if result.finish_reason == "length" and result.cut_stage == "conclusion":
         head = "Stopped at the max new tokens limit · the CONCLUSION was closed with the last tokens"
     elif result.finish_reason == "length" and result.cut_stage:
@@ -98,11 +100,10 @@ def result_status(result: GenerationResult, stages: Stages | None = None, beams:
     if result.cached:  # replayed: there was no batch and no decoding to report
         return " · ".join([head, "from the response cache", f"{result.completion_tokens} tokens"])
     parts = [head]
-    if result.batch_size > 0:
-        batch = f"batch of {result.batch_size}"
-        if beams:  # a search's rows are all this visitor's: say so, as "batch of 2" reads like a stranger's
-            batch = f"your {beams} candidates in a batch of {plural(result.batch_size, 'row')}"
-        parts.append(batch)
+    if beams:
+        parts.append(thought_harder(beams, result.batch_size, comparisons))
+    elif result.batch_size > 0:
+        parts.append(f"batch of {result.batch_size}")
     if result.completion_tokens > 0:
         parts.append(f"{result.completion_tokens} tokens")
     if result.tokens_per_s > 0:
@@ -111,6 +112,24 @@ def result_status(result: GenerationResult, stages: Stages | None = None, beams:
     if result.queue_s >= 0.05:
         parts.append(f"waited {result.queue_s:.2f} s")
     return " · ".join(parts)
+
+
+def thought_harder(beams: int, batch_size: int, comparisons: int | None = None) -> str:
+    """What Think harder did, in a visitor's words: how many candidates each stage had, how they were written
+    (side by side; where the model's batch held more, how many texts it wrote at once: other visitors' answers,
+    the next stage's candidates or the comparisons) and how the best was found (the model compares candidates two
+    at a time; where all were alike there was nothing to compare). What the backend did not report (a remote
+    engine's batch or comparisons) is left out."""
+    said = f"Thought harder: {plural(beams, 'candidate')} per stage"
+    if batch_size >= beams:
+        said += ", written side by side" + (f", up to {batch_size} texts at once" if batch_size > beams else "")
+    elif batch_size > 0:
+        said += f", written {batch_size} at a time"
+    if comparisons == 0:
+        said += ", all alike at every stage"
+    elif comparisons:
+        said += f", the best picked in {plural(comparisons, 'comparison')}"
+    return said
 
 
 def searched_beams(params: SamplingParams) -> int:
@@ -223,13 +242,7 @@ def render(
         active = running.stage
     if result is not None:
         beams = view.beams if view is not None else beams
-        status = result_status(result, stages, beams)
-        if view is not None:
-            status += (
-                f" · stage beam search: {view.beams} candidates per stage, {plural(view.judge_calls, 'judge call')}"
-            )
-        elif beams:
-            status += f" · stage beam search: {beams} candidates per stage"
+        status = result_status(result, stages, beams, view.judge_calls if view is not None else None)
     status = status or ""
     if final and raw.strip() and not stages.seen:
         status += " · the answer did not use the four stages (shown above the panels)"
@@ -274,11 +287,23 @@ def progress(
         return render(raw, status, view=view)
     stages = parse_stages(raw)
     if raw:
-        status = f"Generating · writing {stages.active.upper()}…" if stages.active else "Generating…"
+        stage = writing(stages)
+        status = f"Generating · writing {stage.upper()}…" if stage else "Generating…"
         status += counter(elapsed, tokens, moving=True)
     else:
         status = waiting_status(ahead) + counter(elapsed)
     return Outputs(*stages.as_tuple(), raw, status, stages.extra, tracker_html(stages, stages.active), "")
+
+
+def writing(stages: Stages) -> str | None:
+    """The stage the status line says is being written: the open one, or between two stages the next one (the
+    model is writing its opening tag), or after the last one that one still; ``None`` before the first. Only the
+    status line reads it so (the strip and the panels mark a stage from its opening tag on): it names a stage
+    from the first one on and never falls back to a bare "Generating…" at each change of stage."""
+    if stages.active or not stages.seen:
+        return stages.active
+    following = STAGES.index(stages.seen[-1]) + 1
+    return STAGES[following] if following < len(STAGES) else stages.seen[-1]
 
 
 def history_html(turns: tuple[Turn, ...], dropped: int = 0, asking: str = "") -> str:
