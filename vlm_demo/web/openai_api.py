@@ -195,13 +195,13 @@ def fold(
         where = f"{field}[{i}]"
         if isinstance(message, dict) and message.get("type") in dialect.skipped:
             continue
+        if "type" in dialect.keys and isinstance(message, dict) and message.get("type") not in (None, "message"):
+            raise APIError.invalid(f"{where}.type {message['type']!r} is not supported (message; no tools).", where)
         role = message.get("role") if isinstance(message, dict) else None
         if role not in ROLES:
             raise APIError.invalid(
                 f"{where}.role {role!r} is not supported (system, developer, user, assistant; no tools).", where
             )
-        if "type" in dialect.keys and message.get("type") not in (None, "message"):
-            raise APIError.invalid(f"{where}.type {message['type']!r} is not supported (message).", where)
         allowed = dialect.keys | (ASSISTANT_KEYS if role == "assistant" else set())
         extra = sorted(k for k in message if k not in allowed and is_given(message[k]))
         if extra:

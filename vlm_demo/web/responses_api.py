@@ -89,6 +89,7 @@ OFF: dict[str, Any] = {  # OpenAI's options at the values that mean "off" (or wh
     "tool_choice": "none",
     "text": {"format": {"type": "text"}},
 }
+WHY = {**WHY_NOT, "text": WHY_NOT["response_format"], "background": ": answers stream or are awaited"}
 EFFORTS = ("minimal", "low", "medium", "high")
 SUMMARIES = ("auto", "concise", "detailed")
 CONCLUSION_TAG = re.compile(r"<\s*CONCLUSION\s*>", re.IGNORECASE)
@@ -204,7 +205,7 @@ class ResponsesAPI:
         for name, value in data.items():
             if name in SUPPORTED or not is_given(value) or OFF.get(name, object()) == value:
                 continue
-            raise APIError.invalid(f"{name} is not supported by this server{WHY_NOT.get(name, '')}.", name)
+            raise APIError.invalid(f"{name} is not supported by this server{WHY.get(name, '')}.", name)
         if is_given(data.get("model")):
             self.api.check_model(data["model"], "model")
         stream, store = _flag(data, "stream", False), _flag(data, "store", True)
