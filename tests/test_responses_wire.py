@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_openai_wire import ANSWER
 
+from vlm_demo.cot import split_thinking
 from vlm_demo.results import GenerationResult
 from vlm_demo.web.responses_wire import Events, Reply, thinking_and_answer
 
@@ -20,7 +21,7 @@ def stream_in(pieces: list[str], result: GenerationResult = RESULT) -> tuple[lis
     for piece in pieces:
         text += piece
         out += events.advance(text)
-    last, body = events.finish(result, 50)
+    last, body = events.finish(result)
     return out + last, body
 
 
@@ -64,7 +65,8 @@ def test_any_chunking_streams_each_stage_once_in_order_and_ends_with_the_whole_r
 
 
 def test_the_response_object_holds_the_stages_the_conclusion_and_the_usage() -> None:
-    body = Reply("tiny", {"instructions": None}).finished(RESULT, 50)
+    body = Reply("tiny", {"instructions": None}).finished(RESULT)
+    thinking, answer = split_thinking(ANSWER, final=True)
     assert body["object"] == "response" and body["status"] == "completed" and body["incomplete_details"] is None
     reasoning, message = body["output"]
     assert [p["text"] for p in reasoning["summary"]] == [p["text"] for p in reasoning["content"]]
@@ -78,7 +80,7 @@ def test_the_response_object_holds_the_stages_the_conclusion_and_the_usage() -> 
         "input_tokens": 20,
         "input_tokens_details": {"cached_tokens": 0},
         "output_tokens": 60,
-        "output_tokens_details": {"reasoning_tokens": 50},
+        "output_tokens_details": {"reasoning_tokens": round(60 * len(thinking) / (len(thinking) + len(answer)))},
         "total_tokens": 80,
     }
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -92,7 +91,6 @@ OFF: dict[str, Any] = {  # OpenAI's options at the values that mean "off" (or wh
 WHY = {**WHY_NOT, "text": WHY_NOT["response_format"], "background": ": answers stream or are awaited"}
 EFFORTS = ("minimal", "low", "medium", "high")
 SUMMARIES = ("auto", "concise", "detailed")
-CONCLUSION_TAG = re.compile(r"<\s*CONCLUSION\s*>", re.IGNORECASE)
 
 
 @dataclass(frozen=True)
@@ -107,27 +105,6 @@ class Ask:
     thread: Thread  # the conversation before this question (what a follow-up continues, with this turn added)
     question: str  # the last user message's own text: this turn's question
     user: str | None
-
-
-class ThinkingTokens:
-    """How many of an answer's tokens are its first three stages (``reasoning_tokens``): the engine's count at
-    the look that first saw the CONCLUSION's tag (so within the tokens of one engine step); where the backend
-    does not count as it goes (a remote one, a cached replay), the thinking text's share of the characters."""
-
-    def __init__(self) -> None:
-        self.at: int | None = None
-
-    def see(self, text: str, new: str, tokens: int | None) -> None:
-        if self.at is None and tokens is not None and CONCLUSION_TAG.search(text, max(0, len(text) - len(new) - 16)):
-            self.at = tokens
-
-    def count(self, result: GenerationResult) -> int:
-        thinking, answer = split_thinking(result.text, final=True)
-        if not answer:
-            return result.completion_tokens
-        if self.at is not None:
-            return min(self.at, result.completion_tokens)
-        return round(result.completion_tokens * len(thinking) / max(1, len(thinking) + len(answer)))
 
 
 class ResponsesAPI:
@@ -253,19 +230,17 @@ class ResponsesAPI:
         turn = ((ask.question, answer or thinking),) if (answer or thinking) else ()
         self.store.put(ask.owner, body, dataclasses.replace(ask.thread, turns=ask.thread.turns + turn))
 
-    async def _texts(self, stream: Stream, request: Request, tokens: ThinkingTokens) -> AsyncIterator[str]:
-        """The answer so far at each new piece of text, counting its thinking tokens as it goes."""
+    async def _texts(self, stream: Stream, request: Request) -> AsyncIterator[str]:
+        """The answer so far at each new piece of text."""
         raw = ""
         async with contextlib.aclosing(self.api.texts(stream, request)) as texts:
             async for text in texts:
                 raw += text
-                tokens.see(raw, text, stream.tokens())
                 yield raw
 
     async def _answer(self, ask: Ask, stream: Stream, request: Request) -> Response:
-        tokens = ThinkingTokens()
         try:
-            async with contextlib.aclosing(self._texts(stream, request, tokens)) as texts:
+            async with contextlib.aclosing(self._texts(stream, request)) as texts:
                 async for _ in texts:
                     pass
             result = stream.result(0)
@@ -273,18 +248,18 @@ class ResponsesAPI:
             return Response(status_code=499)  # nobody is listening any more
         except DemoError as err:  # taken by the backend, then failed: an error the client raises; nothing kept
             return APIError.of(err).response()
-        body = ask.reply.finished(result, tokens.count(result))
+        body = ask.reply.finished(result)
         self._keep(ask, result, body)
         return JSONResponse(body)
 
     async def _events(self, ask: Ask, stream: Stream, request: Request) -> AsyncIterator[bytes]:
         """The response as OpenAI's stream events (:class:`~vlm_demo.web.responses_wire.Events`); a failure after
         the stream began ends it with ``response.failed``."""
-        events, tokens = Events(ask.reply), ThinkingTokens()
+        events = Events(ask.reply)
         for event in events.start():
             yield sse(event)
         try:
-            async with contextlib.aclosing(self._texts(stream, request, tokens)) as texts:
+            async with contextlib.aclosing(self._texts(stream, request)) as texts:
                 async for raw in texts:
                     for event in events.advance(raw):
                         yield sse(event)
@@ -298,7 +273,7 @@ class ResponsesAPI:
             log.exception("/v1/responses stream failed")
             yield sse(events.fail(INTERNAL.code, str(INTERNAL))[0])
             return
-        last, body = events.finish(result, tokens.count(result))
+        last, body = events.finish(result)
         self._keep(ask, result, body)  # before the last event: a follow-up sent at once finds it
         for event in last:
             yield sse(event)

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from vlm_demo.cot import parse_stages
+from vlm_demo.cot import parse_stages, split_thinking
 from vlm_demo.results import GenerationResult
 from vlm_demo.web.openai_wire import grown
 
@@ -39,12 +39,22 @@ def status_of(result: GenerationResult) -> tuple[str, dict[str, str] | None]:
     return "completed", None
 
 
-def usage(result: GenerationResult, reasoning_tokens: int) -> dict[str, Any]:
+def thinking_tokens(result: GenerationResult) -> int:
+    """How many of the answer's tokens are its first three stages (``reasoning_tokens``), estimated: the engine
+    counts an answer's tokens, not its stages' (and the web process holds no tokenizer), so the completion tokens
+    are shared out by the characters of the thinking and of the CONCLUSION."""
+    thinking, answer = split_thinking(result.text, final=True)
+    if not answer:
+        return result.completion_tokens
+    return round(result.completion_tokens * len(thinking) / (len(thinking) + len(answer)))
+
+
+def usage(result: GenerationResult) -> dict[str, Any]:
     return {
         "input_tokens": result.prompt_tokens,
         "input_tokens_details": {"cached_tokens": 0},
         "output_tokens": result.completion_tokens,
-        "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
+        "output_tokens_details": {"reasoning_tokens": thinking_tokens(result)},
         "total_tokens": result.prompt_tokens + result.completion_tokens,
     }
 
@@ -101,12 +111,12 @@ class Reply:
             **end,
         }
 
-    def finished(self, result: GenerationResult, reasoning_tokens: int) -> dict[str, Any]:
+    def finished(self, result: GenerationResult) -> dict[str, Any]:
         """The whole response for a finished answer."""
         texts, answer = thinking_and_answer(result.text, final=True)
         status, incomplete = status_of(result)
         output = [reasoning_item(self.reasoning_id, texts, "completed"), message_item(self.message_id, answer, status)]
-        return self.body(status, output, incomplete_details=incomplete, usage=usage(result, reasoning_tokens))
+        return self.body(status, output, incomplete_details=incomplete, usage=usage(result))
 
     def failed(self, code: str, message: str) -> dict[str, Any]:
         return self.body("failed", [], error={"code": code, "message": message})
@@ -172,7 +182,7 @@ class Events:
                 out.append(self.event("response.output_text.delta", **at, delta=new, logprobs=[]))
         return out
 
-    def finish(self, result: GenerationResult, reasoning_tokens: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    def finish(self, result: GenerationResult) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         """The last events (the rest of the text, the ``.done`` events, ``response.completed`` or
         ``response.incomplete``) and the finished response object."""
         out = self.advance(result.text, final=True)
@@ -184,7 +194,7 @@ class Events:
             self.event("response.content_part.done", **at, part=output_text(self.answer)),
             self.event("response.output_item.done", output_index=1, item=message),
         ]
-        body = self.reply.finished(result, reasoning_tokens)
+        body = self.reply.finished(result)
         out.append(self.event("response.completed" if status == "completed" else "response.incomplete", response=body))
         return out, body
 
