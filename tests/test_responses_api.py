@@ -272,7 +272,7 @@ PART_IMAGE = {
     "required": ["type"],
     "properties": {
         "type": {"enum": ["input_image"]},
-        "image_url": {"type": ["string", "null"]},
+        "image_url": {"anyOf": [{"type": ["string", "null"]}, {"const": GREEN}]},  # a real picture too
         "file_id": {"type": ["string", "null"]},
         "detail": {"enum": ["low", "high", "auto"]},
     },
@@ -289,7 +289,7 @@ MESSAGE = {
 CREATE_RESPONSE = {  # OpenAI's CreateResponse request body, in short: its field names and types
     "type": "object",
     "properties": {
-        "model": {"type": "string"},
+        "model": {"enum": ["tiny", None]},  # another name is a 404 before anything else is read
         "input": {"oneOf": [{"type": "string"}, {"type": "array", "items": MESSAGE}]},
         "instructions": {"type": ["string", "null"]},
         "max_output_tokens": {"type": ["integer", "null"]},
@@ -316,26 +316,45 @@ CREATE_RESPONSE = {  # OpenAI's CreateResponse request body, in short: its field
         "text": {"type": "object"},
     },
 }
-SPEC = {
-    "openapi": "3.1.0",
-    "info": {"title": "/v1/responses, as OpenAI describes its request", "version": "1"},
-    "paths": {
+REFUSED = ("parallel_tool_calls", "background", "include", "tool_choice", "tools", "text")  # but at "off"
+ANSWERED = {  # the options this server implements, about a real picture: most bodies reach the model
+    **CREATE_RESPONSE,
+    "required": ["input"],
+    "properties": {
+        **{k: v for k, v in CREATE_RESPONSE["properties"].items() if k not in REFUSED},
+        "input": {"const": ask("What colour?", GREEN)},
+        "max_output_tokens": {"type": ["integer", "null"], "minimum": 1, "maximum": 400},
+    },
+}
+
+
+def described(body: dict, get_and_delete: bool) -> dict:
+    """An OpenAPI description of ``/v1/responses`` with this request body."""
+    paths = {
         "/v1/responses": {
             "post": {
-                "requestBody": {"required": True, "content": {"application/json": {"schema": CREATE_RESPONSE}}},
+                "requestBody": {"required": True, "content": {"application/json": {"schema": body}}},
                 "responses": {"200": {"description": "a response, or its stream of events"}},
             }
-        },
-        "/v1/responses/{response_id}": {
+        }
+    }
+    if get_and_delete:
+        paths["/v1/responses/{response_id}"] = {
             method: {
                 "parameters": [{"name": "response_id", "in": "path", "required": True, "schema": {"type": "string"}}],
                 "responses": {"200": {"description": "the stored response, or that it was deleted"}},
             }
             for method in ("get", "delete")
-        },
-    },
-}
-fuzzed = schemathesis.openapi.from_dict(SPEC)
+        }
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "/v1/responses, as OpenAI describes it", "version": "1"},
+        "paths": paths,
+    }
+
+
+fuzzed = schemathesis.openapi.from_dict(described(CREATE_RESPONSE, get_and_delete=True))
+answered = schemathesis.openapi.from_dict(described(ANSWERED, get_and_delete=False))
 
 
 @fuzzed.parametrize()
@@ -343,9 +362,25 @@ fuzzed = schemathesis.openapi.from_dict(SPEC)
 def test_openais_request_body_fuzzed_gets_no_server_error(case, server: str) -> None:
     """Bodies that OpenAI's published description of ``POST /responses`` allows (its field names and types,
     written here in our own words and cut to what a request may carry; the published file is not copied), and
-    ``GET``/``DELETE /responses/{id}`` with any id: never a 5xx. Most carry no picture (a 400); none may break
-    the server. Bounded: 40 examples per operation, each request 60 s at most."""
+    ``GET``/``DELETE /responses/{id}`` with any id: never a 5xx. Most are refused (a 4xx); none may break the
+    server. Some carry a real picture and reach the model. Bounded: 40 examples per operation, each request
+    60 s at most."""
     reply = case.call(base_url=server, headers=AUTH, timeout=60)
+    assert reply.status_code < 500, (reply.status_code, reply.text[:500], reply.request.method, reply.request.url)
+    if reply.status_code >= 400 and reply.request.method in ("GET", "POST", "DELETE"):  # not schemathesis' TRACE
+        assert "error" in reply.json() and reply.json()["error"]["message"], (reply.status_code, reply.text[:500])
+
+
+@answered.parametrize()
+@settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+def test_every_option_this_server_implements_fuzzed_about_a_real_picture_gets_no_server_error(
+    case, server: str
+) -> None:
+    """The same description cut to the options implemented here, with a real picture: most bodies are answered
+    (at once or streamed, stored or not, any instructions, metadata, sampling, reasoning effort), none with a
+    5xx; a stream ends with its response's last event. Bounded: 25 examples, each request 120 s at most."""
+    reply = case.call(base_url=server, headers=AUTH, timeout=120)
     assert reply.status_code < 500, (reply.status_code, reply.text[:500])
-    if reply.status_code >= 400:
-        assert reply.json()["error"]["message"], reply.text[:500]
+    if reply.status_code == 200 and "event-stream" in str(reply.headers.get("content-type")):
+        last = [line for line in reply.text.splitlines() if line.startswith("event: ")][-1]
+        assert last in ("event: response.completed", "event: response.incomplete"), reply.text[-500:]
