@@ -32,7 +32,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
@@ -43,6 +43,7 @@ from vlm_demo.config import Config
 from vlm_demo.cot import split_thinking
 from vlm_demo.errors import INVALID, SERVER, DemoError, InvalidRequestError, RequestCancelledError
 from vlm_demo.request import KNOBS, STAGE_BEAM, ValidRequest, choice, sampling_from, validate_question, validate_request
+from vlm_demo.results import GenerationResult
 from vlm_demo.stream import Stream
 from vlm_demo.web.answers import API, Answers, client_id
 from vlm_demo.web.openai_wire import (
@@ -85,7 +86,6 @@ MESSAGE_KEYS = {"role", "content", "name"}  # ``name`` is accepted and not used
 ASSISTANT_KEYS = {"reasoning_content", "reasoning"}  # accepted; earlier reasoning is not folded in
 LEGACY_KEYS = {"image_base64", "question"}
 BODY_SLACK = 1 << 20  # JSON around the image: the question, the other turns, the options
-T = TypeVar("T")
 INTERNAL = APIError(500, "Internal error; the server's log has the details.", SERVER, "internal_error")
 
 
@@ -251,6 +251,18 @@ def json_object(body: bytes) -> dict[str, Any]:
     return data
 
 
+class Asked(Protocol):
+    """What a door's translated request says about how to answer it."""
+
+    @property
+    def stream(self) -> bool: ...
+    @property
+    def user(self) -> str | None: ...
+
+
+A = TypeVar("A", bound=Asked)
+
+
 class Door(Protocol):
     """Another OpenAI API on ``/v1`` over this one's machinery (its key, limits, body, image and validation)."""
 
@@ -315,36 +327,37 @@ class OpenAIAPI:
 
     async def chat_completions(self, request: Request) -> Response:
         """Translate, validate and submit, then answer at once or stream."""
-        taken = await self.take(request, self._submit, "/v1/chat/completions")
-        if isinstance(taken, Response):
-            return taken
-        call, stream = taken
-        if call.user:
-            log.info("/v1/chat/completions for user %r", call.user[:100])
-        if call.stream:
-            headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-            return StreamingResponse(
-                self._events(call, stream, request), media_type="text/event-stream", headers=headers
-            )
-        return await self._answer(call, stream, request)
+        return await self.serve(request, "/v1/chat/completions", self._submit, self._answer, self._events)
 
     # ---- the door ----------------------------------------------------------------------------------
-    async def take(
-        self, request: Request, submit: Callable[[bytes, str], tuple[T, Stream]], route: str
-    ) -> tuple[T, Stream] | Response:
-        """Authorize, read the body and ``submit`` it as the caller at its address (off the event loop: decoding
-        an image takes up to ~0.1 s); a refusal's answer instead, in OpenAI's shape."""
+    async def serve(
+        self,
+        request: Request,
+        route: str,
+        submit: Callable[[bytes, str], tuple[A, Stream]],
+        answer: Callable[[A, Stream, Request], Awaitable[Response]],
+        events: Callable[[A, Stream, Request], AsyncIterator[bytes]],
+    ) -> Response:
+        """One call to a ``/v1`` route that answers: authorize, read the body and ``submit`` it as the caller at its
+        address (off the event loop: decoding an image takes up to ~0.1 s), then ``answer`` at once or stream its
+        ``events``; a refusal in OpenAI's shape."""
         loop = asyncio.get_running_loop()
         try:
             self.authorize(request)
             body = await self.read_body(request)
             address = request.client.host if request.client is not None else ""
-            return await loop.run_in_executor(None, submit, body, address)
+            call, stream = await loop.run_in_executor(None, submit, body, address)
         except APIError as err:
             return self.refuse(err)
         except Exception:  # a bug of ours: still an answer in OpenAI's shape, and the traceback in the log
             log.exception("%s failed before reaching the backend", route)
             return INTERNAL.response()
+        if call.user:
+            log.info("%s for user %r", route, call.user[:100])
+        if call.stream:
+            headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+            return StreamingResponse(events(call, stream, request), media_type="text/event-stream", headers=headers)
+        return await answer(call, stream, request)
 
     def authorize(self, request: Request) -> None:
         refused = self.door.refusal(request)
@@ -494,16 +507,22 @@ class OpenAIAPI:
                 if moment.text:
                     yield moment.text
 
-    async def _answer(self, call: Call, stream: Stream, request: Request) -> Response:
+    async def result(self, stream: Stream, request: Request) -> GenerationResult | Response:
+        """The finished answer, or what to answer instead: nothing for a caller gone, an error for a failure."""
         try:
             async with contextlib.aclosing(self.texts(stream, request)) as texts:
                 async for _ in texts:
                     pass
-            result = stream.result(0)
+            return stream.result(0)
         except RequestCancelledError:
             return Response(status_code=499)  # nobody is listening any more
         except DemoError as err:  # taken by the backend, then failed
             return APIError.of(err).response()
+
+    async def _answer(self, call: Call, stream: Stream, request: Request) -> Response:
+        result = await self.result(stream, request)
+        if isinstance(result, Response):
+            return result
         if call.legacy:
             return JSONResponse({"response": result.text})
         return JSONResponse(Completion(self.model).message(result))

@@ -23,13 +23,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from vlm_demo.cot import split_thinking
 from vlm_demo.errors import INVALID, DemoError, RequestCancelledError
@@ -50,7 +51,7 @@ from vlm_demo.web.openai_api import (
     json_object,
 )
 from vlm_demo.web.openai_wire import APIError
-from vlm_demo.web.response_store import TTL_S, ResponseStore, Thread
+from vlm_demo.web.response_store import TTL_S, ResponseStore, Stored, Thread
 from vlm_demo.web.responses_wire import Events, Reply, sse
 
 log = logging.getLogger(__name__)
@@ -122,18 +123,8 @@ class ResponsesAPI:
     # ---- the routes --------------------------------------------------------------------------------
     async def create(self, request: Request) -> Response:
         owner = self.api.door.owner(request)
-        taken = await self.api.take(request, lambda body, address: self._submit(body, address, owner), "/v1/responses")
-        if isinstance(taken, Response):
-            return taken
-        ask, stream = taken
-        if ask.user:
-            log.info("/v1/responses for user %r", ask.user[:100])
-        if ask.stream:
-            headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-            return StreamingResponse(
-                self._events(ask, stream, request), media_type="text/event-stream", headers=headers
-            )
-        return await self._answer(ask, stream, request)
+        submit = functools.partial(self._submit, owner=owner)
+        return await self.api.serve(request, "/v1/responses", submit, self._answer, self._events)
 
     async def retrieve(self, response_id: str, request: Request) -> Response:
         try:
@@ -152,7 +143,8 @@ class ResponsesAPI:
         return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
 
     # ---- the request -------------------------------------------------------------------------------
-    def _stored(self, owner: str, response_id: Any, param: str) -> Any:
+    def _stored(self, owner: str, response_id: Any, param: str) -> Stored:
+        """The stored response ``response_id`` of ``owner``; a 404 saying what may have become of it."""
         if not isinstance(response_id, str):
             raise APIError.invalid(f"{param} must be a string (a response's id, resp_…).", param)
         found = self.store.get(owner, response_id)
@@ -171,7 +163,7 @@ class ResponsesAPI:
             param,
         )
 
-    def _submit(self, body: bytes, address: str, owner: str) -> tuple[Ask, Stream]:
+    def _submit(self, body: bytes, address: str, *, owner: str) -> tuple[Ask, Stream]:
         ask = self._translate(json_object(body), owner)
         try:
             return ask, self.api.answers.submit(ask.valid, client_id(address, user=ask.user))
@@ -230,24 +222,10 @@ class ResponsesAPI:
         turn = ((ask.question, answer or thinking),) if (answer or thinking) else ()
         self.store.put(ask.owner, body, dataclasses.replace(ask.thread, turns=ask.thread.turns + turn))
 
-    async def _texts(self, stream: Stream, request: Request) -> AsyncIterator[str]:
-        """The answer so far at each new piece of text."""
-        raw = ""
-        async with contextlib.aclosing(self.api.texts(stream, request)) as texts:
-            async for text in texts:
-                raw += text
-                yield raw
-
     async def _answer(self, ask: Ask, stream: Stream, request: Request) -> Response:
-        try:
-            async with contextlib.aclosing(self._texts(stream, request)) as texts:
-                async for _ in texts:
-                    pass
-            result = stream.result(0)
-        except RequestCancelledError:
-            return Response(status_code=499)  # nobody is listening any more
-        except DemoError as err:  # taken by the backend, then failed: an error the client raises; nothing kept
-            return APIError.of(err).response()
+        result = await self.api.result(stream, request)
+        if isinstance(result, Response):  # a caller gone, or an error the client raises: nothing kept
+            return result
         body = ask.reply.finished(result)
         self._keep(ask, result, body)
         return JSONResponse(body)
@@ -258,9 +236,11 @@ class ResponsesAPI:
         events = Events(ask.reply)
         for event in events.start():
             yield sse(event)
+        raw = ""
         try:
-            async with contextlib.aclosing(self._texts(stream, request)) as texts:
-                async for raw in texts:
+            async with contextlib.aclosing(self.api.texts(stream, request)) as texts:
+                async for text in texts:
+                    raw += text
                     for event in events.advance(raw):
                         yield sse(event)
             result = stream.result(0)
