@@ -174,6 +174,19 @@ def test_instructions_are_not_carried_over_and_store_false_keeps_nothing(client:
         client.responses.create(model="tiny", input="Sure?", previous_response_id=unkept.id)
 
 
+def test_a_conversation_past_the_history_caps_is_refused_unless_truncation_is_auto(client: openai.OpenAI) -> None:
+    turns = [{"role": "assistant", "content": "Green."}]  # nine earlier turns, the picture in the first
+    for i in range(1, 9):
+        turns += [{"role": "user", "content": f"Question {i}?"}, {"role": "assistant", "content": "Green."}]
+    long = [*ask("Question 0?", GREEN), *turns, *ask("And now?")]
+    with pytest.raises(openai.BadRequestError, match="history is too long .*9 turns.* keep the newest"):
+        client.responses.create(model="tiny", input=long, **GREEDY)
+    kept = client.responses.create(model="tiny", input=long, truncation="auto", **GREEDY)
+    assert kept.truncation == "auto" and colour_of(kept.output_text) == "green"
+    again = client.responses.create(model="tiny", input="Sure?", previous_response_id=kept.id, truncation="auto")
+    assert again.status == "completed" and again.usage.input_tokens <= kept.usage.input_tokens + 20
+
+
 def test_delete_removes_a_response_and_unknown_ids_are_clear_404s(client: openai.OpenAI, server: str) -> None:
     made = client.responses.create(model="tiny", input=ask("What colour is it?", GREEN), **GREEDY)
     client.responses.delete(made.id)
