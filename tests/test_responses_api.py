@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import re
+import signal
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from itertools import groupby
@@ -271,6 +273,26 @@ def test_a_client_that_goes_away_frees_its_model_row(server: str) -> None:
         next(reply.iter_lines())  # it is running; now hang up
     wait_until(lambda: ended(server, "cancelled") != cancelled, 30, fail=False)
     assert ended(server, "cancelled") == cancelled + 1, "the abandoned answer kept its model row"
+
+
+def test_an_engine_death_mid_stream_ends_it_with_response_failed_and_keeps_nothing(
+    client: openai.OpenAI, server: str
+) -> None:
+    """As the out-of-memory killer would: the stream's last event is ``response.failed`` with the error, nothing
+    is stored; then it waits for the restarted engine, so the tests after it are served as before."""
+    pid = requests.get(server + "/health", timeout=10).json()["details"]["engine_pid"]
+    stream = client.responses.create(
+        model="tiny", input=ask("Describe this picture in detail.", GREEN), stream=True, max_output_tokens=2000
+    )
+    first = next(iter(stream))
+    os.kill(pid, signal.SIGKILL)
+    last = list(stream)[-1]
+    assert last.type == "response.failed" and last.response.status == "failed", last
+    assert last.response.error.code == "engine_stopped" and "stopped unexpectedly" in last.response.error.message
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(first.response.id)
+    healthy = lambda: requests.get(server + "/health", timeout=10).status_code == 200  # noqa: E731
+    wait_until(healthy, 60, every=0.2, what="the engine to come back")
 
 
 # ---- schemathesis --------------------------------------------------------------------------------------------
