@@ -141,6 +141,7 @@ def _text_parts(content: Any, where: str, images: list[tuple[str, Any]], images_
     for j, part in enumerate(content):
         at = f"{where}.content[{j}]"
         kind = part.get("type") if isinstance(part, dict) else None
+        kind = kind if isinstance(kind, str) else repr(kind)  # a list, say: no type we read, and not hashable
         if kind in dialect.texts:
             if not isinstance(part.get("text"), str):
                 raise APIError.invalid(f"{at}.text must be a string.", at)
@@ -193,12 +194,13 @@ def fold(
     images: list[tuple[str, Any]] = []
     for i, message in enumerate(messages):
         where = f"{field}[{i}]"
-        if isinstance(message, dict) and message.get("type") in dialect.skipped:
+        kind = message.get("type") if isinstance(message, dict) else None
+        if isinstance(kind, str) and kind in dialect.skipped:
             continue
-        if "type" in dialect.keys and isinstance(message, dict) and message.get("type") not in (None, "message"):
-            raise APIError.invalid(f"{where}.type {message['type']!r} is not supported (message; no tools).", where)
+        if "type" in dialect.keys and kind not in (None, "message"):
+            raise APIError.invalid(f"{where}.type {kind!r} is not supported (message; no tools).", where)
         role = message.get("role") if isinstance(message, dict) else None
-        if role not in ROLES:
+        if not isinstance(role, str) or role not in ROLES:
             raise APIError.invalid(
                 f"{where}.role {role!r} is not supported (system, developer, user, assistant; no tools).", where
             )
