@@ -5,7 +5,9 @@ to the backend with the same :class:`~vlm_demo.request.ValidRequest` the page bu
 queue, so API clients and page visitors share the engine's batches; a stream is woken by each piece of new
 text, so every engine step's text goes out as soon as it is there, however many visitors the page has.
 This module is the router and the translation of OpenAI's request body into our terms; what goes back on
-the wire is :mod:`~vlm_demo.web.openai_wire`'s.
+the wire is :mod:`~vlm_demo.web.openai_wire`'s. ``/v1/responses`` (:mod:`~vlm_demo.web.responses_api`) is a
+:class:`Door` on the same router over the same machinery: :meth:`OpenAIAPI.serve`, :func:`fold` with its own
+:class:`Dialect`, :meth:`OpenAIAPI.picture` and :meth:`OpenAIAPI.validate`.
 
 - **One image per conversation.** The model reads one image, so a conversation must hold exactly one
   ``image_url`` part (a ``data:`` URL; an ``http(s)`` URL only with ``--api-remote-images``). Earlier
