@@ -269,6 +269,16 @@ def test_bad_requests_leave_a_good_one_alongside_alone(client: openai.OpenAI, se
     assert events[-1].type == "response.completed" and colour_of(events[-1].response.output_text) == "red"
 
 
+def test_an_image_url_follows_the_remote_image_rules_of_chat_completions(tiny_dir: str) -> None:
+    """With ``--api-remote-images`` an ``http(s)`` picture is fetched under the same rules: public addresses only
+    (a loopback one is refused before any connection); a follow-up by id would reuse what was fetched."""
+    with running_app("--api-remote-images", "--response-cache-mb", "0") as url:
+        reply = requests.post(url + "/v1/responses", json=body(input=ask("What colour?", url + "/health")), timeout=30)
+    error = reply.json()["error"]
+    assert reply.status_code == 400 and error["param"] == "input[0].content[1]", error
+    assert "non-public address" in error["message"], error
+
+
 def test_a_client_that_goes_away_frees_its_model_row(server: str) -> None:
     cancelled = ended(server, "cancelled")
     streamed = body(input=ask("Describe this picture in detail.", GREEN), stream=True)
