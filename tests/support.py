@@ -3,7 +3,9 @@ test limits, free loopback ports, and the servers the end-to-end tests start (``
 
 from __future__ import annotations
 
+import base64
 import importlib.util
+import io
 import os
 import signal
 import socket
@@ -287,3 +289,18 @@ def join_running(worker: Any, rows: Any, requests: list[Any]) -> Any:
         rows.join([Row(r, None) for r in chunk], places, sampling.sample(prefill.logits), sampling)
         logits.append(prefill.logits)
     return torch.cat(logits)
+
+
+# ---- what the API tests send and read ------------------------------------------------------------------
+
+
+def data_url(image: Any, fmt: str = "PNG") -> str:
+    """A PIL image as a ``data:`` URL, as API clients send pictures."""
+    buffer = io.BytesIO()
+    image.save(buffer, fmt)
+    return f"data:image/{fmt.lower()};base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def colour_of(text: str | None) -> str | None:
+    words = [c for c in ("red", "green", "blue", "yellow", "white", "black") if c in (text or "").lower()]
+    return words[0] if len(words) == 1 else None

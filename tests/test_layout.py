@@ -120,7 +120,8 @@ def test_the_api_and_mcp_doors_do_not_reach_into_the_pages_handlers() -> None:
     """``/v1`` and MCP are adapters over the answer service (``web/answers.py``), beside the page, not on it:
     nothing they import, directly or through another module of the package, is the page's handlers."""
     known = modules()
-    for door in ("vlm_demo.web.openai_api", "vlm_demo.web.openai_wire", "vlm_demo.web.mcp_tool"):
+    doors = ("openai_api", "openai_wire", "responses_api", "responses_wire", "response_store", "mcp_tool")
+    for door in (f"vlm_demo.web.{name}" for name in doors):
         seen, todo = set(), [door]
         while todo:
             name = todo.pop()
@@ -129,7 +130,7 @@ def test_the_api_and_mcp_doors_do_not_reach_into_the_pages_handlers() -> None:
                 if dep not in seen:
                     seen.add(dep)
                     todo.append(dep)
-        assert "vlm_demo.web.answers" in seen or door == "vlm_demo.web.openai_wire", door
+        assert "vlm_demo.web.answers" in seen or door.endswith(("_wire", "_store")), door
 
 
 def test_the_engine_keeps_its_rooms_small_and_one_room_owns_the_rows_pages() -> None:

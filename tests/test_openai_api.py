@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import io
 import json
 import os
 import re
@@ -23,8 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 import openai
 import pytest
 import requests
-from PIL import Image
-from support import ended, metric, running_app, wait_until
+from support import colour_of, data_url, ended, metric, running_app, wait_until
 
 from vlm_demo.models.tiny import solid_image
 
@@ -44,12 +42,6 @@ def client(server: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=server + "/v1", api_key=KEY, max_retries=0)
 
 
-def data_url(image: Image.Image, fmt: str = "PNG") -> str:
-    buffer = io.BytesIO()
-    image.save(buffer, fmt)
-    return f"data:image/{fmt.lower()};base64," + base64.b64encode(buffer.getvalue()).decode()
-
-
 def ask(question: str, image_url: str) -> list[dict]:
     return [
         {
@@ -57,11 +49,6 @@ def ask(question: str, image_url: str) -> list[dict]:
             "content": [{"type": "text", "text": question}, {"type": "image_url", "image_url": {"url": image_url}}],
         }
     ]
-
-
-def colour_of(text: str | None) -> str | None:
-    words = [c for c in ("red", "green", "blue", "yellow", "white", "black") if c in (text or "").lower()]
-    return words[0] if len(words) == 1 else None
 
 
 GREEN = data_url(solid_image("green", 96, 64, noise=5, seed=3))  # held out: a size and noise not trained on

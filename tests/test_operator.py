@@ -12,7 +12,7 @@ from starlette.requests import Request
 from support import running_app
 
 from vlm_demo.config import Config
-from vlm_demo.web.operator import OperatorDoor
+from vlm_demo.web.operator import KeyDoor, OperatorDoor
 
 
 @pytest.fixture(scope="module")
@@ -72,3 +72,13 @@ def test_a_token_alone_guards_with_a_bearer_challenge_and_an_open_server_is_open
     assert refusal.status_code == 401 and refusal.headers["WWW-Authenticate"] == "Bearer"
     open_door = OperatorDoor(Config())
     assert not open_door.guarded and open_door.allows(request_with(None))
+
+
+def test_a_key_owns_what_it_stores_and_without_keys_everyone_is_one_owner() -> None:
+    """Whose stored responses a ``/v1`` caller sees: its key's digest (never the key itself) where keys are
+    checked; one shared owner where they are not."""
+    keyed = KeyDoor(Config(api_key="sk-one"))
+    owner = keyed.owner(request_with("Bearer sk-one"))
+    assert owner and "sk-one" not in owner and owner == keyed.owner(request_with("bearer  sk-one"))
+    assert keyed.owner(request_with("Bearer sk-two")) != owner
+    assert KeyDoor(Config()).owner(request_with("Bearer anything")) == KeyDoor(Config()).owner(request_with(None)) == ""

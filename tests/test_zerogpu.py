@@ -249,13 +249,24 @@ def test_a_visitor_out_of_quota_reads_zerogpus_own_words(zerogpu: ZeroGPUApp) ->
 
 
 @pytest.mark.slow
-def test_v1_has_no_visitor_to_bill_and_is_refused_at_once(zerogpu: ZeroGPUApp) -> None:
+def test_v1_has_no_visitor_to_bill_and_is_refused_at_once_on_both_its_apis(zerogpu: ZeroGPUApp) -> None:
     before = len(zerogpu.scheduler.schedules)
     image = base64.b64encode((ASSETS / "red.png").read_bytes()).decode()
     reply = requests.post(
         zerogpu.url + "/v1/chat/completions", json={"image_base64": image, "question": QUESTION}, timeout=30
     )
     assert reply.status_code == 400 and "ZeroGPU" in reply.json()["error"]["message"], reply.text
+    picture = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "input_text", "text": QUESTION},
+                {"type": "input_image", "image_url": "data:image/png;base64," + image},
+            ],
+        }
+    ]
+    responses = requests.post(zerogpu.url + "/v1/responses", json={"input": picture}, timeout=30)
+    assert responses.status_code == 400 and responses.json() == reply.json(), responses.text  # refused alike
     assert len(zerogpu.scheduler.schedules) == before
     assert requests.get(zerogpu.url + "/metrics", timeout=10).status_code == 200
 

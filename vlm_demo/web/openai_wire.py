@@ -73,12 +73,12 @@ class ThinkingSplitter:
     def advance(self, text: str, final: bool = False) -> tuple[str, str]:
         """The new reasoning and content text since the last call, for the whole answer so far."""
         reasoning, content = split_thinking(text, final)
-        new_reasoning, self.reasoning = _grown(self.reasoning, reasoning)
-        new_content, self.content = _grown(self.content, content)
+        new_reasoning, self.reasoning = grown(self.reasoning, reasoning)
+        new_content, self.content = grown(self.content, content)
         return new_reasoning, new_content
 
 
-def _grown(sent: str, now: str) -> tuple[str, str]:
+def grown(sent: str, now: str) -> tuple[str, str]:
     """``(new text, all text sent)`` when ``now`` extends what was sent; else nothing new."""
     if now.startswith(sent):
         return now[len(sent) :], now

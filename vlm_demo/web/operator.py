@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import hashlib
 import secrets
 
 from fastapi import Request
@@ -44,6 +45,14 @@ class KeyDoor:
                 "server with --api-key KEY (or VLM_API_KEY=KEY) and send 'Authorization: Bearer KEY'.",
             )
         return None
+
+    def owner(self, request: Request) -> str:
+        """Whose stored things (``/v1/responses``) a caller may see: a digest of the key it called with where
+        keys are checked, else everyone's (``""``)."""
+        if not self.key:
+            return ""
+        token = request.headers.get("authorization", "").partition(" ")[2].strip()
+        return hashlib.sha256(token.encode()).hexdigest()
 
 
 class OperatorDoor:

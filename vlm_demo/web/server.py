@@ -38,6 +38,7 @@ from vlm_demo.web.metrics import CacheCounts, Metrics
 from vlm_demo.web.openai_api import OpenAIAPI
 from vlm_demo.web.operator import OperatorDoor
 from vlm_demo.web.page import CSS, THEME, DemoUI
+from vlm_demo.web.responses_api import ResponsesAPI
 from vlm_demo.web.spaces import expose_server, on_spaces, start_zerogpu
 
 log = logging.getLogger(__name__)
@@ -95,7 +96,8 @@ def create_app(
 
     app = FastAPI(title="LLaVA-CoT demo", docs_url=None, redoc_url=None, lifespan=lifespan)
     served = config.triton_model if config.triton_url else backend.model  # Triton's name, not "name @ url"
-    app.include_router(OpenAIAPI(answers, config, served).router())  # before the mount, which takes "/"
+    api = OpenAIAPI(answers, config, served)
+    app.include_router(api.router(ResponsesAPI(api)))  # before the mount, which takes "/"
     if mcp is not None:
         for path in mcp.paths:
             app.router.add_route(path, mcp, include_in_schema=False)
