@@ -412,7 +412,7 @@ def kernel_times(prof: Any, cuda: bool, most: int = 40) -> dict[str, dict[str, f
     (CPU time on a CPU) and calls."""
     rows = []
     for event in prof.key_averages():
-        micros = _device_us(event) if cuda else event.cpu_time_total
+        micros = _device_us(event) if cuda else event.self_cpu_time_total
         if micros > 0 and (not cuda or _device_us(event) > 0):
             rows.append((event.key, float(micros), int(event.count)))
     rows.sort(key=lambda row: -row[1])

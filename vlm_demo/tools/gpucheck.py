@@ -636,7 +636,7 @@ def decode_attention(stages: Stages, worker: Any) -> None:
             figures[name] = {"skipped": missing, "probe": probe}
             stages.skip(stage, missing)
             continue
-        rows, length, steps, tiles = ((1, 128), 600, 10, 4) if cuda else ((1, 2), 24, 2, 1)
+        rows, length, steps, tiles = ((1, 128), 600, 10, 4) if cuda else ((1, 2), 24, 1, 1)
         measured = stages.run(stage, measure.attention_figures, worker, name, rows, length, steps, tiles, need_s=need_s)
         figures[name] = {**(measured or {}), "probe": probe}
         if measured:
@@ -791,6 +791,8 @@ def print_report(report: dict[str, Any]) -> None:
     if report.get("batch1_bound_spec"):
         bound += f", {report['batch1_bound_spec']:.1f} tokens/s (spec {report['bandwidth_spec'] / GB:.0f} GB/s)"
     print(f"decode at batch 1: {_num(report.get('batch1_tokens_per_s'), '.1f')} tokens/s" + bound)
+    if report.get("batch1_over_bound"):
+        print(f"decode at batch 1 reaches {report['batch1_over_bound']:.0%} of the measured bound")
     print(
         f"{'mode':<11}{'conc':>5}{'reqs':>5}{'tok/s':>9}{'p50 s':>8}{'ttft s':>8}{'meanB':>7}{'err':>5}{'peak GB':>9}"
     )
@@ -814,20 +816,7 @@ def print_report(report: dict[str, Any]) -> None:
                 f"{(figures['peak_memory_bytes'] or 0) / GB:.1f} GB; first token differing from bf16's greedy: "
                 f"{figures.get('first_diff_vs_bf16', '(the reference)')}"
             )
-    auto = report.get("decode_attention_auto") or {}
-    if auto:
-        print(f"decode attention (auto): {auto['kernel']}" + "".join(f"; {why}" for why in auto["passed_over"]))
-    for name, figures in (report.get("decode_attention") or {}).items():
-        if "rows" not in figures:
-            print(f"decode attention {name}: {figures.get('skipped', 'failed')}")
-            continue
-        steps = ", ".join(
-            f"{rows} rows {_num(entry['eager_tokens_per_s'], '.0f')}"
-            + (f"/{entry['graphs_tokens_per_s']:.0f}" if "graphs_tokens_per_s" in entry else "")
-            for rows, entry in figures["rows"].items()
-        )
-        print(f"decode attention {name}: tokens/s eager/replayed {steps}; NaN steps {figures['nan_steps']} of "
-              f"{figures['steps']}; kernels {', '.join(figures['attention_kernels']) or 'n/a'}")  # fmt: skip
+    print_kernels(report)
     if report.get("peak_run"):
         peak = report["peak_run"]
         print(f"join/evict peak: {peak}")
@@ -835,6 +824,42 @@ def print_report(report: dict[str, Any]) -> None:
         print(f"skipped {name}: {why}")
     verdict = "FAILED: " + "; ".join(report["failed"]) if report["failed"] else "OK"
     print(f"total {report['total_s']:.0f} s; {verdict}")
+
+
+def print_kernels(report: dict[str, Any]) -> None:
+    """The kernel stages' lines: the attention op and the weight-only op at their largest row counts, the decode
+    step per kernel, its three longest kernels."""
+    attention = report.get("attention_op") or {}
+    for name, kernel in (attention.get("kernels") or {}).items():
+        if "rows" not in kernel:
+            print(f"attention op {name}: {kernel.get('skipped', 'failed')}")
+            continue
+        parts = []
+        for rows, figures in kernel["rows"].items():
+            parts.append(f"{rows} rows " + ", ".join(f"{part} {e['us']:.0f} µs {e['gb_s']:.0f} GB/s"
+                                                    for part, e in figures.items()))  # fmt: skip
+        print(f"attention op {name} (µs per layer): " + "; ".join(parts) + (f"; {kernel['failure']}" if "failure" in kernel else ""))  # fmt: skip
+    weights = report.get("weights_op") or {}
+    for shape, figures in (weights.get("shapes") or {}).items():
+        line = []
+        for m, entries in figures["rows"].items():
+            line.append(f"M={m} " + " ".join(f"{fmt} {e['us']:.0f}" for fmt, e in entries.items()))
+        print(f"weight-only op {shape} [{figures['out_features']}x{figures['in_features']}] µs: " + "; ".join(line))
+    auto = report.get("decode_attention_auto") or {}
+    if auto:
+        print(f"decode attention (auto): {auto['kernel']}" + "".join(f"; {why}" for why in auto["passed_over"]))
+    for name, figures in (report.get("decode_attention") or {}).items():
+        if "rows" not in figures:
+            print(f"decode step {name}: {figures.get('skipped', 'failed')}")
+            continue
+        steps = ", ".join(
+            f"{rows} rows {_num(entry['eager_step_ms'], '.1f')}"
+            + (f"/{entry['graphs_step_ms']:.1f}" if "graphs_step_ms" in entry else "")
+            for rows, entry in figures["rows"].items()
+        )
+        longest = ", ".join(f"{k} {v['us']:.0f} µs x{v['calls']}" for k, v in list(figures["kernel_times"].items())[:3])
+        print(f"decode step {name} ({figures['tiles']}-tile rows): ms eager/replayed {steps}; {figures['captured']} "
+              f"graphs; NaN steps {figures['nan_steps']} of {figures['steps']}; longest kernels {longest or 'n/a'}")  # fmt: skip
 
 
 if __name__ == "__main__":
