@@ -2,27 +2,28 @@
 
 Everything else in this project runs on a 1 MB model on CPU. This builds the full
 Llama-3.2-11B-Vision architecture (40 text layers, 32 + 8 vision layers, vocabulary 128256) with
-random bf16 weights directly on the GPU and measures, in order (:mod:`vlm_demo.tools.gpu_measure`):
+random bf16 weights directly on the GPU and measures (:mod:`vlm_demo.tools.gpu_kernels`,
+:mod:`vlm_demo.tools.gpu_measure`), the kernels first — what a short loan must learn before anything else:
 
 1. versions: python, torch, transformers, accelerate, CUDA, the GPU; a transformers other than the
-   pinned one (``requirements.txt``) stops the check in one line, before anything is built;
-2. the narrow real-shape model in fp32 on the GPU: every batched row (both modes, rows joining a running
-   one, a seeded sampled row beside them) must give its single run's tokens; the same model saved and
-   loaded back through the server's own loading path (placement, the on-GPU check);
-3. the full model in bf16: every weight on the GPU, the memory plan, batched vs single (reported, not
-   required: bf16 kernels depend on the batch shape), the written-out decode step vs the stock forward;
-4. speed: decode tokens/s at batch 1 next to the bound from the bytes a decode step reads; unbatched,
-   dynamic and continuous batching at concurrency 1, 8 and 32, each run isolated, with its peak memory;
-5. decode attention: the kernel ``auto`` takes (a CUDA device that ends on the reference fails the check,
-   naming why), then a stage per kernel this torch can run (flash, triton, reference): its probe, the step
-   eagerly and replayed from CUDA graphs at 1-128 rows, NaN steps, the profiler's attention kernels; then
-   admitting newcomers: the vision tower per picture of 1-4 real tiles, and the running rows' longest pause
-   while 8 newcomers with 4-tile pictures join (``bench --prefill-stall``'s run; more than 3 decode steps fails);
-6. weight formats: the same model with fp8 (compute capability 8.9+), int8 and int4 weights next to bf16,
-   measured alike: weight bytes, decode tokens/s at 1 and 32 rows, peak memory, greedy tokens against
-   bf16's; a format whose step reads fewer bytes but decodes slower than bf16's fails the check (skipped,
-   with the reason, on CPU);
-7. the planned row limit filled (rows joining and leaving) to check the join/evict peak.
+   pinned one (``requirements.txt``) stops the check in one line, before anything is built; then the model,
+   its placement and the memory plan (always);
+2. the kernel stages (``--stages`` groups ``bandwidth``, ``attention``, ``weights``, ``graphs``, ``batch1``):
+   the device's copy bandwidth; the decode attention op alone at the model's page geometry (1-210 rows of 600
+   tokens, 1- and 4-tile pictures) per kernel, against the reference; the weight-only op alone per packed format
+   on the four projection shapes at 1-256 rows, against bf16's ``F.linear``; which kernel ``auto`` takes, and the
+   decode step per kernel eagerly and replayed from CUDA graphs at 1 and 128 rows with 4-tile pictures, with
+   the profiler's device time per kernel; decode at batch 1 against the bound from the bytes a step reads;
+3. the engine's stages, within ``--engine-share`` of the budget (groups ``checks``, ``narrow``, ``prefill``,
+   ``benchmark``, ``formats``, ``peak``): batched vs single and the written-out step vs the stock forward; the
+   narrow model in fp32 on the GPU (batched == single exactly, loading a saved folder); admitting newcomers
+   (the vision tower per tile count, the running rows' pause); unbatched, dynamic and continuous batching at
+   concurrency 1, 8 and 32; the model rebuilt per weight format; the planned row limit filled.
+
+On CUDA the check fails when a block-table decode attention captured no graph (or its replay differs from the
+eager step), when a packed format is slower than bf16 at a row count where it reads fewer bytes, when batch-1
+decode is below 40 % of the bound at the measured copy bandwidth, when a kernel differs from its reference, and
+when the device ends on the reference decode attention (the decisions: ``gpu_kernels``' plain functions).
 
 Device time is scarce (15 minutes a session, 10 a command, and a rerun must fit), so the run keeps to
 a time budget and loses nothing it measured. No optional stage or benchmark run starts unless its
@@ -30,10 +31,10 @@ estimate fits in what is left of ``--budget-s`` (300 s from the start); the join
 to the rows that fit; what is skipped is recorded with why. The JSON report is rewritten after every
 stage, a stage or run that fails is recorded and the rest go on, every request has a 120 s timeout,
 and a watchdog (``--deadline-s``, 360 s) dumps every thread's traceback and writes the report before
-it ends the run. Estimated 2.5-4 minutes on an H200. Exit code 0: all required checks that ran
-passed; 1: a check failed; 2: no CUDA, or the wrong versions; 3: the watchdog stopped it. ``--device
-cpu --model tiny`` (or ``narrow``) is a dry run of the whole script without the GPU-only stages (the
-tests run it).
+it ends the run. The kernel stages are estimated to end ~2.5-3 minutes after the start on an H100
+(docs/BENCHMARKS.md has the arithmetic). Exit code 0: all required checks that ran passed; 1: a check
+failed; 2: no CUDA, or the wrong versions; 3: the watchdog stopped it. ``--device cpu --model tiny`` (or
+``narrow``) is a dry run of the whole script without the GPU-only stages (the tests run it).
 
 This module only orchestrates and reports, and imports nothing heavy until the versions are checked
 (an old transformers may not even import our engine).
