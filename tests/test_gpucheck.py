@@ -345,6 +345,27 @@ def test_without_cuda_it_says_so_and_exits_2() -> None:
 
 
 @pytest.mark.slow
+def test_the_narrow_dry_run_compares_each_engine_with_its_own_single_runs(tmp_path) -> None:
+    """``--device cpu --model narrow`` (the real structure at narrow widths, fp32) exits 0: the dynamic engine's
+    seeded sampled row is compared with the dynamic engine's own single run (it was compared with the continuous
+    engine's, which runs another path — the real tiles against the stock forward over every tile — and differed from
+    token 10). The kernel stages run before the checks; Triton is left out (no interpreter: its narrow steps take
+    a minute)."""
+    out = tmp_path / "gpucheck.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    args = ["--device", "cpu", "--model", "narrow", "--stages", "attention,weights,checks", "--json", str(out)]
+    done = run_check(*args, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["failed"] == [] and set(report["sampled_first_diff"].values()) == {None}
+    assert all(d is None for rows in report["first_diff"].values() for d in rows)
+    assert list(report["stage_s"]) == ["build model", "memory plan", "kernel: decode attention",
+                                       "kernel: weight-only linear", "batched vs single", "written-out step vs stock"]  # fmt: skip
+    assert report["attention_op"]["geometry"]["heads"] == 32 and report["attention_op"]["geometry"]["kv_heads"] == 8
+    assert "set TRITON_INTERPRET=1" in report["attention_op"]["kernels"]["triton"]["skipped"]
+
+
+@pytest.mark.slow
 def test_a_run_stopped_part_way_has_already_written_its_report(tmp_path) -> None:
     """A device time-out kills the process: what was measured until then is on disk."""
     out = tmp_path / "gpucheck.json"
