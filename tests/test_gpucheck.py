@@ -124,7 +124,7 @@ def test_a_dry_run_on_cpu_goes_through_every_stage(tiny_dir, tmp_path, monkeypat
     assert set(report["ratios"]["3"]) == {"dynamic/unbatched", "continuous/dynamic"}
     peak = report["peak_run"]  # the planned row limit (8 on CPU) filled, rows joining and leaving
     assert peak["planned_rows"] == peak["max_batch_size"] == peak["requests"] == 8 and peak["errors"] == 0
-    gpu_only = {"bandwidth", "decode step: flash", "weight formats", "prefill"}
+    gpu_only = {"bandwidth", "decode step: flash", "narrow fp32", "weight formats", "prefill"}
     assert peak["shrunk"] is None and set(report["skipped"]) == gpu_only
     assert report["skipped"]["weight formats"].startswith("needs a CUDA GPU")
     assert report["skipped"]["decode step: flash"] == "needs CUDA"
@@ -170,14 +170,14 @@ def test_a_dry_run_on_cpu_goes_through_every_stage(tiny_dir, tmp_path, monkeypat
 
 
 def test_stages_picks_stage_groups_by_name_for_a_rerun(tiny_dir, tmp_path, monkeypatch) -> None:
-    """``--stages attention,weights``: the model is built and planned, then only those groups run (in their own
+    """``--stages attention,linear``: the model is built and planned, then only those groups run (in their own
     order, whatever the order given); an unknown name stops the parser."""
     monkeypatch.setenv("VLM_TINY_DIR", tiny_dir)
     out = tmp_path / "gpucheck.json"
-    argv = ["--device", "cpu", "--model", "tiny", "--stages", "weights,attention", "--json", str(out)]
+    argv = ["--device", "cpu", "--model", "tiny", "--stages", "linear,attention", "--json", str(out)]
     assert gpucheck.main(argv) == 0
     report = json.loads(out.read_text())
-    assert report["stages"] == ["attention", "weights"] and report["failed"] == [] and report["skipped"] == {}
+    assert report["stages"] == ["attention", "linear"] and report["failed"] == [] and report["skipped"] == {}
     assert list(report["stage_s"]) == ["build model", "memory plan", "kernel: decode attention",
                                        "kernel: weight-only linear"]  # fmt: skip
     assert "runs" not in report and "decode_attention" not in report and "engine_budget_s" not in report
@@ -223,7 +223,7 @@ def test_a_run_out_of_budget_skips_what_does_not_fit_and_says_why(tiny_dir, tmp_
     assert report["failed"] == [] and report["budget_s"] == 0 and report["memory_plan"]["max_batch_size"] == 8
     skipped = report["skipped"]
     budget = {"batched vs single", "written-out step vs stock", "decode at batch 1", "join/evict peak"}
-    gpu_only = {"bandwidth", "decode step: flash", "weight formats", "prefill"}
+    gpu_only = {"bandwidth", "decode step: flash", "narrow fp32", "weight formats", "prefill"}
     assert set(skipped) == budget | gpu_only  # GPU figures: not on CPU, whatever the budget
     assert all(skipped[name].startswith("time budget: ") for name in budget), skipped
     assert [(r["mode"], r["concurrency"]) for r in report["runs"]] == [
@@ -353,7 +353,7 @@ def test_the_narrow_dry_run_compares_each_engine_with_its_own_single_runs(tmp_pa
     a minute)."""
     out = tmp_path / "gpucheck.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    args = ["--device", "cpu", "--model", "narrow", "--stages", "attention,weights,checks", "--json", str(out)]
+    args = ["--device", "cpu", "--model", "narrow", "--stages", "attention,linear,checks", "--json", str(out)]
     done = run_check(*args, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(out.read_text())

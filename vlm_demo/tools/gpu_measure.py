@@ -3,10 +3,13 @@
 Each function is one check or one figure and runs on any device: the tests call them on CPU with the
 tiny model, the GPU run with the narrow real-shape model in fp32 and the full 11B architecture in bf16.
 
-- :func:`batched_vs_single`: every batched row against its single run, in both batching modes, with
-  forced mid-flight joins (one row runs first; the others are prefilled together while it runs) and one
-  seeded sampled row (a seeded row draws the same tokens whatever its neighbours);
+- :func:`batched_vs_single`: every batched row against its single run through the same engine, in both
+  batching modes, with forced mid-flight joins (one row runs first; the others are prefilled together while
+  it runs) and one seeded sampled row (a seeded row draws the same tokens whatever its neighbours);
 - :func:`step_vs_stock`: the engine's decode step over the page pool against the stock forward;
+- :func:`attention_figures`: the decode step alone per attention kernel, eager and replayed from CUDA graphs,
+  with the profiler's device time per kernel (:func:`profile_step`); the ops alone are
+  :mod:`~vlm_demo.tools.gpu_kernels`';
 - :func:`decode_read_bytes` and :func:`bandwidth_bound`: what one decode step must read (the text
   weights it uses, not the vision tower, the embedding table or the cross-attention key/value
   projections; plus each row's cached image states and text keys/values) and the batch-1 speed that

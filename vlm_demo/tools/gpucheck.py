@@ -8,7 +8,7 @@ random bf16 weights directly on the GPU and measures (:mod:`vlm_demo.tools.gpu_k
 1. versions: python, torch, transformers, accelerate, CUDA, the GPU; a transformers other than the
    pinned one (``requirements.txt``) stops the check in one line, before anything is built; then the model,
    its placement and the memory plan (always);
-2. the kernel stages (``--stages`` groups ``bandwidth``, ``attention``, ``weights``, ``graphs``, ``batch1``):
+2. the kernel stages (``--stages`` groups ``bandwidth``, ``attention``, ``linear``, ``graphs``, ``batch1``):
    the device's copy bandwidth; the decode attention op alone at the model's page geometry (1-210 rows of 600
    tokens, 1- and 4-tile pictures) per kernel, against the reference; the weight-only op alone per packed format
    on the four projection shapes at 1-256 rows, against bf16's ``F.linear``; which kernel ``auto`` takes, and the
@@ -109,7 +109,7 @@ NEED_S = {
 STAGES = {
     "bandwidth": "device memory bandwidth from a timed copy_ (the yardstick of every GB/s and bound)",
     "attention": "the decode attention op alone at the model's page geometry, per kernel",
-    "weights": "the weight-only linear op alone per packed format, on the four projection shapes",
+    "linear": "the weight-only linear op alone per packed format, on the four projection shapes",
     "graphs": "which kernel auto takes; the decode step per kernel, eager and replayed from CUDA graphs",
     "batch1": "decode at batch 1 against the bound from the bytes a step reads",
     "checks": "batched vs single, the written-out step vs the stock forward",
@@ -407,7 +407,7 @@ def run(args: argparse.Namespace, report: Report, device: Any, clock: Clock) -> 
         bandwidth(stages, worker)
     if on("attention"):
         attention_op(stages, worker)
-    if on("weights"):
+    if on("linear"):
         weights_op(stages, worker)
     if on("graphs"):
         decode_attention(stages, worker)
@@ -422,6 +422,8 @@ def run(args: argparse.Namespace, report: Report, device: Any, clock: Clock) -> 
         model_checks(engine, worker, args.check_tokens)
     if on("narrow") and cuda:
         narrow_checks(engine, device, processor, args.check_tokens)
+    elif on("narrow"):
+        engine.skip("narrow fp32", "needs CUDA (on a CPU the model under test runs in fp32: `checks` is that check)")
     if on("prefill"):
         prefill(engine, worker)
     if on("benchmark"):
