@@ -40,6 +40,7 @@ from vlm_demo.engine.attention.base import PagedAttention, StepRows
 from vlm_demo.engine.attention.flash import flash_missing
 from vlm_demo.engine.attention.probe import tolerance
 from vlm_demo.engine.attention.triton import triton_missing
+from vlm_demo.engine.page_table import Placement
 from vlm_demo.engine.pages import PagePool, PageShape
 from vlm_demo.engine.staging import Staging
 
@@ -125,17 +126,6 @@ def measure_bandwidth(device: torch.device, size: int = 2 * 1024**3, repeats: in
 # ---- the decode attention alone ----------------------------------------------------------------------------
 
 
-@dataclass
-class _Place:
-    """A row's placement as the kernels read it (``page_table.Placement``'s fields)."""
-
-    pages: list[int]
-    length: int
-    image_pages: list[int]
-    tiles: int
-    sees_image: bool = True
-
-
 @dataclass(frozen=True)
 class AttentionGeometry:
     """What the attention stage runs: the rows, tiles and text tokens, and how it is timed."""
@@ -213,13 +203,13 @@ def attention_op(shape: PageShape, heads: int, device: torch.device, geometry: A
         buffer.normal_(generator=generator)
     order = np.random.default_rng(0).permutation(pages).tolist()  # the rows' pages scattered over the pool
 
-    def places(rows: int, tiles: int, copy: int) -> list[_Place]:
+    def places(rows: int, tiles: int, copy: int) -> list[Placement]:
         out = []
         for r in range(rows):
             start = (copy * rows + r) * row_pages
             own = order[start : start + row_pages]
             image = own[text_page_count : text_page_count + shape.image_pages(tiles * shape.patches)]
-            out.append(_Place(own[:text_page_count], geometry.text_tokens, image, tiles))
+            out.append(Placement(own[:text_page_count], geometry.text_tokens, image, tiles, True))
         return out
 
     queries = {rows: torch.randn(rows, heads, shape.head_dim, generator=generator, device=device).to(shape.dtype)
@@ -247,7 +237,7 @@ def attention_op(shape: PageShape, heads: int, device: torch.device, geometry: A
 
 
 def _attention_rows(kernel: PagedAttention, rows: int, copies: int, geometry: AttentionGeometry,
-                    places: Callable[[int, int, int], list[_Place]], query: torch.Tensor,
+                    places: Callable[[int, int, int], list[Placement]], query: torch.Tensor,
                     wanted: dict[tuple[int, str], torch.Tensor]) -> dict[str, Any]:  # fmt: skip
     """One kernel at ``rows`` rows: self-attention (timed with the first tile count's layout) and cross-attention
     at each tile count, each timed over ``copies`` copies of the rows' pages; the reference's outputs are kept in
