@@ -18,13 +18,16 @@ short loan of a GPU must learn first. So, right after the model is built (``vlm_
 - :func:`kernel_times`: a profiler's device time per kernel (name → total µs, calls).
 
 Each figure is timed over copies of its data that together exceed the GPU's L2 cache (the real step reads
-every layer's weights and keys once), with a few warm-up calls first (Triton compiles there). The decisions the
+every layer's weights and keys once), with a few warm-up calls first (Triton compiles there), the timed calls
+replayed from one CUDA graph (the device's time, as the engine's graphs run them; the reference attention, which
+the engine never captures, eagerly). The decisions the
 check takes on these figures are plain functions at the end (:func:`packed_slower`, :func:`op_errors`,
 :func:`graphs_problems`, :func:`below_bound`), tested on a CPU with made-up figures.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Callable
@@ -43,6 +46,8 @@ from vlm_demo.engine.attention.triton import triton_missing
 from vlm_demo.engine.page_table import Placement
 from vlm_demo.engine.pages import PagePool, PageShape
 from vlm_demo.engine.staging import Staging
+
+log = logging.getLogger(__name__)
 
 GB = 1e9
 L2_SPAN = 128 * 2**20  # each timing rotates over copies of its data at least this large (an H100's L2: 50 MB)
@@ -76,26 +81,52 @@ def timing_for(device: torch.device) -> Timing:
     return CUDA_TIMING if device.type == "cuda" else CPU_TIMING
 
 
-def time_us(call: Callable[[int], Any], device: torch.device, timing: Timing) -> tuple[float, Any]:
-    """Mean µs of ``call(i)`` over ``timing.iterations`` calls (``i``: which copy of the data), after the warm-ups
-    (CUDA events on a GPU), and what the first call returned (without warm-ups, a timed one: the CPU runs each once)."""
-    first = call(0) if timing.warmups else None
-    for i in range(1, timing.warmups):
-        call(i)
-    timed = range(timing.warmups, timing.warmups + timing.iterations)  # copies the warm-ups did not touch
+def time_us(call: Callable[[int], Any], device: torch.device, timing: Timing,
+            graph: bool = False) -> tuple[float, Any, str]:  # fmt: skip
+    """Mean µs of ``call(i)`` over ``timing.iterations`` calls (``i``: which copy of the data; copies the warm-ups did
+    not touch), after the warm-ups; what the first call returned (without warm-ups, a timed one: the CPU runs each
+    once); and how it was timed. On CUDA with ``graph`` the timed calls are captured in one CUDA graph and replayed
+    (the device's time alone, as the engine's graphs run them: a custom operator's ~20 µs of Python per call would
+    otherwise exceed a 5 µs kernel), else timed eagerly with CUDA events; a capture that fails falls back to that."""
+    timed = range(timing.warmups, timing.warmups + timing.iterations)
     if device.type != "cuda":
+        first = call(0) if timing.warmups else None
+        for i in range(1, timing.warmups):
+            call(i)
         start = time.perf_counter()
         for i in timed:
             out = call(i)
             first = out if first is None else first
-        return (time.perf_counter() - start) / timing.iterations * 1e6, first
+        return (time.perf_counter() - start) / timing.iterations * 1e6, first, "cpu"
+    side, main = torch.cuda.Stream(device), torch.cuda.current_stream(device)
+    side.wait_stream(main)
+    with torch.cuda.stream(side):  # warm-ups (Triton compiles) off the stream a graph is captured from
+        first = call(0)
+        for i in range(1, max(timing.warmups, 1)):
+            call(i)
+    main.wait_stream(side)
     begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    if graph:
+        try:
+            captured = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(captured):
+                for i in timed:
+                    call(i)
+            captured.replay()
+            begin.record()
+            captured.replay()
+            end.record()
+            end.synchronize()
+            return begin.elapsed_time(end) * 1e3 / timing.iterations, first, "graph"
+        except Exception as exc:  # noqa: BLE001 - timed eagerly instead, and said so
+            log.warning("timing from a CUDA graph failed (%s: %s); timing eagerly", type(exc).__name__, exc)
+            torch.cuda.synchronize(device)
     begin.record()
     for i in timed:
         call(i)
     end.record()
     end.synchronize()
-    return begin.elapsed_time(end) * 1e3 / timing.iterations, first
+    return begin.elapsed_time(end) * 1e3 / timing.iterations, first, "eager"
 
 
 def copies_for(nbytes: int, device: torch.device) -> int:
@@ -265,11 +296,12 @@ def _attention_rows(kernel: PagedAttention, rows: int, copies: int, geometry: At
                 return kernel.cross_attention(shape.cross_layers[0], q, layout)
 
             with torch.inference_mode():
-                micros, out = time_us(run, device, geometry.timing)
+                micros, out, how = time_us(run, device, geometry.timing, graph=kernel.graphable)
                 restore = layouts[0][2]
                 out = out.float() if restore is None else out.float()[restore]
             nbytes = read_bytes(shape, rows, tokens)
-            entry: dict[str, Any] = {"us": round(micros, 2), "bytes": nbytes, "gb_s": round(nbytes / micros / 1e3, 1)}
+            entry: dict[str, Any] = {"us": round(micros, 2), "bytes": nbytes, "gb_s": round(nbytes / micros / 1e3, 1),
+                                     "timed": how}  # fmt: skip
             if kernel.name == "reference":
                 wanted[(rows, part)] = out
             elif (rows, part) in wanted:
@@ -377,8 +409,8 @@ def weights_op(config: Any, device: torch.device, dtype: torch.dtype, rows: tupl
 
                 with torch.inference_mode():
                     want = F.linear(x.float(), exact)
-                    micros, out = time_us(call, device, timing)
-                    entry = {"rel_error": _relative(out, want)}
+                    micros, out, how = time_us(call, device, timing, graph=True)
+                    entry = {"rel_error": _relative(out, want), "timed": how}
                     if interpreter and scale is not None and name == INTERPRETED_SHAPE:
                         out = x.new_empty(m, out_features)
                         triton_matmul(x, values, scale, zero, None, 1.0, out)
