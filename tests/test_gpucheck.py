@@ -141,6 +141,9 @@ def test_a_dry_run_on_cpu_goes_through_every_stage(tiny_dir, tmp_path, monkeypat
     assert reference["3"]["cross_4_tiles"]["bytes"] == 4 * reference["3"]["cross_1_tiles"]["bytes"]
     assert set(triton) == {"1"} and set(triton["1"]) == {"self", "cross_1_tiles"}
     assert all(0 <= entry["max_error"] < 1e-5 and entry["us"] > 0 for entry in triton["1"].values())
+    assert {entry["timed"] for rows in (reference, triton) for part in rows.values() for entry in part.values()} == {
+        "cpu"
+    }
     # the weight-only op alone: every format on the four projections, every tile tier, the Triton kernel too
     weights = report["weights_op"]
     assert list(weights["shapes"]) == ["qkv", "o", "gate_up", "down"] and weights["formats_skipped"] == {}
@@ -617,3 +620,48 @@ def test_the_gpu_stages_fail_the_check_on_cuda_only(tmp_path, monkeypatch) -> No
         assert len(report["failed"]) == failures, report["failed"]
         assert report["weights_op"] == slow and report["batch1_over_bound"] == 40.0 / 156.0
     assert report["failed"] == []
+
+
+def test_the_kernel_stages_on_cuda_record_their_figures_and_fail_what_they_should(tmp_path, monkeypatch) -> None:
+    """The kernel stages' wiring on an H100 (every measurement faked: this box has no GPU): bandwidth first, the
+    ops alone, the decode step per kernel — Triton captured no graph: failed; the reference is not judged on
+    graphs —, batch-1 decode under 40 % of the measured bound: failed; each figure lands in the JSON."""
+    from vlm_demo.engine import attention, decode_step
+    from vlm_demo.engine.attention import TritonAttention
+
+    monkeypatch.setattr(gpu_kernels, "measure_bandwidth", lambda device: 2.8e12)
+    monkeypatch.setattr(
+        gpu_kernels,
+        "attention_op",
+        lambda *args: {"kernels": {"triton": {"rows": {"1": {"self": {"max_error": 0.001}}}}}},
+    )
+    monkeypatch.setattr(gpu_kernels, "weights_op", lambda *args: {"dtype": "bfloat16", "shapes": {}})
+    monkeypatch.setattr(decode_step, "attention_geometry", lambda model, dtype: (None, 32, torch.device("cuda")))
+    monkeypatch.setattr(attention, "decide", lambda *args: (TritonAttention, ["flash: torch 2.11.0 has no paged call"]))
+    monkeypatch.setattr(attention, "check", lambda name, *args, **kwargs: (
+        ("torch 2.11.0 has no paged call", None) if name == "flash" else (None, None)))  # fmt: skip
+    figures = {"triton": {"decode_attention": "triton", "captured": 0, "nan_steps": 0, "steps": 22, "rows": {}},
+               "reference": {"decode_attention": "reference", "captured": 0, "nan_steps": 0, "steps": 22, "rows": {}}}  # fmt: skip
+    monkeypatch.setattr(gpu_measure, "attention_figures", lambda worker, name, *args: figures[name])
+    monkeypatch.setattr(gpu_measure, "batch1_decode", lambda worker: 50.0)
+    report = gpucheck.Report(str(tmp_path / "r.json"))
+    report.update(gpu="NVIDIA H100 80GB HBM3", decode_reads={"total_at_256_tokens": 18.6e9})
+    stages = gpucheck.Stages(report, gpucheck.Clock(budget_s=300.0))
+    worker = SimpleNamespace(device=torch.device("cuda"), dtype=torch.bfloat16, model=SimpleNamespace(config=None))
+    gpucheck.bandwidth(stages, worker)
+    gpucheck.attention_op(stages, worker)
+    gpucheck.weights_op(stages, worker)
+    gpucheck.decode_attention(stages, worker)
+    gpucheck.batch1(stages, worker)
+    assert list(report["stage_s"]) == ["bandwidth", "kernel: decode attention", "kernel: weight-only linear",
+                                       "decode attention: auto", "decode step: triton", "decode step: reference",
+                                       "decode at batch 1"]  # fmt: skip
+    assert report["bandwidth_measured"] == 2.8e12 and 150 < report["batch1_bound_measured"] < 151
+    assert report["skipped"] == {"decode step: flash": "torch 2.11.0 has no paged call"}
+    assert report["decode_graphs"] is figures["triton"] and report["decode_attention_auto"]["kernel"] == "triton"
+    assert report["failed"] == [
+        "decode step: triton: CUDA captured no decode graph",
+        "decode at batch 1 reaches 50.0 tokens/s, 33% of the 150.5 tokens/s its bytes allow at the measured "
+        "bandwidth (at least 40% expected)",
+    ]
+    assert json.loads((tmp_path / "r.json").read_text())["failed"] == report["failed"]  # written as it goes
