@@ -27,6 +27,7 @@ check takes on these figures are plain functions at the end (:func:`packed_slowe
 
 from __future__ import annotations
 
+import gc
 import logging
 import math
 import time
@@ -141,6 +142,7 @@ def free_bytes(device: torch.device) -> int | None:
     """Free device memory (``None``: not counted, a CPU)."""
     if device.type != "cuda":
         return None
+    gc.collect()  # an earlier stage's pool held only by a reference cycle is freed first
     torch.cuda.empty_cache()
     return torch.cuda.mem_get_info(device)[0]
 

@@ -494,10 +494,11 @@ def rows_that_fit(row_counts: tuple[int, ...], row_bytes: int, device: torch.dev
                   share: float = 0.9) -> tuple[list[int], dict[str, str]]:  # fmt: skip
     """The row counts whose rows (``row_bytes`` each) take at most ``share`` of the free device memory, and why the
     others were left out (a CPU: all)."""
-    if device.type != "cuda":
+    from vlm_demo.tools.gpu_kernels import free_bytes
+
+    free = free_bytes(device)
+    if free is None:
         return list(row_counts), {}
-    torch.cuda.empty_cache()
-    free = torch.cuda.mem_get_info(device)[0]
     fit = [rows for rows in row_counts if rows * row_bytes <= share * free]
     skipped = {
         str(r): f"needs ~{r * row_bytes / GB:.1f} GB, {free / GB:.1f} GB free" for r in row_counts if r not in fit
