@@ -80,9 +80,8 @@ DEADLINE_S = 360.0  # the watchdog: report written, run ended (the device runner
 BUDGET_S = 300.0  # no optional stage starts that would end past this (seconds from the start) ...
 MARGIN_S = DEADLINE_S - BUDGET_S  # ... and it ends this long before the deadline, for the stage under way
 BACKSTOP_S = 15.0  # after the deadline: faulthandler ends the run if the watchdog's thread could not
-# Rough seconds each optional stage takes on an H200, with room to spare: it starts only with that much
-# of the budget left. The narrow fp32 stages come first but matter less than the full model's figures,
-# so they also leave FULL_MODEL_S for its build, its checks and the first benchmark runs.
+# Rough seconds each optional stage takes on an H100, with room to spare: it starts only with that much
+# of the budget (the engine's stages: of their share) left.
 NEED_S = {
     # the kernel stages (estimated for an H100; docs/BENCHMARKS.md has the sum)
     "bandwidth": 5.0,
