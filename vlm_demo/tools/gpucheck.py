@@ -649,7 +649,7 @@ def decode_attention(stages: Stages, worker: Any) -> None:
 
 
 def prefill(stages: Stages, worker: Any) -> None:
-    """5. Admitting newcomers: the vision tower's seconds per picture of 1-4 real tiles (and a 1-tile picture run
+    """Admitting newcomers: the vision tower's seconds per picture of 1-4 real tiles (and a 1-tile picture run
     on every tile, the stock way), then ``bench --prefill-stall`` on this model: the running rows' longest pause
     while 8 newcomers with 4-tile pictures join, against the median decode step (paced, the default, must stay
     within 3 of them). Skipped on a CPU (the tests and the bench measure it there)."""
@@ -669,7 +669,7 @@ def prefill(stages: Stages, worker: Any) -> None:
 
 
 def weight_formats(stages: Stages, worker: Any, processor: Any, model: str) -> None:
-    """5. bf16 (the model under test), then fp8 where the GPU has it, int8 and int4, each measured alike and
+    """Weight formats end to end: bf16 (the model under test), then fp8 where the GPU has it, int8 and int4, each measured alike and
     timed against bf16; a format that reads fewer bytes per step yet decodes slower fails the check
     (``weight_formats_slower``). A format the GPU cannot run is skipped with the loader's own reason. CPU:
     skipped (these are GPU figures)."""
