@@ -669,9 +669,9 @@ def prefill(stages: Stages, worker: Any) -> None:
 
 
 def weight_formats(stages: Stages, worker: Any, processor: Any, model: str) -> None:
-    """Weight formats end to end: bf16 (the model under test), then fp8 where the GPU has it, int8 and int4, each measured alike and
-    timed against bf16; a format that reads fewer bytes per step yet decodes slower fails the check
-    (``weight_formats_slower``). A format the GPU cannot run is skipped with the loader's own reason. CPU:
+    """Weight formats end to end: bf16 (the model under test), then fp8 where the GPU has it, int8 and int4, each
+    measured alike and timed against bf16; a format that reads fewer bytes per step yet decodes slower fails the
+    check (``weight_formats_slower``). A format the GPU cannot run is skipped with the loader's own reason. CPU:
     skipped (these are GPU figures)."""
     import torch
 
