@@ -22,7 +22,7 @@ from transformers import MllamaForConditionalGeneration
 
 from vlm_demo.engine.memory import KVShape
 from vlm_demo.models import realshape
-from vlm_demo.tools import device, gpu_measure, gpucheck
+from vlm_demo.tools import device, gpu_kernels, gpu_measure, gpucheck
 
 PINNED_TRANSFORMERS = gpucheck.pinned_versions()["transformers"]
 
@@ -105,6 +105,13 @@ def test_a_dry_run_on_cpu_goes_through_every_stage(tiny_dir, tmp_path, monkeypat
     assert all(d is None for rows in report["first_diff"].values() for d in rows)  # fp32: equal
     assert set(report["sampled_first_diff"].values()) == {None}
     assert report["step_vs_stock"]["same_argmax"] and report["batch1_tokens_per_s"] > 0
+    # the kernel stages first, right after the model; the engine's last
+    order = list(report["stage_s"])
+    kernel_stages = ["kernel: decode attention", "kernel: weight-only linear", "decode attention: auto",
+                     "decode step: triton", "decode step: reference", "decode at batch 1"]  # fmt: skip
+    engine_stages = ["batched vs single", "written-out step vs stock", "benchmark", "join/evict peak"]
+    assert order == ["build model", "memory plan", *kernel_stages, *engine_stages], order
+    assert report["stages"] == list(gpucheck.STAGES) and report["engine_budget_s"] <= report["budget_s"]
     runs = report["runs"]
     assert [(r["mode"], r["concurrency"]) for r in runs] == [  # at concurrency 1 dynamic is unbatched: once
         ("unbatched", 1),
@@ -115,24 +122,84 @@ def test_a_dry_run_on_cpu_goes_through_every_stage(tiny_dir, tmp_path, monkeypat
     ]
     assert all(r["errors"] == 0 and r["requests"] == 3 and r["tokens_per_s"] > 0 for r in runs)
     assert set(report["ratios"]["3"]) == {"dynamic/unbatched", "continuous/dynamic"}
-    assert {"build model", "batched vs single", "benchmark", "join/evict peak"} <= set(report["stage_s"])
     peak = report["peak_run"]  # the planned row limit (8 on CPU) filled, rows joining and leaving
     assert peak["planned_rows"] == peak["max_batch_size"] == peak["requests"] == 8 and peak["errors"] == 0
-    assert peak["shrunk"] is None and set(report["skipped"]) == {"decode attention: flash", "weight formats", "prefill"}
+    gpu_only = {"bandwidth", "decode step: flash", "narrow fp32", "weight formats", "prefill"}
+    assert peak["shrunk"] is None and set(report["skipped"]) == gpu_only
     assert report["skipped"]["weight formats"].startswith("needs a CUDA GPU")
-    assert report["skipped"]["decode attention: flash"] == "needs CUDA"
-    # a stage per kernel: the reference, and Triton under its interpreter (conftest sets TRITON_INTERPRET=1)
+    assert report["skipped"]["decode step: flash"] == "needs CUDA"
+    # the attention op alone: the reference at 1 and 3 rows, 1- and 4-tile pictures; Triton under its interpreter
+    # (conftest sets TRITON_INTERPRET=1) at one row and one tile, against the reference
+    op = report["attention_op"]
+    assert (
+        op["geometry"]["rows"] == [1, 3]
+        and op["geometry"]["tiles"] == [1, 4]
+        and op["kernels"]["flash"] == {"skipped": "needs CUDA"}
+    )
+    reference, triton = op["kernels"]["reference"]["rows"], op["kernels"]["triton"]["rows"]
+    assert set(reference) == {"1", "3"} and set(reference["3"]) == {"self", "cross_1_tiles", "cross_4_tiles"}
+    assert reference["3"]["cross_4_tiles"]["bytes"] == 4 * reference["3"]["cross_1_tiles"]["bytes"]
+    assert set(triton) == {"1"} and set(triton["1"]) == {"self", "cross_1_tiles"}
+    assert all(0 <= entry["max_error"] < 1e-5 and entry["us"] > 0 for entry in triton["1"].values())
+    assert {entry["timed"] for rows in (reference, triton) for part in rows.values() for entry in part.values()} == {
+        "cpu"
+    }
+    # the weight-only op alone: every format on the four projections, every tile tier, the Triton kernel too
+    weights = report["weights_op"]
+    assert list(weights["shapes"]) == ["qkv", "o", "gate_up", "down"] and weights["formats_skipped"] == {}
+    for name, shape in weights["shapes"].items():
+        assert list(shape["rows"]) == [str(m) for m in gpu_kernels.CPU_WEIGHT_ROWS]
+        for entries in shape["rows"].values():
+            assert list(entries) == ["float32", "int8", "fp8", "int4"]
+            assert all(
+                e["rel_error"] < 1e-5 and e["bytes"] < entries["float32"]["bytes"] for e in list(entries.values())[1:]
+            )
+            assert all(("triton_rel_error" in e) == (name == "o") for e in list(entries.values())[1:])
+    assert weights["shapes"]["o"]["rows"]["128"]["int4"]["triton_rel_error"] < 1e-5
+    # the decode step per kernel: the reference, and Triton under its interpreter
     attention = report["decode_attention"]
     assert set(attention) == {"flash", "triton", "reference"} and attention["flash"]["skipped"] == "needs CUDA"
     for name in ("triton", "reference"):
         assert attention[name]["decode_attention"] == name and attention[name]["nan_steps"] == 0
-        assert set(attention[name]["rows"]) == {"1", "8"} and attention[name]["rows"]["8"]["eager_tokens_per_s"] > 0
+        assert set(attention[name]["rows"]) == {"1", "2"} and attention[name]["rows"]["2"]["eager_step_ms"] > 0
         assert attention[name]["attention_kernels"], name  # the profiler saw its attention operators
+        times = attention[name]["kernel_times"]  # name -> µs, calls (on a CPU: the operators' own time)
+        assert times and all(t["us"] > 0 and t["calls"] >= 1 for t in times.values())
+    assert "vlm_demo::paged_decode_attention" in attention["triton"]["kernel_times"]
     assert attention["triton"]["probe"]["nan_steps"] == 0 and attention["triton"]["probe"]["steps"] == 2
-    assert {"decode attention: triton", "decode attention: reference"} <= set(report["stage_s"])
     assert report["decode_attention_auto"]["kernel"] == "reference"  # a CPU: no failure
     assert report["decode_attention_auto"]["passed_over"][0] == "flash: needs CUDA"
     assert report["budget_s"] == gpucheck.BUDGET_S and report["deadline_s"] == gpucheck.DEADLINE_S <= 420
+
+
+def test_stages_picks_stage_groups_by_name_for_a_rerun(tiny_dir, tmp_path, monkeypatch) -> None:
+    """``--stages attention,linear``: the model is built and planned, then only those groups run (in their own
+    order, whatever the order given); an unknown name stops the parser."""
+    monkeypatch.setenv("VLM_TINY_DIR", tiny_dir)
+    out = tmp_path / "gpucheck.json"
+    argv = ["--device", "cpu", "--model", "tiny", "--stages", "linear,attention", "--json", str(out)]
+    assert gpucheck.main(argv) == 0
+    report = json.loads(out.read_text())
+    assert report["stages"] == ["attention", "linear"] and report["failed"] == [] and report["skipped"] == {}
+    assert list(report["stage_s"]) == ["build model", "memory plan", "kernel: decode attention",
+                                       "kernel: weight-only linear"]  # fmt: skip
+    assert "runs" not in report and "decode_attention" not in report and "engine_budget_s" not in report
+    assert gpucheck.chosen_stages("all") == tuple(gpucheck.STAGES)
+    assert gpucheck.chosen_stages(" peak, checks") == ("checks", "peak")
+    for wrong in ("", "kernels", "checks,nope"):
+        with pytest.raises(ValueError, match="choose from all, bandwidth, attention"):
+            gpucheck.chosen_stages(wrong)
+    with pytest.raises(SystemExit):
+        gpucheck.main(["--device", "cpu", "--model", "tiny", "--stages", "nope"])
+
+
+def test_the_engine_stages_keep_within_their_share_of_the_budget() -> None:
+    clock = gpucheck.Clock(budget_s=300.0)
+    clock.started -= 200.0  # the kernel stages took 200 s: 100 s are left
+    assert 99 < clock.share(0.4 * 300).left() <= 100  # the share is more than what is left
+    clock.started += 150.0  # they took 50 s: 250 s left, the share is 120
+    share = clock.share(120.0)
+    assert 119 < share.left() <= 120 and share.started == clock.started
 
 
 def test_each_weight_format_is_measured_alike(worker) -> None:
@@ -159,7 +226,7 @@ def test_a_run_out_of_budget_skips_what_does_not_fit_and_says_why(tiny_dir, tmp_
     assert report["failed"] == [] and report["budget_s"] == 0 and report["memory_plan"]["max_batch_size"] == 8
     skipped = report["skipped"]
     budget = {"batched vs single", "written-out step vs stock", "decode at batch 1", "join/evict peak"}
-    gpu_only = {"decode attention: flash", "weight formats", "prefill"}
+    gpu_only = {"bandwidth", "decode step: flash", "narrow fp32", "weight formats", "prefill"}
     assert set(skipped) == budget | gpu_only  # GPU figures: not on CPU, whatever the budget
     assert all(skipped[name].startswith("time budget: ") for name in budget), skipped
     assert [(r["mode"], r["concurrency"]) for r in report["runs"]] == [
@@ -278,6 +345,27 @@ def test_without_cuda_it_says_so_and_exits_2() -> None:
     done = run_check(timeout=120)
     assert done.returncode == 2
     assert "needs a CUDA GPU" in done.stderr and "Traceback" not in done.stderr
+
+
+@pytest.mark.slow
+def test_the_narrow_dry_run_compares_each_engine_with_its_own_single_runs(tmp_path) -> None:
+    """``--device cpu --model narrow`` (the real structure at narrow widths, fp32) exits 0: the dynamic engine's
+    seeded sampled row is compared with the dynamic engine's own single run (it was compared with the continuous
+    engine's, which runs another path — the real tiles against the stock forward over every tile — and differed from
+    token 10). The kernel stages run before the checks; Triton is left out (no interpreter: its narrow steps take
+    a minute)."""
+    out = tmp_path / "gpucheck.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    args = ["--device", "cpu", "--model", "narrow", "--stages", "attention,linear,checks", "--json", str(out)]
+    done = run_check(*args, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["failed"] == [] and set(report["sampled_first_diff"].values()) == {None}
+    assert all(d is None for rows in report["first_diff"].values() for d in rows)
+    assert list(report["stage_s"]) == ["build model", "memory plan", "kernel: decode attention",
+                                       "kernel: weight-only linear", "batched vs single", "written-out step vs stock"]  # fmt: skip
+    assert report["attention_op"]["geometry"]["heads"] == 32 and report["attention_op"]["geometry"]["kv_heads"] == 8
+    assert "set TRITON_INTERPRET=1" in report["attention_op"]["kernels"]["triton"]["skipped"]
 
 
 @pytest.mark.slow
@@ -436,3 +524,144 @@ def test_the_prefill_stage_skips_on_a_cpu_and_its_figures_are_measured(tmp_path,
     assert before["admission_steps"] == 1 and before["vision_tiles"] == 2 * 4 + 2 * 4  # everything at once
     assert after["admission_steps"] >= 2 and after["vision_tiles"] == 2 * 1 + 2 * 4  # paced; real tiles only
     assert after["longest_decode_pause_s"] > 0 and after["median_decode_step_s"] > 0
+
+
+def op_entry(us: float, nbytes: int, error: float = 1e-3) -> dict:
+    return {"us": us, "bytes": nbytes, "gb_s": nbytes / us / 1e3, "rel_error": error}
+
+
+def test_a_packed_format_slower_than_bf16_where_it_reads_fewer_bytes_fails() -> None:
+    """The weight-only op's verdict on an H100 (made-up figures): int8 at 256 rows is slower than bf16 though it reads
+    half the bytes — flagged, once, naming the shape, rows and both times; int4 is faster everywhere — fine; a
+    format that reads no fewer bytes is not judged."""
+    figures = {"dtype": "bfloat16", "shapes": {"o": {"rows": {
+        "1": {"bfloat16": op_entry(14.0, 33_554_432), "int8": op_entry(8.0, 16_793_600), "int4": op_entry(5.0, 8_650_752)},
+        "256": {"bfloat16": op_entry(20.0, 33_554_432), "int8": op_entry(26.5, 16_793_600), "int4": op_entry(19.0, 8_650_752),
+                "odd": op_entry(30.0, 40_000_000)},
+    }}}}  # fmt: skip
+    assert gpu_kernels.packed_slower(figures) == [
+        "weight-only int8 is slower than bfloat16 on o at 256 rows (26.5 against 20.0 µs) though it reads 16.8 MB "
+        "against 33.6"
+    ]
+    assert gpu_kernels.packed_slower({"dtype": "bfloat16", "shapes": {}}) == []
+
+
+def test_an_op_that_differs_from_its_reference_fails() -> None:
+    """The attention kernels against the reference (absolute, the probe's tolerance: 2e-2 in bf16), the weight-only
+    op against the exact product (relative, 2e-2), the Triton kernel under the interpreter likewise; NaN fails too."""
+    attention = {"kernels": {
+        "reference": {"rows": {"1": {"self": {"us": 5.0}}}},
+        "triton": {"rows": {"1": {"self": {"max_error": 0.004}, "cross_4_tiles": {"max_error": 0.5}},
+                            "8": {"self": {"max_error": float("nan")}}}},
+        "flash": {"skipped": "torch 2.11.0 has no paged call"},
+        "odd": {"rows": {}, "failure": "RuntimeError: boom"},
+    }}  # fmt: skip
+    weights = {"shapes": {"down": {"rows": {"16": {
+        "bfloat16": op_entry(10.0, 100), "int4": op_entry(5.0, 30, error=0.03),
+        "int8": {**op_entry(5.0, 50), "triton_rel_error": 0.5},
+    }}}}}  # fmt: skip
+    problems = gpu_kernels.op_errors(attention, weights, torch.bfloat16)
+    assert problems == [
+        "decode attention triton at 1 rows (cross_4_tiles) differs from the reference by 0.5 (more than 0.02)",
+        "decode attention triton at 8 rows (self) differs from the reference by nan (more than 0.02)",
+        "decode attention odd failed: RuntimeError: boom",
+        "weight-only int4 on down at 16 rows: rel_error 0.03 (more than 0.02)",
+        "weight-only int8 on down at 16 rows: triton_rel_error 0.5 (more than 0.02)",
+    ]
+    assert gpu_kernels.op_errors(None, None, torch.float32) == []
+
+
+def test_a_decode_step_without_graphs_on_cuda_fails() -> None:
+    """On CUDA a block-table kernel that captured no graph fails, and so do replayed logits that differ from the
+    eager step's; the reference (no graphs) and a CPU are not judged on graphs; NaN steps fail anywhere."""
+    fine = {"decode_attention": "triton", "captured": 12, "nan_steps": 0, "steps": 44,
+            "rows": {"1": {"graphs_vs_eager": 0.0}, "128": {"graphs_vs_eager": 0.004}}}  # fmt: skip
+    assert gpu_kernels.graphs_problems(fine, cuda=True, graphable=True) == []
+    none = {**fine, "captured": 0, "rows": {"1": {}, "128": {}}}
+    assert gpu_kernels.graphs_problems(none, cuda=True, graphable=True) == ["CUDA captured no decode graph"]
+    assert gpu_kernels.graphs_problems(none, cuda=False, graphable=True) == []
+    assert gpu_kernels.graphs_problems({**none, "decode_attention": "reference"}, cuda=True, graphable=False) == []
+    off = {**fine, "nan_steps": 3, "rows": {"128": {"graphs_vs_eager": 0.25}}}
+    assert gpu_kernels.graphs_problems(off, cuda=True, graphable=True) == [
+        "3 of 44 decode steps gave NaN logits",
+        "logits replayed from the graph at 128 rows differ from the eager step's by 0.25 of their largest (more "
+        "than 0.02)",
+    ]
+
+
+def test_batch_1_decode_below_40_percent_of_the_measured_bound_fails() -> None:
+    """The bound: measured copy bandwidth ÷ the bytes a step reads (18.6 GB at 2.9 TB/s: ~156 tokens/s on an H100)."""
+    bound = gpu_measure.bandwidth_bound(18.6e9, 2.9e12)
+    assert 155 < bound < 157
+    assert gpu_kernels.below_bound(70.0, bound) is None  # 45 %
+    assert gpu_kernels.below_bound(55.0, bound) == (
+        "decode at batch 1 reaches 55.0 tokens/s, 35% of the 155.9 tokens/s its bytes allow at the measured "
+        "bandwidth (at least 40% expected)"
+    )
+    assert gpu_kernels.below_bound(None, bound) is None and gpu_kernels.below_bound(55.0, None) is None
+
+
+def test_the_gpu_stages_fail_the_check_on_cuda_only(tmp_path, monkeypatch) -> None:
+    """The decisions wired into their stages (the measurements faked: this box has no GPU): on a CUDA worker a
+    slower packed format and a batch-1 decode under 40 % of the bound fail the check; on a CPU worker neither is
+    judged (CPU timings say nothing about a GPU)."""
+    slow = {"dtype": "bfloat16", "shapes": {"o": {"rows": {"1": {"bfloat16": op_entry(14.0, 100), "int8": op_entry(20.0, 50)}}}}}  # fmt: skip
+    monkeypatch.setattr(gpu_kernels, "weights_op", lambda *args, **kwargs: slow)
+    monkeypatch.setattr(gpu_measure, "batch1_decode", lambda worker: 40.0)
+    for kind, failures in (("cuda", 2), ("cpu", 0)):
+        report = gpucheck.Report(str(tmp_path / "r.json"))
+        report["batch1_bound_measured"] = 156.0
+        stages = gpucheck.Stages(report, gpucheck.Clock(budget_s=300.0))
+        worker = SimpleNamespace(
+            device=SimpleNamespace(type=kind), dtype=torch.bfloat16, model=SimpleNamespace(config=None)
+        )
+        gpucheck.weights_op(stages, worker)
+        gpucheck.batch1(stages, worker)
+        assert len(report["failed"]) == failures, report["failed"]
+        assert report["weights_op"] == slow and report["batch1_over_bound"] == 40.0 / 156.0
+    assert report["failed"] == []
+
+
+def test_the_kernel_stages_on_cuda_record_their_figures_and_fail_what_they_should(tmp_path, monkeypatch) -> None:
+    """The kernel stages' wiring on an H100 (every measurement faked: this box has no GPU): bandwidth first, the
+    ops alone, the decode step per kernel — Triton captured no graph: failed; the reference is not judged on
+    graphs —, batch-1 decode under 40 % of the measured bound: failed; each figure lands in the JSON."""
+    from vlm_demo.engine import attention, decode_step
+    from vlm_demo.engine.attention import TritonAttention
+
+    monkeypatch.setattr(gpu_kernels, "measure_bandwidth", lambda device: 2.8e12)
+    monkeypatch.setattr(
+        gpu_kernels,
+        "attention_op",
+        lambda *args: {"kernels": {"triton": {"rows": {"1": {"self": {"max_error": 0.001}}}}}},
+    )
+    monkeypatch.setattr(gpu_kernels, "weights_op", lambda *args: {"dtype": "bfloat16", "shapes": {}})
+    monkeypatch.setattr(decode_step, "attention_geometry", lambda model, dtype: (None, 32, torch.device("cuda")))
+    monkeypatch.setattr(attention, "decide", lambda *args: (TritonAttention, ["flash: torch 2.11.0 has no paged call"]))
+    monkeypatch.setattr(attention, "check", lambda name, *args, **kwargs: (
+        ("torch 2.11.0 has no paged call", None) if name == "flash" else (None, None)))  # fmt: skip
+    figures = {"triton": {"decode_attention": "triton", "captured": 0, "nan_steps": 0, "steps": 22, "rows": {}},
+               "reference": {"decode_attention": "reference", "captured": 0, "nan_steps": 0, "steps": 22, "rows": {}}}  # fmt: skip
+    monkeypatch.setattr(gpu_measure, "attention_figures", lambda worker, name, *args: figures[name])
+    monkeypatch.setattr(gpu_measure, "batch1_decode", lambda worker: 50.0)
+    report = gpucheck.Report(str(tmp_path / "r.json"))
+    report.update(gpu="NVIDIA H100 80GB HBM3", decode_reads={"total_at_256_tokens": 18.6e9})
+    stages = gpucheck.Stages(report, gpucheck.Clock(budget_s=300.0))
+    worker = SimpleNamespace(device=torch.device("cuda"), dtype=torch.bfloat16, model=SimpleNamespace(config=None))
+    gpucheck.bandwidth(stages, worker)
+    gpucheck.attention_op(stages, worker)
+    gpucheck.weights_op(stages, worker)
+    gpucheck.decode_attention(stages, worker)
+    gpucheck.batch1(stages, worker)
+    assert list(report["stage_s"]) == ["bandwidth", "kernel: decode attention", "kernel: weight-only linear",
+                                       "decode attention: auto", "decode step: triton", "decode step: reference",
+                                       "decode at batch 1"]  # fmt: skip
+    assert report["bandwidth_measured"] == 2.8e12 and 150 < report["batch1_bound_measured"] < 151
+    assert report["skipped"] == {"decode step: flash": "torch 2.11.0 has no paged call"}
+    assert report["decode_graphs"] is figures["triton"] and report["decode_attention_auto"]["kernel"] == "triton"
+    assert report["failed"] == [
+        "decode step: triton: CUDA captured no decode graph",
+        "decode at batch 1 reaches 50.0 tokens/s, 33% of the 150.5 tokens/s its bytes allow at the measured "
+        "bandwidth (at least 40% expected)",
+    ]
+    assert json.loads((tmp_path / "r.json").read_text())["failed"] == report["failed"]  # written as it goes

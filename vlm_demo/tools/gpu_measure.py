@@ -3,10 +3,13 @@
 Each function is one check or one figure and runs on any device: the tests call them on CPU with the
 tiny model, the GPU run with the narrow real-shape model in fp32 and the full 11B architecture in bf16.
 
-- :func:`batched_vs_single`: every batched row against its single run, in both batching modes, with
-  forced mid-flight joins (one row runs first; the others are prefilled together while it runs) and one
-  seeded sampled row (a seeded row draws the same tokens whatever its neighbours);
+- :func:`batched_vs_single`: every batched row against its single run through the same engine, in both
+  batching modes, with forced mid-flight joins (one row runs first; the others are prefilled together while
+  it runs) and one seeded sampled row (a seeded row draws the same tokens whatever its neighbours);
 - :func:`step_vs_stock`: the engine's decode step over the page pool against the stock forward;
+- :func:`attention_figures`: the decode step alone per attention kernel, eager and replayed from CUDA graphs,
+  with the profiler's device time per kernel (:func:`profile_step`); the ops alone are
+  :mod:`~vlm_demo.tools.gpu_kernels`';
 - :func:`decode_read_bytes` and :func:`bandwidth_bound`: what one decode step must read (the text
   weights it uses, not the vision tower, the embedding table or the cross-attention key/value
   projections; plus each row's cached image states and text keys/values) and the batch-1 speed that
@@ -81,19 +84,6 @@ def spec_bandwidth(device_name: str) -> float | None:
     return spec.bandwidth if spec else None
 
 
-def measure_bandwidth(device: torch.device, size: int = 2 * 1024**3, repeats: int = 10) -> float:
-    """Device memory bandwidth (bytes/s) from timed copies: each copy reads and writes ``size``."""
-    src = torch.empty(size, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    torch.cuda.synchronize(device)
-    started = time.perf_counter()
-    for _ in range(repeats):
-        dst.copy_(src)
-    torch.cuda.synchronize(device)
-    return 2 * size * repeats / (time.perf_counter() - started)
-
-
 # ---- what a decode step reads -------------------------------------------------------------------------
 
 
@@ -162,9 +152,10 @@ def _wait_for_tokens(handle: Any, count: int, timeout: float) -> bool:
     return True
 
 
-def _alone(worker: Worker, items: list[ValidRequest]) -> list[list[int]]:
-    """Each item alone, through a one-row continuous engine (the reference every batched row must match)."""
-    engine = make_engine(Config(batching="continuous", max_batch_size=1, batch_window_ms=0.0), worker)
+def _alone(worker: Worker, items: list[ValidRequest], mode: str = "continuous") -> list[list[int]]:
+    """Each item alone, through a one-row engine of batching ``mode`` (the reference every row that engine batches
+    must match: the same engine's path, its tiles and its sampling)."""
+    engine = make_engine(Config(batching=mode, max_batch_size=1, batch_window_ms=0.0), worker)
     try:
         handles = []
         for item in items:
@@ -187,17 +178,20 @@ def generate_alone(worker: Worker, requests: list[ValidRequest], tokens: int) ->
 
 
 def batched_vs_single(worker: Worker, tokens: int) -> Comparison:
-    """Every case alone and a seeded sampled row alone, then all together: through the dynamic engine in one
-    batch (against plain ``model.generate``), and through the continuous engine (against itself with one row:
-    both run the same tiles, ``--vision-tiles``) with a first row that runs ``4 × tokens`` while the others join
-    it at one step boundary, prefilled together, a forward pass per tile count. A mode whose rows do not all
-    end in ``REQUEST_TIMEOUT_S`` is recorded in ``errors``, not waited for."""
+    """Every case alone and a seeded sampled row alone, then all together, each engine against its own single runs
+    (like with like: the dynamic engine runs the stock forward over every tile the processor packed, the
+    continuous one its own step over the tiles ``--vision-tiles`` keeps, so their tokens may differ from each
+    other's): through the dynamic engine in one batch, and through the continuous engine with a first row that runs
+    ``4 × tokens`` while the others join it at one step boundary, prefilled together, a forward pass per tile
+    count. A mode whose rows do not all end in ``REQUEST_TIMEOUT_S`` is recorded in ``errors``, not waited for."""
     greedy = SamplingParams(max_new_tokens=tokens, temperature=0.0, ignore_eos=True)
     requests = jobs(greedy)
     long_first = dataclasses.replace(requests[0], params=dataclasses.replace(greedy, max_new_tokens=4 * tokens))
     sampled = dataclasses.replace(requests[2], params=dataclasses.replace(SAMPLED, max_new_tokens=tokens))
-    refs = generate_alone(worker, requests, tokens)
-    first_ref, *alone_refs, sampled_ref = _alone(worker, [long_first, *requests[1:], sampled])
+    alone = {
+        "dynamic": _alone(worker, [*requests, sampled], "dynamic"),
+        "continuous": _alone(worker, [long_first, *requests[1:], sampled], "continuous"),
+    }
     result = Comparison()
     for mode in ("dynamic", "continuous"):
         # --prefill-share 0: the joiners are prefilled at the step boundary they arrive at, not paced over steps
@@ -221,7 +215,7 @@ def batched_vs_single(worker: Worker, tokens: int) -> Comparison:
             continue
         finally:
             engine.shutdown()
-        wanted = [first_ref, *alone_refs] if mode == "continuous" else refs
+        *wanted, sampled_ref = alone[mode]
         result.first_diff[mode] = [first_difference(h.token_ids, r) for h, r in zip(handles, wanted, strict=False)]
         result.sampled_first_diff[mode] = first_difference(handles[-1].token_ids, sampled_ref)
         if mode == "continuous":
@@ -442,51 +436,83 @@ def batch1_decode(worker: Worker, tokens: int = 128) -> float:
         engine.shutdown()
 
 
-def attention_figures(worker: Worker, kernel: str, row_counts: tuple[int, ...] = (1, 8, 32, 128), length: int = 512,
-                      steps: int = 20) -> dict[str, Any]:  # fmt: skip
+def attention_figures(worker: Worker, kernel: str, row_counts: tuple[int, ...] = (1, 128), length: int = 600,
+                      steps: int = 10, tiles: int = 4) -> dict[str, Any]:  # fmt: skip
     """The decode step alone with decode attention ``kernel`` (a ``--decode-attention`` choice), eagerly and (on
-    CUDA, for a block-table kernel) replayed from CUDA graphs, at each row count (rows of ``length`` tokens and a
-    one-tile picture): tokens/s (rows ÷ step time), the steps whose logits were not all finite, the graphs'
-    capture time and memory pool, and the attention kernels one profiled eager step ran (the GPU's kernels; on a
-    CPU its operators). No client threads: the step is timed by itself."""
+    CUDA, for a block-table kernel) replayed from CUDA graphs, at each row count that fits in memory (rows of
+    ``length`` tokens and a picture of ``tiles`` tiles): step ms and tokens/s (rows ÷ step time), the replayed
+    logits against the same step run eagerly through the graphs' buffers (``graphs_vs_eager``: the largest
+    difference relative to the largest logit; the same kernels on the same inputs, so ~0 unless a replay reads
+    something stale),
+    the steps whose logits were not all finite, the graphs' capture time and memory pool, and the device time per
+    kernel of one profiled eager step (``kernel_times``; on a CPU its operators' time). No client threads: the step
+    is timed by itself."""
     from vlm_demo.config import Config
+    from vlm_demo.engine.attention import KERNELS
     from vlm_demo.engine.decode_step import page_shape
     from vlm_demo.engine.graphs import bucket_for, decode_graphs
     from vlm_demo.tools.kernels import synthetic_rows
 
     shape = page_shape(worker.model, worker.dtype)
-    most = max(row_counts)
-    pages = most * (shape.text_pages(length + 2 * steps + 4) + shape.image_pages(shape.patches)) + 16
-    decoder = TextDecodeStep.over_pool(worker.model, worker.dtype, pages, kernel)
+    heads = worker.model.config.get_text_config().num_attention_heads
+    row_pages = shape.text_pages(length + steps + 4) + shape.image_pages(tiles * shape.patches)
+    working = KERNELS[kernel].working_bytes(shape, heads, 1, tiles, length) if kernel in KERNELS else 0
+    fit, skipped = rows_that_fit(row_counts, row_pages * shape.page_bytes + working, worker.device)
+    most = max(fit, default=1)
+    decoder = TextDecodeStep.over_pool(worker.model, worker.dtype, most * row_pages + 16, kernel)
     graphs = decode_graphs(decoder, most, Config(cuda_graphs="auto", max_new_tokens=length), worker)
-    figures: dict[str, Any] = {"decode_attention": decoder.attention.kernel, "captured": len(graphs.graphs),
-                               "capture_s": graphs.capture_s, "pool_bytes": graphs.pool_bytes, "rows": {},
-                               "nan_steps": 0, "steps": 0}  # fmt: skip
-    for rows in row_counts:
-        running = synthetic_rows(decoder, rows, worker.device, length, worker.dtype)
+    figures: dict[str, Any] = {"decode_attention": decoder.attention.kernel, "graphable": decoder.attention.graphable,
+                               "captured": len(graphs.graphs), "capture_s": graphs.capture_s,
+                               "pool_bytes": graphs.pool_bytes, "text_tokens": length, "tiles": tiles, "rows": {},
+                               "rows_skipped": skipped, "nan_steps": 0, "steps": 0}  # fmt: skip
+    for rows in fit:
+        running = synthetic_rows(decoder, rows, worker.device, length, worker.dtype, tiles)
         with torch.inference_mode():
             inputs = running.step_inputs(pad_to=bucket_for(rows, graphs.sizes) if graphs.captured else None)
-            seconds, bad = _step_seconds(decoder, inputs, steps, worker.device)
-            entry = {"eager_tokens_per_s": rows / seconds}
+            seconds, bad, eager = _step_seconds(decoder, inputs, steps, worker.device)
+            entry: dict[str, Any] = {"eager_step_ms": seconds * 1e3, "eager_tokens_per_s": rows / seconds}
             figures["nan_steps"] += bad
             figures["steps"] += steps + 1
             if graphs.captured:
-                seconds, bad = _step_seconds(graphs, inputs, steps, worker.device)
-                entry["graphs_tokens_per_s"] = rows / seconds
+                # the same step eagerly through the graphs' own buffers and bounds: what the replay must give
+                graphs.static.load(inputs)
+                eager = graphs.step(graphs.static.view(inputs.layout.rows)).float()
+                seconds, bad, replayed = _step_seconds(graphs, inputs, steps, worker.device)
+                entry.update(graphs_step_ms=seconds * 1e3, graphs_tokens_per_s=rows / seconds)
+                entry["graphs_vs_eager"] = float(
+                    (replayed[:rows] - eager[:rows]).abs().max() / eager[:rows].abs().max().clamp_min(1e-30)
+                )
                 figures["nan_steps"] += bad
                 figures["steps"] += steps + 1
         running.keep([])
         figures["rows"][str(rows)] = entry
-    figures["attention_kernels"] = attention_kernels(decoder, worker, length)
+    figures["attention_kernels"], figures["kernel_times"] = profile_step(decoder, worker, length, tiles, min(8, most))
     return figures
 
 
-def _step_seconds(step: Any, inputs: Any, steps: int, device: torch.device) -> tuple[float, int]:
-    """Seconds one call of ``step(inputs)`` takes, over ``steps`` calls after one warm-up, and how many of all the
-    calls gave logits that were not all finite (counted on the device, a reduction per call — well under 1 % of a
-    step —, read once at the end)."""
+def rows_that_fit(row_counts: tuple[int, ...], row_bytes: int, device: torch.device,
+                  share: float = 0.9) -> tuple[list[int], dict[str, str]]:  # fmt: skip
+    """The row counts whose rows (``row_bytes`` each) take at most ``share`` of the free device memory, and why the
+    others were left out (a CPU: all)."""
+    from vlm_demo.tools.gpu_kernels import free_bytes
+
+    free = free_bytes(device)
+    if free is None:
+        return list(row_counts), {}
+    fit = [rows for rows in row_counts if rows * row_bytes <= share * free]
+    skipped = {
+        str(r): f"needs ~{r * row_bytes / GB:.1f} GB, {free / GB:.1f} GB free" for r in row_counts if r not in fit
+    }
+    return fit, skipped
+
+
+def _step_seconds(step: Any, inputs: Any, steps: int, device: torch.device) -> tuple[float, int, torch.Tensor]:
+    """Seconds one call of ``step(inputs)`` takes, over ``steps`` calls after one warm-up, how many of all the calls
+    gave logits that were not all finite (counted on the device, a reduction per call — well under 1 % of a
+    step —, read once at the end), and the warm-up's logits (float32, a copy)."""
     cuda = device.type == "cuda"
-    bad = (~torch.isfinite(step(inputs))).any().int()
+    first = step(inputs).float()  # a copy: a graph's logits are overwritten by its next replay
+    bad = (~torch.isfinite(first)).any().int()
     if cuda:
         torch.cuda.synchronize(device)
     start = time.perf_counter()
@@ -494,20 +520,24 @@ def _step_seconds(step: Any, inputs: Any, steps: int, device: torch.device) -> t
         bad += (~torch.isfinite(step(inputs))).any().int()
     if cuda:
         torch.cuda.synchronize(device)
-    return (time.perf_counter() - start) / steps, int(bad)
+    return (time.perf_counter() - start) / steps, int(bad), first
 
 
-def attention_kernels(decoder: Any, worker: Worker, length: int) -> list[str]:
-    """The kernels one eager decode step of 8 rows ran whose names say attention (which backend ran): the GPU's,
-    or on a CPU the operators'."""
+def profile_step(decoder: Any, worker: Worker, length: int, tiles: int = 4,
+                 rows: int = 8) -> tuple[list[str], dict[str, dict[str, float]]]:  # fmt: skip
+    """One eager decode step of ``rows`` rows under the profiler: the kernels whose names say attention (which
+    backend ran), and every kernel's device time and calls (:func:`~vlm_demo.tools.gpu_kernels.kernel_times`; on
+    a CPU the operators')."""
     from torch.profiler import ProfilerActivity, profile
 
+    from vlm_demo.tools.gpu_kernels import kernel_times
     from vlm_demo.tools.kernels import synthetic_rows
 
     cuda = worker.device.type == "cuda"
-    running = synthetic_rows(decoder, 8, worker.device, length, worker.dtype)
+    running = synthetic_rows(decoder, rows, worker.device, length, worker.dtype, tiles)
     with torch.inference_mode():
         inputs = running.step_inputs()
+        decoder(inputs)  # warm: the profile is of a step like the one before it
         with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
             decoder(inputs)
             if cuda:
@@ -515,7 +545,7 @@ def attention_kernels(decoder: Any, worker: Worker, length: int) -> list[str]:
     running.keep([])
     names = {event.key for event in prof.key_averages()}
     words = ("flash", "fmha", "attention", "attn", "sdpa", "_split_attention", "_merge")
-    return sorted(n for n in names if any(k in n.lower() for k in words))
+    return sorted(n for n in names if any(k in n.lower() for k in words)), kernel_times(prof, cuda)
 
 
 def ratios(results: list[dict[str, Any]]) -> dict[int, dict[str, float]]:

@@ -2,27 +2,28 @@
 
 Everything else in this project runs on a 1 MB model on CPU. This builds the full
 Llama-3.2-11B-Vision architecture (40 text layers, 32 + 8 vision layers, vocabulary 128256) with
-random bf16 weights directly on the GPU and measures, in order (:mod:`vlm_demo.tools.gpu_measure`):
+random bf16 weights directly on the GPU and measures (:mod:`vlm_demo.tools.gpu_kernels`,
+:mod:`vlm_demo.tools.gpu_measure`), the kernels first — what a short loan must learn before anything else:
 
 1. versions: python, torch, transformers, accelerate, CUDA, the GPU; a transformers other than the
-   pinned one (``requirements.txt``) stops the check in one line, before anything is built;
-2. the narrow real-shape model in fp32 on the GPU: every batched row (both modes, rows joining a running
-   one, a seeded sampled row beside them) must give its single run's tokens; the same model saved and
-   loaded back through the server's own loading path (placement, the on-GPU check);
-3. the full model in bf16: every weight on the GPU, the memory plan, batched vs single (reported, not
-   required: bf16 kernels depend on the batch shape), the written-out decode step vs the stock forward;
-4. speed: decode tokens/s at batch 1 next to the bound from the bytes a decode step reads; unbatched,
-   dynamic and continuous batching at concurrency 1, 8 and 32, each run isolated, with its peak memory;
-5. decode attention: the kernel ``auto`` takes (a CUDA device that ends on the reference fails the check,
-   naming why), then a stage per kernel this torch can run (flash, triton, reference): its probe, the step
-   eagerly and replayed from CUDA graphs at 1-128 rows, NaN steps, the profiler's attention kernels; then
-   admitting newcomers: the vision tower per picture of 1-4 real tiles, and the running rows' longest pause
-   while 8 newcomers with 4-tile pictures join (``bench --prefill-stall``'s run; more than 3 decode steps fails);
-6. weight formats: the same model with fp8 (compute capability 8.9+), int8 and int4 weights next to bf16,
-   measured alike: weight bytes, decode tokens/s at 1 and 32 rows, peak memory, greedy tokens against
-   bf16's; a format whose step reads fewer bytes but decodes slower than bf16's fails the check (skipped,
-   with the reason, on CPU);
-7. the planned row limit filled (rows joining and leaving) to check the join/evict peak.
+   pinned one (``requirements.txt``) stops the check in one line, before anything is built; then the model,
+   its placement and the memory plan (always);
+2. the kernel stages (``--stages`` groups ``bandwidth``, ``attention``, ``linear``, ``graphs``, ``batch1``):
+   the device's copy bandwidth; the decode attention op alone at the model's page geometry (1-210 rows of 600
+   tokens, 1- and 4-tile pictures) per kernel, against the reference; the weight-only op alone per packed format
+   on the four projection shapes at 1-256 rows, against bf16's ``F.linear``; which kernel ``auto`` takes, and the
+   decode step per kernel eagerly and replayed from CUDA graphs at 1 and 128 rows with 4-tile pictures, with
+   the profiler's device time per kernel; decode at batch 1 against the bound from the bytes a step reads;
+3. the engine's stages, within ``--engine-share`` of the budget (groups ``checks``, ``narrow``, ``prefill``,
+   ``benchmark``, ``formats``, ``peak``): batched vs single and the written-out step vs the stock forward; the
+   narrow model in fp32 on the GPU (batched == single exactly, loading a saved folder); admitting newcomers
+   (the vision tower per tile count, the running rows' pause); unbatched, dynamic and continuous batching at
+   concurrency 1, 8 and 32; the model rebuilt per weight format; the planned row limit filled.
+
+On CUDA the check fails when a block-table decode attention captured no graph (or its replay differs from the
+eager step), when a packed format is slower than bf16 at a row count where it reads fewer bytes, when batch-1
+decode is below 40 % of the bound at the measured copy bandwidth, when a kernel differs from its reference, and
+when the device ends on the reference decode attention (the decisions: ``gpu_kernels``' plain functions).
 
 Device time is scarce (15 minutes a session, 10 a command, and a rerun must fit), so the run keeps to
 a time budget and loses nothing it measured. No optional stage or benchmark run starts unless its
@@ -30,10 +31,10 @@ estimate fits in what is left of ``--budget-s`` (300 s from the start); the join
 to the rows that fit; what is skipped is recorded with why. The JSON report is rewritten after every
 stage, a stage or run that fails is recorded and the rest go on, every request has a 120 s timeout,
 and a watchdog (``--deadline-s``, 360 s) dumps every thread's traceback and writes the report before
-it ends the run. Estimated 2.5-4 minutes on an H200. Exit code 0: all required checks that ran
-passed; 1: a check failed; 2: no CUDA, or the wrong versions; 3: the watchdog stopped it. ``--device
-cpu --model tiny`` (or ``narrow``) is a dry run of the whole script without the GPU-only stages (the
-tests run it).
+it ends the run. The kernel stages are estimated to end ~2.5-3 minutes after the start on an H100
+(docs/BENCHMARKS.md has the arithmetic). Exit code 0: all required checks that ran passed; 1: a check
+failed; 2: no CUDA, or the wrong versions; 3: the watchdog stopped it. ``--device cpu --model tiny`` (or
+``narrow``) is a dry run of the whole script without the GPU-only stages (the tests run it).
 
 This module only orchestrates and reports, and imports nothing heavy until the versions are checked
 (an old transformers may not even import our engine).
@@ -79,26 +80,46 @@ DEADLINE_S = 360.0  # the watchdog: report written, run ended (the device runner
 BUDGET_S = 300.0  # no optional stage starts that would end past this (seconds from the start) ...
 MARGIN_S = DEADLINE_S - BUDGET_S  # ... and it ends this long before the deadline, for the stage under way
 BACKSTOP_S = 15.0  # after the deadline: faulthandler ends the run if the watchdog's thread could not
-# Rough seconds each optional stage takes on an H200, with room to spare: it starts only with that much
-# of the budget left. The narrow fp32 stages come first but matter less than the full model's figures,
-# so they also leave FULL_MODEL_S for its build, its checks and the first benchmark runs.
+# Rough seconds each optional stage takes on an H100, with room to spare: it starts only with that much
+# of the budget (the engine's stages: of their share) left.
 NEED_S = {
+    # the kernel stages (estimated for an H100; docs/BENCHMARKS.md has the sum)
+    "bandwidth": 5.0,
+    "kernel: decode attention": 30.0,  # the ops alone; Triton compiles a few variants
+    "kernel: weight-only linear": 60.0,  # ~30 Triton compilations: 2 input widths x 3 formats x 5 row tiers
+    "decode attention: auto": 10.0,  # the fast kernels' probes
+    # each: capture 12 buckets, time eager and replayed steps at 1 and 128 rows, one profiled step
+    "decode step: flash": 30.0,
+    "decode step: triton": 30.0,
+    "decode step: reference": 25.0,  # eager only
+    "decode at batch 1": 15.0,
+    # the engine's stages, within --engine-share of the budget
+    "batched vs single": 40.0,
+    "written-out step vs stock": 10.0,
     "build narrow fp32": 15.0,
     "narrow fp32 batched == single": 30.0,
     "load from a folder on CUDA": 30.0,
-    "batched vs single": 40.0,
-    "written-out step vs stock": 10.0,
-    "bandwidth": 5.0,
-    "decode at batch 1": 15.0,
-    # each: its probe, capture 13 buckets, time eager and replayed steps at 1-128 rows, one profiled step
-    "decode attention: flash": 50.0,
-    "decode attention: triton": 60.0,  # and compiling its two kernels
-    "decode attention: reference": 40.0,  # eager only
     "prefill": 40.0,  # the tower at 1-4 tiles, then 8 rows while 8 newcomers join, at once and paced
     "weights: bf16": 30.0,  # greedy tokens, batch-1 decode, one wave of 32 answers
     "weights: quantized": 50.0,  # the same, plus building the model again and quantizing it
 }
-FULL_MODEL_S = 150.0
+# --stages: the stage groups in the order they run. The kernel stages come first, right after the model is built
+# (what a short loan must learn first); the engine's stages last, within ENGINE_SHARE of the budget.
+STAGES = {
+    "bandwidth": "device memory bandwidth from a timed copy_ (the yardstick of every GB/s and bound)",
+    "attention": "the decode attention op alone at the model's page geometry, per kernel",
+    "linear": "the weight-only linear op alone per packed format, on the four projection shapes",
+    "graphs": "which kernel auto takes; the decode step per kernel, eager and replayed from CUDA graphs",
+    "batch1": "decode at batch 1 against the bound from the bytes a step reads",
+    "checks": "batched vs single, the written-out step vs the stock forward",
+    "narrow": "the narrow model in fp32 on CUDA: batched == single exactly; loading a saved folder",
+    "prefill": "the vision tower per tile count; the running rows' pause while newcomers join",
+    "benchmark": "unbatched, dynamic and continuous batching at each concurrency level",
+    "formats": "the model rebuilt per weight format (fp8, int8, int4) against bf16, end to end",
+    "peak": "the planned row limit filled, rows joining and leaving",
+}
+ENGINE_STAGES = ("checks", "narrow", "prefill", "benchmark", "formats", "peak")
+ENGINE_SHARE = 0.4  # of the budget, at most, for the engine's stages (whatever the kernel stages left)
 KERNEL_TOLERANCE = 2e-2  # the packed kernel against torch's product, relative: bf16 rounding of the output, not more
 
 
@@ -176,6 +197,12 @@ class Clock:
 
     def left(self) -> float:
         return self.budget_s - self.elapsed()
+
+    def share(self, seconds: float) -> Clock:
+        """The same clock with a budget that ends ``seconds`` from now, or with this one's if sooner."""
+        clock = Clock(min(self.budget_s, self.elapsed() + seconds))
+        clock.started = self.started
+        return clock
 
 
 class Stages:
@@ -275,6 +302,20 @@ def build_parser() -> argparse.ArgumentParser:
         default=DEADLINE_S,
         help=f"watchdog: write the report and stop after this many seconds (default {DEADLINE_S:.0f})",
     )
+    parser.add_argument(
+        "--stages",
+        default="all",
+        help="comma-separated stage groups to run, in their fixed order (the model is always built and planned): "
+        + ", ".join(STAGES)
+        + " (default all; for a rerun on a warm machine)",
+    )
+    parser.add_argument(
+        "--engine-share",
+        type=float,
+        default=ENGINE_SHARE,
+        help=f"share of --budget-s the engine's stages ({', '.join(ENGINE_STAGES)}) may take at most, from where "
+        f"the kernel stages end (default {ENGINE_SHARE:g}; 1 for a rerun of engine stages only)",
+    )
     parser.add_argument("--levels", default=",".join(map(str, LEVELS)), help="concurrency levels")
     parser.add_argument("--requests", type=int, default=0, help="requests per run (default: max(8, 2 x level))")
     parser.add_argument("--check-tokens", type=int, default=16, help="tokens per row in the batched == single checks")
@@ -291,6 +332,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    try:
+        args.stages = chosen_stages(args.stages)
+    except ValueError as exc:
+        parser.error(str(exc))
     if args.budget_s is None:
         args.budget_s = max(0.0, min(BUDGET_S, args.deadline_s - MARGIN_S))
     elif args.budget_s > args.deadline_s:
@@ -299,6 +344,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     report = Report(args.json_path)
     report.update(model=args.model, device=args.device, budget_s=args.budget_s, deadline_s=args.deadline_s)
+    report.update(stages=list(args.stages), engine_share=args.engine_share)
     report.update(versions=installed_versions(), failed=[], skipped={})
     problem = version_problem(report["versions"], pinned_versions())
     if problem:
@@ -330,7 +376,20 @@ def no_cuda_message(torch: Any) -> str:
     )
 
 
+def chosen_stages(text: str) -> tuple[str, ...]:
+    """``--stages``: the named groups in their run order (``all``: every one); an unknown name is a ``ValueError``."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if names == ["all"]:
+        return tuple(STAGES)
+    unknown = [n for n in names if n not in STAGES]
+    if unknown or not names:
+        raise ValueError(f"--stages {text!r}: choose from all, {', '.join(STAGES)}")
+    return tuple(n for n in STAGES if n in names)
+
+
 def run(args: argparse.Namespace, report: Report, device: Any, clock: Clock) -> int:
+    """The model, then the kernel stages (each op alone, the decode step and its graphs, batch-1 decode), then the
+    engine's stages within ``--engine-share`` of the budget; only the ``--stages`` groups."""
     import torch
 
     from vlm_demo.models import realshape
@@ -339,21 +398,135 @@ def run(args: argparse.Namespace, report: Report, device: Any, clock: Clock) -> 
     report["gpu"] = report["versions"]["gpu"] = torch.cuda.get_device_name(device) if cuda else "cpu (dry run)"
     stages = Stages(report, clock)
     processor = realshape.real_processor()
-    if cuda:
-        narrow_checks(stages, device, processor, args.check_tokens)
-    worker = model_checks(stages, device, processor, args)
-    if worker is not None:
-        levels = tuple(int(x) for x in args.levels.split(",") if x.strip())
-        speed(stages, worker, levels, args.requests)
+    worker = build(stages, device, processor, args)
+    if worker is None:
+        return finish(report, clock)
+    on = set(args.stages).__contains__
+    if on("bandwidth"):
+        bandwidth(stages, worker)
+    if on("attention"):
+        attention_op(stages, worker)
+    if on("linear"):
+        weights_op(stages, worker)
+    if on("graphs"):
         decode_attention(stages, worker)
-        prefill(stages, worker)
-        weight_formats(stages, worker, processor, args.model)
-        peak(stages, worker, args.peak_rows, max(levels, default=1))
+    if on("batch1"):
+        batch1(stages, worker)
+    if not any(on(name) for name in ENGINE_STAGES):
+        return finish(report, clock)
+    engine = Stages(report, clock.share(args.engine_share * args.budget_s))
+    report["engine_budget_s"] = round(engine.clock.budget_s, 1)
+    levels = tuple(int(x) for x in args.levels.split(",") if x.strip())
+    if on("checks"):
+        model_checks(engine, worker, args.check_tokens)
+    if on("narrow") and cuda:
+        narrow_checks(engine, device, processor, args.check_tokens)
+    elif on("narrow"):
+        engine.skip("narrow fp32", "needs CUDA (on a CPU the model under test runs in fp32: `checks` is that check)")
+    if on("prefill"):
+        prefill(engine, worker)
+    if on("benchmark"):
+        benchmark(engine, worker, levels, args.requests)
+    if on("formats"):
+        weight_formats(engine, worker, processor, args.model)
+    if on("peak"):
+        peak(engine, worker, args.peak_rows, max(levels, default=1) if on("benchmark") else 0)
     return finish(report, clock)
 
 
+def build(stages: Stages, device: Any, processor: Any, args: argparse.Namespace) -> Any:
+    """The model under test (the full 11B architecture, random bf16 weights, built on the GPU), its placement and
+    the memory plan (required, whatever ``--stages`` says); returns its worker (None: no build)."""
+    from vlm_demo.engine.quantize import stored_bytes
+    from vlm_demo.tools import gpu_measure as measure
+
+    report = stages.report
+    worker = stages.run("build model", measure.build_worker, args.model, device, processor)
+    if worker is None:
+        return None
+    if device.type == "cuda":
+        from vlm_demo.engine.placement import check_on_gpus
+
+        stages.run("weights on the GPU", check_on_gpus, worker.model)
+    report.update(
+        parameters=sum(p.numel() for p in worker.model.parameters()),
+        weight_bytes=sum(stored_bytes(p) for p in worker.model.parameters()),
+        dtype=str(worker.dtype),
+        decode_reads=measure.bytes_read_per_token(worker),
+    )
+    report["memory_plan"] = stages.run("memory plan", plan_stats, worker)
+    return worker
+
+
+def bandwidth(stages: Stages, worker: Any) -> None:
+    """The device's copy bandwidth, and from it (and the spec sheet's) the batch-1 bound: tokens/s if a decode step
+    only read its bytes once (``decode_reads.total_at_256_tokens``: the weights it uses, a 4-tile picture's image
+    states, 256 tokens of keys/values — a little more than the batch-1 run's row reads, so a lenient bound)."""
+    from vlm_demo.tools import gpu_kernels as kernels
+    from vlm_demo.tools import gpu_measure as measure
+
+    report, device = stages.report, worker.device
+    if device.type != "cuda":
+        stages.skip("bandwidth", "needs CUDA (a GPU's memory bandwidth)")
+        return
+    reads = report["decode_reads"]["total_at_256_tokens"]
+    spec = report["bandwidth_spec"] = measure.spec_bandwidth(report["gpu"])
+    measured = report["bandwidth_measured"] = stages.run(
+        "bandwidth", kernels.measure_bandwidth, device, need_s=NEED_S["bandwidth"]
+    )
+    report["batch1_bound_spec"] = measure.bandwidth_bound(reads, spec) if spec else None
+    report["batch1_bound_measured"] = measure.bandwidth_bound(reads, measured) if measured else None
+
+
+def attention_op(stages: Stages, worker: Any) -> None:
+    """(a) The decode attention op alone at the model's page geometry, per kernel (``gpu_kernels.attention_op``); a
+    kernel that differs from the reference fails the check."""
+    from vlm_demo.engine.decode_step import attention_geometry
+    from vlm_demo.tools import gpu_kernels as kernels
+
+    shape, heads, device = attention_geometry(worker.model, worker.dtype)
+    name = "kernel: decode attention"
+    figures = stages.report["attention_op"] = stages.run(
+        name, kernels.attention_op, shape, heads, device, need_s=NEED_S[name] if device.type == "cuda" else None
+    )
+    for why in kernels.op_errors(figures, None, worker.dtype):
+        stages.fail(why)
+
+
+def weights_op(stages: Stages, worker: Any) -> None:
+    """(b) The weight-only linear op alone per packed format (``gpu_kernels.weights_op``): on CUDA a format slower
+    than the model dtype at a row count where it reads fewer bytes fails the check; anywhere, one that differs from
+    the exact product by more than its tolerance."""
+    from vlm_demo.tools import gpu_kernels as kernels
+
+    cuda = worker.device.type == "cuda"
+    name = "kernel: weight-only linear"
+    figures = stages.report["weights_op"] = stages.run(
+        name, kernels.weights_op, worker.model.config, worker.device, worker.dtype,
+        need_s=NEED_S[name] if cuda else None,
+    )  # fmt: skip
+    for why in kernels.op_errors(None, figures, worker.dtype) + (kernels.packed_slower(figures or {}) if cuda else []):
+        stages.fail(why)
+
+
+def batch1(stages: Stages, worker: Any) -> None:
+    """Decode at batch 1 (the continuous engine, one row); on CUDA below ``gpu_kernels.BOUND_SHARE`` of the bound
+    at the measured copy bandwidth fails the check."""
+    from vlm_demo.tools import gpu_kernels as kernels
+    from vlm_demo.tools import gpu_measure as measure
+
+    report, name = stages.report, "decode at batch 1"
+    rate = report["batch1_tokens_per_s"] = stages.run(name, measure.batch1_decode, worker, need_s=NEED_S[name])
+    bound = report.get("batch1_bound_measured")
+    report["batch1_over_bound"] = rate / bound if rate and bound else None
+    why = kernels.below_bound(rate, bound) if worker.device.type == "cuda" else None
+    if why:
+        stages.fail(why)
+
+
 def narrow_checks(stages: Stages, device: Any, processor: Any, tokens: int) -> None:
-    """2. The CI model in fp32 on the GPU: batched rows must equal single runs; loading a saved copy."""
+    """The CI model in fp32 on the GPU: batched rows must equal single runs; loading a saved copy. TF32 is turned
+    off for the rest of the run (only fp32 products feel it: the stages after this one run bf16)."""
     import torch
 
     from vlm_demo.tools import gpu_measure as measure
@@ -364,12 +537,12 @@ def narrow_checks(stages: Stages, device: Any, processor: Any, tokens: int) -> N
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     name = "build narrow fp32"
-    need_s = NEED_S[name] + FULL_MODEL_S
+    need_s = NEED_S[name] + NEED_S["narrow fp32 batched == single"]  # no build without time for its check
     narrow = stages.run(name, measure.build_worker, "narrow", device, processor, torch.float32, need_s=need_s)
     if narrow is None:
         return
     name = "narrow fp32 batched == single"
-    check = stages.run(name, measure.batched_vs_single, narrow, tokens, need_s=NEED_S[name] + FULL_MODEL_S)
+    check = stages.run(name, measure.batched_vs_single, narrow, tokens, need_s=NEED_S[name])
     if check is not None:
         report["narrow_fp32"] = {
             "first_diff": check.first_diff,
@@ -382,37 +555,22 @@ def narrow_checks(stages: Stages, device: Any, processor: Any, tokens: int) -> N
         elif not check.equal:
             stages.fail("narrow fp32: batched rows differ from their single runs")
     name = "load from a folder on CUDA"
-    need_s = NEED_S[name] + FULL_MODEL_S
-    loaded = report["load_saved"] = stages.run(name, measure.load_saved, narrow, "cuda", need_s=need_s)
+    loaded = report["load_saved"] = stages.run(name, measure.load_saved, narrow, "cuda", need_s=NEED_S[name])
     if loaded is not None and not (loaded["same_answer"] and all("cuda" in d for d in loaded["devices"])):
         stages.fail(f"loading a saved model on CUDA: {loaded}")
     del narrow
     torch.cuda.empty_cache()
 
 
-def model_checks(stages: Stages, device: Any, processor: Any, args: argparse.Namespace) -> Any:
-    """3. The model under test (the full 11B architecture, random bf16 weights, built on the GPU): its
-    placement, the memory plan, batched vs single, the written-out step; returns its worker (None: no build)."""
-    from vlm_demo.engine.quantize import stored_bytes
+def model_checks(stages: Stages, worker: Any, tokens: int) -> None:
+    """The model under test: batched vs single (each engine against its own single runs; required on a CPU, where
+    fp32 is exact, reported on CUDA: bf16 kernels depend on the batch shape), the written-out step vs the stock
+    forward."""
     from vlm_demo.tools import gpu_measure as measure
 
-    report, cuda = stages.report, device.type == "cuda"
-    worker = stages.run("build model", measure.build_worker, args.model, device, processor)
-    if worker is None:
-        return None
-    if cuda:
-        from vlm_demo.engine.placement import check_on_gpus
-
-        stages.run("weights on the GPU", check_on_gpus, worker.model)
-    report.update(
-        parameters=sum(p.numel() for p in worker.model.parameters()),
-        weight_bytes=sum(stored_bytes(p) for p in worker.model.parameters()),
-        dtype=str(worker.dtype),
-        decode_reads=measure.bytes_read_per_token(worker),
-    )
-    report["memory_plan"] = stages.run("memory plan", plan_stats, worker)
+    report, cuda = stages.report, worker.device.type == "cuda"
     name = "batched vs single"
-    check = stages.run(name, measure.batched_vs_single, worker, args.check_tokens, need_s=NEED_S[name])
+    check = stages.run(name, measure.batched_vs_single, worker, tokens, need_s=NEED_S[name])
     if check is not None:  # reported, not required: in bf16 batched rows are not bitwise equal
         report.update(first_diff=check.first_diff, sampled_first_diff=check.sampled_first_diff, joins=check.joins)
         if check.errors:
@@ -423,24 +581,13 @@ def model_checks(stages: Stages, device: Any, processor: Any, args: argparse.Nam
     step = report["step_vs_stock"] = stages.run(name, measure.step_vs_stock, worker, need_s=NEED_S[name])
     if step is not None and not step["same_argmax"]:
         stages.fail("written-out decode step disagrees with the stock forward")
-    return worker
 
 
-def speed(stages: Stages, worker: Any, levels: tuple[int, ...], requests: int) -> None:
-    """4. Decode at batch 1 next to its bound; unbatched, dynamic and continuous at each level."""
+def benchmark(stages: Stages, worker: Any, levels: tuple[int, ...], requests: int) -> None:
+    """Unbatched, dynamic and continuous batching at each level, each run only if it fits the time left."""
     from vlm_demo.tools import gpu_measure as measure
 
-    report, device = stages.report, worker.device
-    reads = report["decode_reads"]["total_at_256_tokens"]
-    if device.type == "cuda":
-        spec = report["bandwidth_spec"] = measure.spec_bandwidth(report["gpu"])
-        measured = report["bandwidth_measured"] = stages.run(
-            "bandwidth", measure.measure_bandwidth, device, need_s=NEED_S["bandwidth"]
-        )
-        report["batch1_bound_spec"] = measure.bandwidth_bound(reads, spec) if spec else None
-        report["batch1_bound_measured"] = measure.bandwidth_bound(reads, measured) if measured else None
-    name = "decode at batch 1"
-    report["batch1_tokens_per_s"] = stages.run(name, measure.batch1_decode, worker, need_s=NEED_S[name])
+    report = stages.report
     requests_at = (lambda level: requests) if requests else (lambda level: max(8, 2 * level))
     runs: list[dict[str, Any]] = report.setdefault("runs", [])
 
@@ -449,7 +596,7 @@ def speed(stages: Stages, worker: Any, levels: tuple[int, ...], requests: int) -
         report["ratios"] = measure.ratios([r for r in runs if "tokens_per_s" in r])
         report.write()
 
-    rate = report["batch1_tokens_per_s"]
+    rate = report.get("batch1_tokens_per_s")
     stages.run("benchmark", measure.benchmark, worker, levels, requests_at, stages.clock.left, record, rate)
     failed_runs = [f"{r['mode']}@{r['concurrency']}: {r['error']}" for r in runs if "error" in r]
     if failed_runs:
@@ -457,25 +604,30 @@ def speed(stages: Stages, worker: Any, levels: tuple[int, ...], requests: int) -
 
 
 def decode_attention(stages: Stages, worker: Any) -> None:
-    """5. The decode attention: which kernel ``auto`` takes here (a CUDA device that ends on the reference fails
-    the check, saying why), then a stage per kernel this torch can run — its probe, the decode step eagerly and
-    (flash, triton) replayed from CUDA graphs at 1, 8, 32 and 128 rows, the profiler's attention kernels, the steps
-    whose logits were not finite. A kernel that cannot run here is skipped with the reason. On a CPU: the
-    reference, and Triton under its interpreter when ``TRITON_INTERPRET=1`` (1 and 8 short rows)."""
+    """(c) The decode step: which kernel ``auto`` takes here (a CUDA device that ends on the reference fails the
+    check, saying why), then a stage per kernel this torch can run (``decode step: flash|triton|reference``): its
+    probe, the step eagerly and (flash, triton) replayed from CUDA graphs at 1 and 128 rows of 600 tokens with 4-tile
+    pictures, the replayed logits against the eager ones, NaN steps, and the device time per kernel of one profiled
+    step. On CUDA a block-table kernel that captured no graph fails the check (``gpu_kernels.graphs_problems``). A
+    kernel that cannot run here is skipped with the reason. On a CPU: the reference, and Triton under its
+    interpreter when ``TRITON_INTERPRET=1``, at 1 and 2 short rows."""
     from vlm_demo.engine.attention import KERNELS, check, decide
     from vlm_demo.engine.decode_step import attention_geometry
+    from vlm_demo.tools import gpu_kernels as kernels
     from vlm_demo.tools import gpu_measure as measure
 
     report, cuda = stages.report, worker.device.type == "cuda"
     shape, heads, device = attention_geometry(worker.model, worker.dtype)
-    chosen, passed_over = stages.run("decode attention: auto", decide, shape, heads, device) or (None, [])
+    name = "decode attention: auto"
+    decided = stages.run(name, decide, shape, heads, device, need_s=NEED_S[name] if cuda else None)
+    chosen, passed_over = decided or (None, [])
     auto = chosen.name if chosen is not None else None
     report["decode_attention_auto"] = {"kernel": auto, "passed_over": passed_over}
     if cuda and auto == "reference":
         stages.fail(f"the CUDA device ends on the reference decode attention ({'; '.join(passed_over)})")
     figures = report.setdefault("decode_attention", {})
     for name in KERNELS:
-        stage = f"decode attention: {name}"
+        stage = f"decode step: {name}"
         need_s = NEED_S[stage] if cuda else None
         if need_s is not None and stages.clock.left() < need_s:
             stages.skip(stage, "time budget: none left")
@@ -486,17 +638,18 @@ def decode_attention(stages: Stages, worker: Any) -> None:
             figures[name] = {"skipped": missing, "probe": probe}
             stages.skip(stage, missing)
             continue
-        rows, length, steps = ((1, 8, 32, 128), 512, 20) if cuda else ((1, 8), 24, 2)
-        measured = stages.run(stage, measure.attention_figures, worker, name, rows, length, steps, need_s=need_s)
+        rows, length, steps, tiles = ((1, 128), 600, 10, 4) if cuda else ((1, 2), 24, 1, 1)
+        measured = stages.run(stage, measure.attention_figures, worker, name, rows, length, steps, tiles, need_s=need_s)
         figures[name] = {**(measured or {}), "probe": probe}
-        if measured and measured["nan_steps"]:
-            stages.fail(f"{stage}: {measured['nan_steps']} of {measured['steps']} decode steps gave NaN logits")
+        if measured:
+            for why in kernels.graphs_problems(measured, cuda, KERNELS[name].graphable):
+                stages.fail(f"{stage}: {why}")
         if name == auto and measured:
             report["decode_graphs"] = measured
 
 
 def prefill(stages: Stages, worker: Any) -> None:
-    """5. Admitting newcomers: the vision tower's seconds per picture of 1-4 real tiles (and a 1-tile picture run
+    """Admitting newcomers: the vision tower's seconds per picture of 1-4 real tiles (and a 1-tile picture run
     on every tile, the stock way), then ``bench --prefill-stall`` on this model: the running rows' longest pause
     while 8 newcomers with 4-tile pictures join, against the median decode step (paced, the default, must stay
     within 3 of them). Skipped on a CPU (the tests and the bench measure it there)."""
@@ -516,9 +669,9 @@ def prefill(stages: Stages, worker: Any) -> None:
 
 
 def weight_formats(stages: Stages, worker: Any, processor: Any, model: str) -> None:
-    """5. bf16 (the model under test), then fp8 where the GPU has it, int8 and int4, each measured alike and
-    timed against bf16; a format that reads fewer bytes per step yet decodes slower fails the check
-    (``weight_formats_slower``). A format the GPU cannot run is skipped with the loader's own reason. CPU:
+    """Weight formats end to end: bf16 (the model under test), then fp8 where the GPU has it, int8 and int4, each
+    measured alike and timed against bf16; a format that reads fewer bytes per step yet decodes slower fails the
+    check (``weight_formats_slower``). A format the GPU cannot run is skipped with the loader's own reason. CPU:
     skipped (these are GPU figures)."""
     import torch
 
@@ -640,6 +793,8 @@ def print_report(report: dict[str, Any]) -> None:
     if report.get("batch1_bound_spec"):
         bound += f", {report['batch1_bound_spec']:.1f} tokens/s (spec {report['bandwidth_spec'] / GB:.0f} GB/s)"
     print(f"decode at batch 1: {_num(report.get('batch1_tokens_per_s'), '.1f')} tokens/s" + bound)
+    if report.get("batch1_over_bound"):
+        print(f"decode at batch 1 reaches {report['batch1_over_bound']:.0%} of the measured bound")
     print(
         f"{'mode':<11}{'conc':>5}{'reqs':>5}{'tok/s':>9}{'p50 s':>8}{'ttft s':>8}{'meanB':>7}{'err':>5}{'peak GB':>9}"
     )
@@ -663,20 +818,7 @@ def print_report(report: dict[str, Any]) -> None:
                 f"{(figures['peak_memory_bytes'] or 0) / GB:.1f} GB; first token differing from bf16's greedy: "
                 f"{figures.get('first_diff_vs_bf16', '(the reference)')}"
             )
-    auto = report.get("decode_attention_auto") or {}
-    if auto:
-        print(f"decode attention (auto): {auto['kernel']}" + "".join(f"; {why}" for why in auto["passed_over"]))
-    for name, figures in (report.get("decode_attention") or {}).items():
-        if "rows" not in figures:
-            print(f"decode attention {name}: {figures.get('skipped', 'failed')}")
-            continue
-        steps = ", ".join(
-            f"{rows} rows {_num(entry['eager_tokens_per_s'], '.0f')}"
-            + (f"/{entry['graphs_tokens_per_s']:.0f}" if "graphs_tokens_per_s" in entry else "")
-            for rows, entry in figures["rows"].items()
-        )
-        print(f"decode attention {name}: tokens/s eager/replayed {steps}; NaN steps {figures['nan_steps']} of "
-              f"{figures['steps']}; kernels {', '.join(figures['attention_kernels']) or 'n/a'}")  # fmt: skip
+    print_kernels(report)
     if report.get("peak_run"):
         peak = report["peak_run"]
         print(f"join/evict peak: {peak}")
@@ -684,6 +826,42 @@ def print_report(report: dict[str, Any]) -> None:
         print(f"skipped {name}: {why}")
     verdict = "FAILED: " + "; ".join(report["failed"]) if report["failed"] else "OK"
     print(f"total {report['total_s']:.0f} s; {verdict}")
+
+
+def print_kernels(report: dict[str, Any]) -> None:
+    """The kernel stages' lines: the attention op and the weight-only op at their largest row counts, the decode
+    step per kernel, its three longest kernels."""
+    attention = report.get("attention_op") or {}
+    for name, kernel in (attention.get("kernels") or {}).items():
+        if "rows" not in kernel:
+            print(f"attention op {name}: {kernel.get('skipped', 'failed')}")
+            continue
+        parts = []
+        for rows, figures in kernel["rows"].items():
+            parts.append(f"{rows} rows " + ", ".join(f"{part} {e['us']:.0f} µs {e['gb_s']:.0f} GB/s"
+                                                    for part, e in figures.items()))  # fmt: skip
+        print(f"attention op {name} (µs per layer): " + "; ".join(parts) + (f"; {kernel['failure']}" if "failure" in kernel else ""))  # fmt: skip
+    weights = report.get("weights_op") or {}
+    for shape, figures in (weights.get("shapes") or {}).items():
+        line = []
+        for m, entries in figures["rows"].items():
+            line.append(f"M={m} " + " ".join(f"{fmt} {e['us']:.0f}" for fmt, e in entries.items()))
+        print(f"weight-only op {shape} [{figures['out_features']}x{figures['in_features']}] µs: " + "; ".join(line))
+    auto = report.get("decode_attention_auto") or {}
+    if auto:
+        print(f"decode attention (auto): {auto['kernel']}" + "".join(f"; {why}" for why in auto["passed_over"]))
+    for name, figures in (report.get("decode_attention") or {}).items():
+        if "rows" not in figures:
+            print(f"decode step {name}: {figures.get('skipped', 'failed')}")
+            continue
+        steps = ", ".join(
+            f"{rows} rows {_num(entry['eager_step_ms'], '.1f')}"
+            + (f"/{entry['graphs_step_ms']:.1f}" if "graphs_step_ms" in entry else "")
+            for rows, entry in figures["rows"].items()
+        )
+        longest = ", ".join(f"{k} {v['us']:.0f} µs x{v['calls']}" for k, v in list(figures["kernel_times"].items())[:3])
+        print(f"decode step {name} ({figures['tiles']}-tile rows): ms eager/replayed {steps}; {figures['captured']} "
+              f"graphs; NaN steps {figures['nan_steps']} of {figures['steps']}; longest kernels {longest or 'n/a'}")  # fmt: skip
 
 
 if __name__ == "__main__":

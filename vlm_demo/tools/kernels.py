@@ -151,15 +151,16 @@ def full_shape_model(quantize: str = "none") -> Any:
     return quantize_model(model, quantize)
 
 
-def synthetic_rows(decoder: Any, rows: int, device: torch.device, length: int = 5, dtype: Any = torch.float32) -> Any:
-    """``rows`` running rows over the decoder's pool, each ``length`` tokens in and a one-tile picture (whatever the
-    pages hold: for counting and timing steps, not for answers)."""
+def synthetic_rows(decoder: Any, rows: int, device: torch.device, length: int = 5, dtype: Any = torch.float32,
+                   tiles: int = 1) -> Any:  # fmt: skip
+    """``rows`` running rows over the decoder's pool, each ``length`` tokens in and a picture of ``tiles`` tiles
+    (whatever the pages hold: for counting and timing steps, not for answers)."""
     from vlm_demo.engine.request import Request
     from vlm_demo.engine.rows import Row, RunningRows
     from vlm_demo.request import SamplingParams
 
     running = RunningRows(decoder.pool, decoder.attention, device, dtype)
-    places = running.table.allocate([length + 1] * rows, [1] * rows, [True] * rows)  # room for the next token
+    places = running.table.allocate([length + 1] * rows, [tiles] * rows, [True] * rows)  # room for the next token
     assert places is not None, "the pool is too small for these rows"
     for place in places:
         place.length = length
