@@ -40,6 +40,30 @@ def _row_splits(length, max_splits, BLOCK_N: tl.constexpr, MIN_BLOCKS: tl.conste
 
 
 @triton.jit
+def _load_block(k_head, v_head, pages, s, hi, stride_kp, stride_kt, stride_vp, stride_vt,
+                HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
+    """Keys ``s … s + BLOCK_N`` (those below ``hi``) of one KV head, keys and values as stored, and which are live."""
+    n = tl.arange(0, BLOCK_N)
+    t = s + n
+    live = t < hi
+    if PAGE % BLOCK_N == 0:  # the block lies in one page: one page number for it
+        page = tl.load(pages + s // PAGE).to(tl.int64)
+        k_at = page * stride_kp + (s % PAGE + n) * stride_kt
+        v_at = page * stride_vp + (s % PAGE + n) * stride_vt
+    else:
+        page = tl.load(pages + t // PAGE, mask=live, other=0).to(tl.int64)
+        k_at = page * stride_kp + (t % PAGE) * stride_kt
+        v_at = page * stride_vp + (t % PAGE) * stride_vt
+    if HEAD_DIM == BLOCK_D:  # a mask constant along the head dim: 16-byte loads
+        kv_mask = live[:, None]
+    else:
+        kv_mask = live[:, None] & (tl.arange(0, BLOCK_D) < HEAD_DIM)[None, :]
+    k = tl.load(k_head + k_at[:, None], mask=kv_mask, other=0.0)
+    v = tl.load(v_head + v_at[:, None], mask=kv_mask, other=0.0)
+    return k, v, live
+
+
+@triton.jit
 def _split_attention(
     Q, K, V, TABLE, LENGTHS, OUT, LSE,
     stride_qr, stride_qh,
@@ -64,7 +88,6 @@ def _split_attention(
         first = split * each + tl.minimum(split, more)
         lo = first * BLOCK_N
         hi = tl.minimum((first + each + (split < more).to(tl.int32)) * BLOCK_N, length)
-        n = tl.arange(0, BLOCK_N)
         g = tl.arange(0, BLOCK_G)
         d = tl.arange(0, BLOCK_D)
         heads = kv_head * GROUP + g
@@ -78,22 +101,8 @@ def _split_attention(
         v_head = V + kv_head * stride_vh + d[None, :]
         pages = TABLE + row * stride_tr
         for s in range(lo, hi, BLOCK_N):
-            t = s + n
-            live = t < hi
-            if PAGE % BLOCK_N == 0:  # the block lies in one page: one page number for it
-                page = tl.load(pages + s // PAGE).to(tl.int64)
-                k_at = page * stride_kp + (s % PAGE + n) * stride_kt
-                v_at = page * stride_vp + (s % PAGE + n) * stride_vt
-            else:
-                page = tl.load(pages + t // PAGE, mask=live, other=0).to(tl.int64)
-                k_at = page * stride_kp + (t % PAGE) * stride_kt
-                v_at = page * stride_vp + (t % PAGE) * stride_vt
-            if HEAD_DIM == BLOCK_D:  # a mask constant along the head dim: 16-byte loads
-                kv_mask = live[:, None]
-            else:
-                kv_mask = live[:, None] & (d < HEAD_DIM)[None, :]
-            k = tl.load(k_head + k_at[:, None], mask=kv_mask, other=0.0)
-            v = tl.load(v_head + v_at[:, None], mask=kv_mask, other=0.0)
+            k, v, live = _load_block(k_head, v_head, pages, s, hi, stride_kp, stride_kt, stride_vp, stride_vt,
+                                     HEAD_DIM, PAGE, BLOCK_N, BLOCK_D)  # fmt: skip
             scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [BLOCK_G, BLOCK_N], base 2
             scores = tl.where(live[None, :], scores, float("-inf"))
             new_top = tl.maximum(top, tl.max(scores, 1))
