@@ -95,15 +95,29 @@ def server_env(**extra: str) -> dict[str, str]:
 
 
 def start_app(
-    port: int, *extra: str, env: dict[str, str] | None = None, model: str | None = "tiny", script: str = "app.py"
+    port: int,
+    *extra: str,
+    env: dict[str, str] | None = None,
+    model: str | None = "tiny",
+    script: str = "app.py",
+    new_group: bool = False,
 ) -> subprocess.Popen:
     """``python app.py --model tiny`` (``model=None``: no --model, as a newcomer runs it; ``script``: another
     launcher of ``app.main``) on a loopback port (``extra`` flags after the defaults win). Its output goes to a file
-    (read by :func:`server_output`): a pipe nobody reads would stall a chatty server."""
+    (read by :func:`server_output`): a pipe nobody reads would stall a chatty server. ``new_group``: in a process
+    group of its own (as ``setsid``), whose id is its pid, for a test that stops the whole group."""
     chosen = ["--model", model] if model else []
     cmd = [sys.executable, script, *chosen, "--host", "127.0.0.1", "--port", str(port), *extra]
     log = tempfile.TemporaryFile("w+")  # noqa: SIM115 - closed by stop_app
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env or server_env(), stdout=log, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        env=env or server_env(),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=new_group,
+    )
     proc.log = log  # type: ignore[attr-defined]
     return proc
 
@@ -140,6 +154,20 @@ def stop_app(proc: subprocess.Popen) -> str:
     out = server_output(proc)
     proc.log.close()  # type: ignore[attr-defined]
     return out
+
+
+def group_members(pgid: int) -> list[str]:
+    """The processes still in process group ``pgid``: "PID COMMAND" each (Linux's ``/proc``)."""
+    members = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:  # gone meanwhile
+            continue
+        fields = text.rsplit(")", 1)[1].split()  # after "pid (comm)": state, ppid, pgrp, …
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            members.append(f"{stat.parent.name} {text.split('(', 1)[1].rsplit(')', 1)[0]}")
+    return members
 
 
 @contextmanager
