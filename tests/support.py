@@ -156,18 +156,35 @@ def stop_app(proc: subprocess.Popen) -> str:
     return out
 
 
-def group_members(pgid: int) -> list[str]:
-    """The processes still in process group ``pgid``: "PID COMMAND" each (Linux's ``/proc``)."""
-    members = []
+def processes() -> dict[int, tuple[int, int, str]]:
+    """Every live process (zombies left out): pid → (parent pid, process group, command name), from ``/proc``."""
+    found = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             text = stat.read_text()
         except OSError:  # gone meanwhile
             continue
-        fields = text.rsplit(")", 1)[1].split()  # after "pid (comm)": state, ppid, pgrp, …
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            members.append(f"{stat.parent.name} {text.split('(', 1)[1].rsplit(')', 1)[0]}")
-    return members
+        name, rest = text.split("(", 1)[1].rsplit(")", 1)
+        state, ppid, pgrp = rest.split()[:3]
+        if state != "Z":
+            found[int(stat.parent.name)] = (int(ppid), int(pgrp), name)
+    return found
+
+
+def group_members(pgid: int) -> list[str]:
+    """The processes still in process group ``pgid``: "PID COMMAND" each."""
+    return [f"{pid} {name}" for pid, (_, pgrp, name) in processes().items() if pgrp == pgid]
+
+
+def descendants(pid: int) -> set[int]:
+    """The live processes ``pid`` started, and theirs, whatever their process group."""
+    table = processes()
+    found: set[int] = set()
+    frontier = {pid}
+    while frontier:
+        frontier = {child for child, (parent, _, _) in table.items() if parent in frontier} - found
+        found |= frontier
+    return found
 
 
 @contextmanager
@@ -237,10 +254,15 @@ def pytriton_requirements_met() -> bool:
 
 
 def start_triton(
-    args: list[str], models: list[str], log_path: Path, wait_s: float = 300, ports: list[int] | None = None
+    args: list[str],
+    models: list[str],
+    log_path: Path,
+    wait_s: float = 300,
+    ports: list[int] | None = None,
+    new_group: bool = False,
 ) -> tuple[subprocess.Popen, int, int]:
     """``python -m vlm_demo.triton.serve ARGS`` (run by :func:`triton_python`) on loopback ``ports`` (HTTP,
-    gRPC, metrics; default free ones); returns once every model is ready."""
+    gRPC, metrics; default free ones); returns once every model is ready. ``new_group``: as :func:`start_app`'s."""
     python = triton_python()
     http, grpc, metrics = ports or free_ports(3)
     # No LD_LIBRARY_PATH: the command puts this Python's LIBDIR there itself (a user need not export it).
@@ -248,7 +270,7 @@ def start_triton(
     log = open(log_path, "w")  # noqa: SIM115 - closed with the process
     cmd = [python, "-m", "vlm_demo.triton.serve", *args,
            "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics)]  # fmt: skip
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=new_group)
     pending = list(models)
 
     def all_ready() -> bool:

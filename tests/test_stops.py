@@ -11,35 +11,61 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import requests
-from support import free_port, group_members, server_output, start_app, wait_ready, wait_until
+from support import (
+    descendants,
+    free_port,
+    group_members,
+    processes,
+    server_output,
+    start_app,
+    start_triton,
+    wait_ready,
+    wait_until,
+)
 
 from vlm_demo.config import DEFAULT_MODEL, TINY, Config
 from vlm_demo.models.choice import no_gpu_here, planned_model
+from vlm_demo.triton.contract import ENSEMBLE_MODEL, GENERATE_MODEL
 
 NOT_IN_AN_ORDERLY_STOP = ("Traceback", "restarting", "died", "KeyboardInterrupt", "Cannot start")
 
 
-def stop_group(proc: subprocess.Popen, signum: int, wait_s: float = 60) -> str:
+def stop_group(proc: subprocess.Popen, signum: int, read_log: Callable[[], str], wait_s: float = 60) -> str:
     """``signum`` to the server's whole process group; once it has ended, its log (it must end by itself, and
-    leave nothing of its group behind)."""
+    leave nothing behind: nothing in its group, none of the processes it had started, in any group)."""
+    started = descendants(proc.pid)
     os.killpg(proc.pid, signum)
     try:
         proc.wait(wait_s)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(10)
-        pytest.fail(f"{signal.Signals(signum).name} did not stop the server:\n{server_output(proc)[-3000:]}")
-    wait_until(lambda: not group_members(proc.pid), 20, what="every process of the server's group to end", fail=False)
-    left = group_members(proc.pid)
-    if left:
-        os.killpg(proc.pid, signal.SIGKILL)
-    log = server_output(proc)
-    proc.log.close()  # type: ignore[attr-defined]
-    assert not left, f"left running after the server stopped: {left}\n{log[-3000:]}"
+        pytest.fail(f"{signal.Signals(signum).name} did not stop the server:\n{read_log()[-3000:]}")
+
+    def left() -> list[str]:
+        return group_members(proc.pid) + [
+            f"{pid} {name}" for pid, (_, _, name) in processes().items() if pid in started
+        ]
+
+    wait_until(lambda: not left(), 20, what="every process the server started to end", fail=False)
+    remaining = left()
+    for line in remaining:
+        os.kill(int(line.split()[0]), signal.SIGKILL)
+    log = read_log()
+    assert not remaining, f"left running after the server stopped: {remaining}\n{log[-3000:]}"
     return log
+
+
+def stop_app_group(proc: subprocess.Popen, signum: int) -> str:
+    try:
+        return stop_group(proc, signum, lambda: server_output(proc))
+    finally:
+        proc.log.close()  # type: ignore[attr-defined]
 
 
 def assert_orderly(proc: subprocess.Popen, log: str) -> None:
@@ -63,7 +89,7 @@ def test_a_stop_of_the_apps_whole_group_stops_the_server_and_then_its_engine(sig
         wait_ready(proc, url)
         engine = requests.get(url + "/health", timeout=10).json()["details"]["engine_pid"]
     finally:
-        log = stop_group(proc, signum)
+        log = stop_app_group(proc, signum)
     assert_orderly(proc, log)
     assert f"engine process {engine} stopped (exit code 0)" in log, log[-3000:]
 
@@ -83,7 +109,7 @@ def test_a_stop_of_the_apps_whole_group_while_the_model_loads_ends_the_load() ->
         wait_until(engine_started, 120, every=0.1, what="the engine process to start")
         status = requests.get(url + "/health", timeout=10)
     finally:
-        log = stop_group(proc, signal.SIGTERM)
+        log = stop_app_group(proc, signal.SIGTERM)
     assert status.json()["status"] == "loading", status.text  # the signal came while the model loaded
     assert_orderly(proc, log)
     assert "the server stopped while the model loaded: engine process" in log, log[-3000:]
@@ -127,7 +153,31 @@ def test_health_and_the_loading_page_name_the_tiny_model_throughout_a_start_with
     try:
         wait_until(ready, 240, every=0.1, what="the server to be ready")
     finally:
-        stop_group(proc, signal.SIGTERM)
+        stop_app_group(proc, signal.SIGTERM)
     assert pages, "the server was ready before the first /health answered: nothing seen while it loaded"
     assert set(named) == {TINY}, named
     assert all(f"Loading <code>{TINY}</code>" in page and DEFAULT_MODEL not in page for page in pages), pages[0]
+
+
+# ---- the Triton server --------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_stop_of_the_triton_servers_whole_group_unloads_the_models_then_stops_tritonserver(
+    signum: int, tmp_path: Path
+) -> None:
+    """tritonserver and its model processes do not hear the group's signal: the command unloads the models (no
+    "could not unload … Connection refused"), then stops tritonserver; no model process dies mid-way (no "leaked
+    shared_memory objects")."""
+    log_path = tmp_path / "triton.log"
+    proc, _, _ = start_triton(["--model", "tiny"], [ENSEMBLE_MODEL, GENERATE_MODEL], log_path, new_group=True)
+    started, table = descendants(proc.pid), processes()
+    assert any(table[pid][2] == "tritonserver" for pid in started if pid in table), "no tritonserver among its children"
+    log = stop_group(proc, signum, log_path.read_text, wait_s=200)
+    assert_orderly(proc, log)
+    stopping = log.split("stopping: unloading the models", 1)
+    assert len(stopping) == 2, f"the stop did not start the orderly unload:\n{log[-3000:]}"
+    for words in ("could not unload", "Connection refused", "ConnectionRefusedError", "leaked", "still unloading"):
+        assert words not in stopping[1], f"{words!r} in the log of an ordinary stop:\n{stopping[1][-3000:]}"
+    assert "successfully unloaded" in stopping[1], stopping[1][-3000:]
