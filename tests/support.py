@@ -144,7 +144,8 @@ def wait_ready(proc: subprocess.Popen, url: str, timeout: float = 240) -> None:
 
 
 def stop_app(proc: subprocess.Popen) -> str:
-    """SIGTERM, then its whole output."""
+    """SIGTERM, then its whole output; every process it had started (engine, GPU workers) must end with it."""
+    started = descendants(proc.pid)
     proc.terminate()
     try:
         proc.wait(timeout=20)
@@ -153,7 +154,25 @@ def stop_app(proc: subprocess.Popen) -> str:
         proc.wait()
     out = server_output(proc)
     proc.log.close()  # type: ignore[attr-defined]
+    left = outliving(started)
+    assert not left, f"still running after the server stopped (killed now): {left}\n{out[-3000:]}"
     return out
+
+
+def outliving(pids: set[int], wait_s: float = 15) -> list[str]:
+    """Those of ``pids`` still running after ``wait_s`` seconds ("PID COMMAND" each), killed now."""
+
+    def alive() -> list[str]:
+        return [f"{pid} {name}" for pid, (_, _, name) in processes().items() if pid in pids]
+
+    wait_until(lambda: not alive(), wait_s, every=0.2, fail=False)
+    left = alive()
+    for line in left:
+        try:
+            os.kill(int(line.split()[0]), signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return left
 
 
 def processes() -> dict[int, tuple[int, int, str]]:

@@ -20,7 +20,9 @@ from support import (
     descendants,
     free_port,
     group_members,
+    outliving,
     processes,
+    server_env,
     server_output,
     start_app,
     start_triton,
@@ -47,15 +49,7 @@ def stop_group(proc: subprocess.Popen, signum: int, read_log: Callable[[], str],
         proc.wait(10)
         pytest.fail(f"{signal.Signals(signum).name} did not stop the server:\n{read_log()[-3000:]}")
 
-    def left() -> list[str]:
-        return group_members(proc.pid) + [
-            f"{pid} {name}" for pid, (_, _, name) in processes().items() if pid in started
-        ]
-
-    wait_until(lambda: not left(), 20, what="every process the server started to end", fail=False)
-    remaining = left()
-    for line in remaining:
-        os.kill(int(line.split()[0]), signal.SIGKILL)
+    remaining = outliving(started | {int(line.split()[0]) for line in group_members(proc.pid)}, 20)
     log = read_log()
     assert not remaining, f"left running after the server stopped: {remaining}\n{log[-3000:]}"
     return log
@@ -181,3 +175,43 @@ def test_a_stop_of_the_triton_servers_whole_group_unloads_the_models_then_stops_
     for words in ("could not unload", "Connection refused", "ConnectionRefusedError", "leaked", "still unloading"):
         assert words not in stopping[1], f"{words!r} in the log of an ordinary stop:\n{stopping[1][-3000:]}"
     assert "successfully unloaded" in stopping[1], stopping[1][-3000:]
+
+
+# ---- what a killed web process leaves ----------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_a_zerogpu_worker_ends_when_the_web_process_that_forked_it_is_killed() -> None:
+    """ZeroGPU's GPU worker (forked by ``spaces``, waiting for its next call on a queue whose writing end it holds
+    itself) never learns that the web process is gone: killed (SIGKILL, or a test's stop that timed out), the
+    web process left it running, orphaned, with the model's memory. It follows the web process now."""
+    from gradio_client import Client, handle_file
+    from zerogpu_standin import FakeScheduler
+
+    from vlm_demo import ASSETS_DIR
+
+    scheduler = FakeScheduler().start()
+    env = server_env(SPACES_ZERO_GPU="true", SPACES_ZERO_DEVICE_API_URL=scheduler.url, TOKENIZERS_PARALLELISM="false")
+    port = free_port()
+    proc = start_app(port, "--response-cache-mb", "0", env=env, script="tests/zerogpu_standin.py")
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(proc, url)
+        client = Client(url, verbose=False, headers={"X-IP-Token": "visitor"})
+        answer = client.predict(
+            handle_file(f"{ASSETS_DIR}/tiny/red.png"), "What colour is it?", 60, 0.0, 1.0, api_name="/ask"
+        )
+        assert "red" in answer[3].lower(), answer
+        workers = {int(allowed["pid"]) for allowed in scheduler.allowed}
+        assert workers and workers <= descendants(proc.pid), (workers, descendants(proc.pid))
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+        left = outliving(workers, 15)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        log = server_output(proc)
+        proc.log.close()  # type: ignore[attr-defined]
+        scheduler.stop()
+    assert not left, f"GPU workers still running after the web process was killed: {left}\n{log[-3000:]}"

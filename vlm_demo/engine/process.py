@@ -26,12 +26,12 @@ goes away (killed), this one follows it at once, even while it is still loading.
 from __future__ import annotations
 
 import logging
-import multiprocessing
 import os
 import signal
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING
 
 from vlm_demo import logs
@@ -57,6 +57,7 @@ if TYPE_CHECKING:  # the engine (and torch) load in ``run``, inside the engine p
 log = logging.getLogger(__name__)
 
 HEARTBEAT_S = 1.0  # stats reach the web process at least this often (for /health and /metrics)
+PARENT_CHECK_S = 1.0  # how often a process the web process started checks that it is still there
 
 
 class EngineCore:
@@ -161,19 +162,20 @@ class EngineCore:
             os._exit(ENGINE_FAILED)
 
 
-def follow_the_web_process() -> None:
-    """End this process as soon as the web process that spawned it is gone (killed, or ended without a word)."""
-    parent = multiprocessing.parent_process()
-    if parent is None:  # not spawned by multiprocessing (a test calling ``run`` directly)
-        return
+def follow_the_web_process(what: str = "engine") -> None:
+    """End this process as soon as the web process that started it is gone (killed, or ended without stopping
+    it): orphaned, it would hold its memory (and a GPU) for nobody. Also for ZeroGPU's GPU workers, forked by the
+    web process, which otherwise wait for their next call for ever. The web process is this one's parent."""
+    parent = os.getppid()
 
     def watch() -> None:
-        wait([parent.sentinel])
-        log.warning("web process went away; stopping the engine")
+        while os.getppid() == parent:
+            time.sleep(PARENT_CHECK_S)
+        log.warning("web process %d went away; stopping the %s (process %d)", parent, what, os.getpid())
         logging.shutdown()
         os._exit(0)
 
-    threading.Thread(target=watch, name="vlm-engine-parent", daemon=True).start()
+    threading.Thread(target=watch, name="vlm-follow-parent", daemon=True).start()
 
 
 def run(config: Config, conn: Connection) -> None:
