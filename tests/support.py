@@ -256,8 +256,8 @@ def triton_python() -> str:
     if importlib.util.find_spec("pytriton") is not None and pytriton_requirements_met():
         return sys.executable
     pytest.skip(
-        f"needs PyTriton: make its environment (python -m venv --system-site-packages .venv-triton && "
-        f".venv-triton/bin/pip install -r requirements-triton.txt) and set {TRITON_PYTHON}=.venv-triton/bin/python"
+        f"needs PyTriton: make its environment .venv-triton as the README's Tests section says, "
+        f"and set {TRITON_PYTHON}=.venv-triton/bin/python"
     )
 
 

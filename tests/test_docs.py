@@ -300,3 +300,39 @@ def test_every_folder_the_docs_have_you_create_is_ignored_by_git() -> None:
     done = subprocess.run(["git", "check-ignore", *folders], cwd=ROOT, capture_output=True, text=True)
     ignored = {line.rstrip("/") for line in done.stdout.split()}
     assert ignored == made, f"add to .gitignore: {sorted(made - ignored)}"
+
+
+TRITON_RECIPE_PLACES = [README, DOCS / "development.md", DOCS / "triton.md", ROOT / ".ci" / "run"]
+
+
+def triton_recipe(text: str) -> list[str]:
+    """The commands that make ``.venv-triton`` in ``text`` (continued lines joined, pip's ``-q`` left out)."""
+    joined = re.sub(r"\\\n\s*", "", text)
+    lines = [line.strip() for line in joined.splitlines()]
+    made = [line for line in lines if line.startswith("python -m venv") and ".venv-triton" in line]
+    if not made:
+        return []
+    start = lines.index(made[0])
+    recipe = []
+    for line in lines[start:]:
+        if not (line.startswith(("python -m venv", "python -c")) or "-m pip install" in line or "/pip install" in line):
+            break
+        recipe.append(line.replace(" -q ", " "))
+    return recipe
+
+
+def test_the_triton_environment_has_one_recipe_that_reuses_the_runtimes_torch() -> None:
+    """The README, development.md, triton.md and CI make ``.venv-triton`` the same way, and that way never installs
+    a second torch: the runtime's packages are seen through a ``.pth`` file written by the runtime's own Python
+    (``--system-site-packages`` from an activated ``.venv`` would give the base interpreter's instead), so pip
+    finds torch installed. (That pip then plans no torch is checked by test_docs_commands.py, in a throwaway venv.)"""
+    recipes = {place.relative_to(ROOT).as_posix(): triton_recipe(place.read_text(encoding="utf-8")) for place in
+               TRITON_RECIPE_PLACES}  # fmt: skip
+    assert all(recipes.values()), {place: recipe for place, recipe in recipes.items() if not recipe}
+    first = next(iter(recipes.values()))
+    assert all(recipe == first for recipe in recipes.values()), recipes
+    assert not any("--system-site-packages" in line for line in first), first
+    assert any(line.startswith("python -c") and "runtime.pth" in line for line in first), first
+    assert first[-1].endswith("-m pip install -r requirements-triton.txt"), first
+    for page in pages():  # and no other page has a recipe of its own
+        assert triton_recipe(page.read_text(encoding="utf-8")) in ([], first), page.name

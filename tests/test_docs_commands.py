@@ -322,3 +322,22 @@ def test_the_docker_command_mounts_what_the_repository_has() -> None:
     for block in docker:
         for path in re.findall(r"/app/([\w./-]+)", block.text):
             assert (ROOT / path).exists(), f"{block}: /app/{path} is not in the repository"
+
+
+def test_the_triton_environments_recipe_installs_no_torch(tmp_path: Path) -> None:
+    """The README's recipe for ``.venv-triton``, run in a throwaway folder with pip's install a dry run: pip plans
+    PyTriton, numpy below 2 and what they need, and no torch (nor any CUDA library): the runtime's is reused."""
+    from test_docs import triton_recipe
+
+    venv = tmp_path / "venv-triton"
+    recipe = [line.replace(".venv-triton", str(venv)) for line in triton_recipe((ROOT / "README.md").read_text())]
+    *setup, install = recipe
+    report = tmp_path / "report.json"
+    script = "set -eo pipefail\n" + "\n".join(setup) + f"\n{install} --dry-run --quiet --report {report}\n"
+    done = run(["bash", "-c", script], timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    planned = {item["metadata"]["name"].lower() for item in json.loads(report.read_text())["install"]}
+    assert {"nvidia-pytriton", "numpy"} <= planned, planned
+    assert not {name for name in planned if name.startswith(("torch", "nvidia-")) and name != "nvidia-pytriton"}, (
+        planned
+    )
