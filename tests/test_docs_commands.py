@@ -241,12 +241,13 @@ def test_every_command_line_is_one_its_program_accepts() -> None:
         elif first in (".", "source") and words[1].endswith("/bin/activate"):
             continue  # made by the python -m venv before it
         elif first == "pip" or first.endswith("/bin/pip") or (python and words[1:3] == ["-m", "pip"]):
+            named = [word for word in words[words.index("install") + 1 :] if not word.startswith("-")]
             if "-r" in words:
                 requirements = words[words.index("-r") + 1]
                 if not (ROOT / requirements).is_file():
                     problems.append(f"{where}: {line}: no {requirements}")
-            else:
-                problems.append(f"{where}: {line}: install from a requirements file")
+            elif not named or not set(named) <= requirement_lines(ROOT / "requirements-dev.txt"):
+                problems.append(f"{where}: {line}: install from a requirements file, or what requirements-dev.txt pins")
         elif first == "ruff":
             done = run(["bash", "-c", line], timeout=120)
             if done.returncode != 0:
@@ -266,6 +267,11 @@ def test_every_command_line_is_one_its_program_accepts() -> None:
     counts = selected_counts([selection for _, selection in selections])
     problems += [f"{where}: selects no test" for (where, _), count in zip(selections, counts, strict=True) if not count]
     assert not problems, "\n".join(problems)
+
+
+def requirement_lines(path: Path) -> set[str]:
+    """The requirements ``path`` names, as written (comments left out)."""
+    return {line.split("#")[0].strip() for line in path.read_text().splitlines()} - {""}
 
 
 def selection_of(args: list[str]) -> dict:
