@@ -188,6 +188,7 @@ def run(config: Config, conn: Connection) -> None:
     import transformers  # noqa: F401 - loading needs it; importing it gives huggingface_hub's logger a handler, taken off now
 
     logs.quiet_hub_retries()
+    logs.quiet_torchao_without_triton()
     try:
         from vlm_demo.engine import make_engine
         from vlm_demo.models.choice import choose_model
