@@ -165,6 +165,8 @@ def test_the_block_runs_against_the_server(block: Block, servers: dict[str, str]
         done = run(["bash", "-c", prelude + code])
     assert done.returncode == 0, f"{block} failed:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
     assert done.stdout.strip(), f"{block} printed nothing"
+    for colour in re.findall(r"assets/tiny/(\w+)\.png", block.text):  # a picture the tiny model answers: it does
+        assert colour in done.stdout.lower(), f"{block}: the tiny model did not say {colour}:\n{done.stdout[-2000:]}"
     assert "event: error" not in done.stdout and '"error"' not in done.stdout, f"{block}:\n{done.stdout[-2000:]}"
 
 
