@@ -44,6 +44,7 @@ DOCS_URL = "http://127.0.0.1:7860"
 SECURED = ("alice:s3cret", "Bearer TOKEN")  # the credentials the docs' examples use
 NOT_RUN = {  # first word(s) -> why the check does not run it here; the command is still read
     "apt-get": "installs from Debian's mirror as root: CI's .ci/run does it",
+    "hf auth login": "asks for the reader's own Hub token",
     "docker": "no Docker on these machines",
     "bash .ci/run": "it is CI itself",
 }
@@ -254,10 +255,13 @@ def test_every_command_line_is_one_its_program_accepts() -> None:
             done = run(["bash", "-c", line], timeout=120)
             if done.returncode != 0:
                 problems.append(f"{where}: {line}: {done.stdout[-1500:]}")
-        elif first == "hf" and words[1:2] == ["download"]:
-            done = run(["hf", "download", "--help"], timeout=120)  # the Hub cannot be reached from here
-            if done.returncode != 0:
-                problems.append(f"{where}: {line}: hf download does not exist here")
+        elif first == "hf" and words[1:2] in (["download"], ["upload"]) or words[:3] == ["hf", "repos", "create"]:
+            command = words[: 3 if words[1] == "repos" else 2]  # the Hub cannot be reached from here: its options
+            done = run([*command, "--help"], timeout=120)
+            options = set(re.findall(r"--[\w-]+", done.stdout))
+            unknown = [w.split("=")[0] for w in words if w.startswith("--") and w.split("=")[0] not in options]
+            if done.returncode != 0 or unknown:
+                problems.append(f"{where}: {line}: {shlex.join(command)} does not exist here or lacks {unknown}")
         else:
             problems.append(f"{where}: {line}: teach tests/test_docs_commands.py how to check this command")
     if modules:
