@@ -19,11 +19,13 @@ Nothing here imports torch: the web process stays light and starts fast.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import multiprocessing
 import signal
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from multiprocessing import resource_tracker
 from multiprocessing.connection import Connection, wait
@@ -63,6 +65,20 @@ def _describe_exit(code: int | None) -> str:
     return f"exit code {code}"
 
 
+OPEN: weakref.WeakSet[EngineProcessBackend] = weakref.WeakSet()  # backends whose engine process may still run
+
+
+def close_open_backends() -> None:
+    """At exit, stop every engine process nobody closed. It ignores SIGTERM (a stop of the group is the web
+    process's to carry out), so multiprocessing's own exit hook, which sends SIGTERM and then waits for it, would
+    wait for ever. Registered after that hook, so it runs first."""
+    for backend in list(OPEN):
+        backend.close()
+
+
+atexit.register(close_open_backends)
+
+
 class EngineProcessBackend:
     """Starts, feeds and supervises the engine process."""
 
@@ -91,6 +107,7 @@ class EngineProcessBackend:
         self._proc: BaseProcess | None = None
         self._conn: Connection | None = None
         self._started_at = 0.0
+        OPEN.add(self)
         self._start()  # raises EngineStartError when the model cannot be loaded at all
         self._supervisor = threading.Thread(target=self._supervise, name="vlm-engine-supervisor", daemon=True)
         self._supervisor.start()
@@ -149,6 +166,7 @@ class EngineProcessBackend:
 
     def close(self, timeout: float = 10.0) -> None:
         """Stop the engine process: it fails what is queued and ends the running rows."""
+        OPEN.discard(self)
         self._stopping.set()
         self._ready.clear()
         try:

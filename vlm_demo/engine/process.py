@@ -224,7 +224,7 @@ def run(config: Config, conn: Connection) -> None:
         publisher.join(2.0)
 
 
-def say(conn: Connection, message: Loading | Ready | Fatal) -> bool:
+def say(conn: Connection, message: Ready | Fatal) -> bool:
     """Send one start-up message; False (and nothing raised) when the web process has already gone."""
     try:
         conn.send(message)
