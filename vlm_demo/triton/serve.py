@@ -497,10 +497,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     tritonserver_in_a_group_of_its_own()
     config = config_from_namespace(args)
     ports = (args.http_port, args.grpc_port, args.metrics_port, args.host)
-    if args.model_repository:
-        serve_repository(args.model_repository, config, *ports)
-    else:
-        serve(config, *ports)
+    try:
+        if args.model_repository:
+            serve_repository(args.model_repository, config, *ports)
+        else:
+            serve(config, *ports)
+    except KeyboardInterrupt:  # Ctrl+C while the model loaded, before tritonserver started: nothing to unload
+        log.info("stopped before serving")
+        raise SystemExit(130) from None
 
 
 if __name__ == "__main__":
