@@ -1,4 +1,5 @@
-"""Shared fixtures: the tiny model (shipped built with the package) is loaded once per session."""
+"""Shared fixtures: the tiny model (shipped built with the package) is loaded once per session; and no process the
+tests start may outlive the session."""
 
 from __future__ import annotations
 
@@ -7,9 +8,11 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import uuid
 from pathlib import Path
 
 import pytest
+from support import outliving
 from triton_interpreter import mend as mend_triton_interpreter
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
@@ -60,6 +63,25 @@ def engines(worker):
         engine.shutdown()
 
 
+# Every process the tests start inherits this mark (servers, their engine processes and GPU workers, tritonserver
+# and its model processes, whatever their process group or parent): at the session's end none may be left.
+SESSION_MARK = "VLM_TEST_SESSION"
+os.environ[SESSION_MARK] = uuid.uuid4().hex
+
+
+def marked_processes() -> set[int]:
+    """The live processes, other than this one, that carry this session's mark in their environment."""
+    mark = f"{SESSION_MARK}={os.environ[SESSION_MARK]}".encode()
+    found = set()
+    for environ in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            if mark in environ.read_bytes().split(b"\0"):
+                found.add(int(environ.parent.name))
+        except (OSError, ValueError):  # gone meanwhile, or not ours to read
+            continue
+    return found - {os.getpid()}
+
+
 # The tiny model's recipe trains for minutes on one core: when its test is selected, the build starts with the
 # session, in the background (one thread), and the test collects it at its turn.
 RECIPE_TEST = ("test_tiny.py", "test_the_recipe_rebuilds_what_was_shipped_on_any_cpu")
@@ -86,6 +108,16 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
         build.kill()
         build.wait()
         shutil.rmtree(folder, ignore_errors=True)
+    left = outliving(marked_processes(), wait_s=10) if sys.platform.startswith("linux") else []
+    if left:  # a test, fixture or server that does not stop what it started: said, and the run fails
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        message = f"processes the tests started were still running at the session's end (killed now): {left}"
+        if reporter is not None:
+            reporter.ensure_newline()
+            reporter.write_line(message, red=True, bold=True)
+        else:
+            print(message, file=sys.stderr)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 @pytest.fixture

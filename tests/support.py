@@ -97,15 +97,29 @@ def server_env(**extra: str) -> dict[str, str]:
 
 
 def start_app(
-    port: int, *extra: str, env: dict[str, str] | None = None, model: str | None = "tiny", script: str = "app.py"
+    port: int,
+    *extra: str,
+    env: dict[str, str] | None = None,
+    model: str | None = "tiny",
+    script: str = "app.py",
+    new_group: bool = False,
 ) -> subprocess.Popen:
     """``python app.py --model tiny`` (``model=None``: no --model, as a newcomer runs it; ``script``: another
     launcher of ``app.main``) on a loopback port (``extra`` flags after the defaults win). Its output goes to a file
-    (read by :func:`server_output`): a pipe nobody reads would stall a chatty server."""
+    (read by :func:`server_output`): a pipe nobody reads would stall a chatty server. ``new_group``: in a process
+    group of its own (as ``setsid``), whose id is its pid, for a test that stops the whole group."""
     chosen = ["--model", model] if model else []
     cmd = [sys.executable, script, *chosen, "--host", "127.0.0.1", "--port", str(port), *extra]
     log = tempfile.TemporaryFile("w+")  # noqa: SIM115 - closed by stop_app
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env or server_env(), stdout=log, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        env=env or server_env(),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=new_group,
+    )
     proc.log = log  # type: ignore[attr-defined]
     return proc
 
@@ -132,7 +146,8 @@ def wait_ready(proc: subprocess.Popen, url: str, timeout: float = 240) -> None:
 
 
 def stop_app(proc: subprocess.Popen) -> str:
-    """SIGTERM, then its whole output."""
+    """SIGTERM, then its whole output; every process it had started (engine, GPU workers) must end with it."""
+    started = descendants(proc.pid)
     proc.terminate()
     try:
         proc.wait(timeout=20)
@@ -141,7 +156,56 @@ def stop_app(proc: subprocess.Popen) -> str:
         proc.wait()
     out = server_output(proc)
     proc.log.close()  # type: ignore[attr-defined]
+    left = outliving(started)
+    assert not left, f"still running after the server stopped (killed now): {left}\n{out[-3000:]}"
     return out
+
+
+def outliving(pids: set[int], wait_s: float = 15) -> list[str]:
+    """Those of ``pids`` still running after ``wait_s`` seconds ("PID COMMAND" each), killed now."""
+
+    def alive() -> list[str]:
+        return [f"{pid} {name}" for pid, (_, _, name) in processes().items() if pid in pids]
+
+    wait_until(lambda: not alive(), wait_s, every=0.2, fail=False)
+    left = alive()
+    for line in left:
+        try:
+            os.kill(int(line.split()[0]), signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return left
+
+
+def processes() -> dict[int, tuple[int, int, str]]:
+    """Every live process (zombies left out): pid → (parent pid, process group, command name), from ``/proc``."""
+    found = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:  # gone meanwhile
+            continue
+        name, rest = text.split("(", 1)[1].rsplit(")", 1)
+        state, ppid, pgrp = rest.split()[:3]
+        if state != "Z":
+            found[int(stat.parent.name)] = (int(ppid), int(pgrp), name)
+    return found
+
+
+def group_members(pgid: int) -> list[str]:
+    """The processes still in process group ``pgid``: "PID COMMAND" each."""
+    return [f"{pid} {name}" for pid, (_, pgrp, name) in processes().items() if pgrp == pgid]
+
+
+def descendants(pid: int) -> set[int]:
+    """The live processes ``pid`` started, and theirs, whatever their process group."""
+    table = processes()
+    found: set[int] = set()
+    frontier = {pid}
+    while frontier:
+        frontier = {child for child, (parent, _, _) in table.items() if parent in frontier} - found
+        found |= frontier
+    return found
 
 
 @contextmanager
@@ -194,8 +258,8 @@ def triton_python() -> str:
     if importlib.util.find_spec("pytriton") is not None and pytriton_requirements_met():
         return sys.executable
     pytest.skip(
-        f"needs PyTriton: make its environment (python -m venv --system-site-packages .venv-triton && "
-        f".venv-triton/bin/pip install -r requirements-triton.txt) and set {TRITON_PYTHON}=.venv-triton/bin/python"
+        f"needs PyTriton: make its environment .venv-triton as the README's Tests section says, "
+        f"and set {TRITON_PYTHON}=.venv-triton/bin/python"
     )
 
 
@@ -211,10 +275,15 @@ def pytriton_requirements_met() -> bool:
 
 
 def start_triton(
-    args: list[str], models: list[str], log_path: Path, wait_s: float = 300, ports: list[int] | None = None
+    args: list[str],
+    models: list[str],
+    log_path: Path,
+    wait_s: float = 300,
+    ports: list[int] | None = None,
+    new_group: bool = False,
 ) -> tuple[subprocess.Popen, int, int]:
     """``python -m vlm_demo.triton.serve ARGS`` (run by :func:`triton_python`) on loopback ``ports`` (HTTP,
-    gRPC, metrics; default free ones); returns once every model is ready."""
+    gRPC, metrics; default free ones); returns once every model is ready. ``new_group``: as :func:`start_app`'s."""
     python = triton_python()
     http, grpc, metrics = ports or free_ports(3)
     # No LD_LIBRARY_PATH: the command puts this Python's LIBDIR there itself (a user need not export it).
@@ -222,7 +291,7 @@ def start_triton(
     log = open(log_path, "w")  # noqa: SIM115 - closed with the process
     cmd = [python, "-m", "vlm_demo.triton.serve", *args,
            "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics)]  # fmt: skip
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=new_group)
     pending = list(models)
 
     def all_ready() -> bool:

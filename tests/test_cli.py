@@ -328,3 +328,24 @@ def test_a_hub_retry_is_one_log_line(caplog) -> None:
         f"[Retry {n}/5]."
         for n in (1, 2)
     ]
+
+
+def test_a_start_without_triton_does_not_log_torchaos_no_triton_warning() -> None:
+    """On a machine without a GPU (the CPU build of torch brings no ``triton``) torchao warned "Detected no triton"
+    on every start: nothing a user can act on. The log setup of every process that may import torchao (the web
+    process, the engine process, the Triton command) drops that one record, and only it."""
+    code = (
+        "import sys, logging; sys.modules['triton'] = None  # as on a machine without it\n"
+        "from vlm_demo import logs; {setup}\n"
+        "import torchao.kernel.intmm\n"
+        "logging.getLogger('torchao.kernel.intmm').warning('another warning of that logger')\n"
+    )
+    said = {}
+    for name, setup in (("bare", "logging.basicConfig()"), ("ours", "logs.setup()")):
+        done = subprocess.run(
+            [sys.executable, "-c", code.format(setup=setup)], cwd=ROOT, capture_output=True, text=True
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        said[name] = done.stderr
+    assert "Detected no triton" in said["bare"]  # the warning the setup drops (torchao still logs it)
+    assert "Detected no triton" not in said["ours"] and "another warning of that logger" in said["ours"], said["ours"]

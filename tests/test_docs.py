@@ -300,3 +300,128 @@ def test_every_folder_the_docs_have_you_create_is_ignored_by_git() -> None:
     done = subprocess.run(["git", "check-ignore", *folders], cwd=ROOT, capture_output=True, text=True)
     ignored = {line.rstrip("/") for line in done.stdout.split()}
     assert ignored == made, f"add to .gitignore: {sorted(made - ignored)}"
+
+
+TRITON_RECIPE_PLACES = [README, DOCS / "development.md", DOCS / "triton.md", ROOT / ".ci" / "run"]
+
+
+def triton_recipe(text: str) -> list[str]:
+    """The commands that make ``.venv-triton`` in ``text`` (continued lines joined, pip's ``-q`` left out)."""
+    joined = re.sub(r"\\\n\s*", "", text)
+    lines = [line.strip() for line in joined.splitlines()]
+    made = [line for line in lines if line.startswith("python -m venv") and ".venv-triton" in line]
+    if not made:
+        return []
+    start = lines.index(made[0])
+    recipe = []
+    for line in lines[start:]:
+        if not (line.startswith(("python -m venv", "python -c")) or "-m pip install" in line or "/pip install" in line):
+            break
+        recipe.append(line.replace(" -q ", " "))
+    return recipe
+
+
+def test_the_triton_environment_has_one_recipe_that_reuses_the_runtimes_torch() -> None:
+    """The README, development.md, triton.md and CI make ``.venv-triton`` the same way, and that way never installs
+    a second torch: the runtime's packages are seen through a ``.pth`` file written by the runtime's own Python
+    (``--system-site-packages`` from an activated ``.venv`` would give the base interpreter's instead), so pip
+    finds torch installed. (That pip then plans no torch is checked by test_docs_commands.py, in a throwaway venv.)"""
+    recipes = {place.relative_to(ROOT).as_posix(): triton_recipe(place.read_text(encoding="utf-8")) for place in
+               TRITON_RECIPE_PLACES}  # fmt: skip
+    assert all(recipes.values()), {place: recipe for place, recipe in recipes.items() if not recipe}
+    first = next(iter(recipes.values()))
+    assert all(recipe == first for recipe in recipes.values()), recipes
+    assert not any("--system-site-packages" in line for line in first), first
+    assert any(line.startswith("python -c") and "runtime.pth" in line for line in first), first
+    assert first[-1].endswith("-m pip install -r requirements-triton.txt"), first
+    for page in pages():  # and no other page has a recipe of its own
+        assert triton_recipe(page.read_text(encoding="utf-8")) in ([], first), page.name
+
+
+def installed_with(requirements: list[str]) -> set[str]:
+    """The distributions ``requirements`` install, with everything they require (as installed here), by
+    canonical name."""
+    from importlib.metadata import PackageNotFoundError, requires
+
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    found: set[tuple[str, frozenset[str]]] = set()
+    pending = [Requirement(r) for r in requirements]
+    while pending:
+        requirement = pending.pop()
+        key = (canonicalize_name(requirement.name), frozenset(requirement.extras))
+        if key in found:
+            continue
+        found.add(key)
+        try:
+            needs = [Requirement(r) for r in requires(requirement.name) or []]
+        except PackageNotFoundError:
+            continue
+        pending += [
+            n for n in needs if n.marker is None or any(n.marker.evaluate({"extra": e}) for e in key[1] or {""})
+        ]
+    return {name for name, _ in found}
+
+
+def requirements_in(path: Path) -> list[str]:
+    """The requirements a requirements file names (its ``-r`` includes followed)."""
+    found = []
+    for line in path.read_text().splitlines():
+        line = line.split("#")[0].strip()
+        if line.startswith("-r "):
+            found += requirements_in(path.parent / line[3:].strip())
+        elif line and not line.startswith("-"):
+            found.append(line)
+    return found
+
+
+def pip_installs(args: list[str]) -> list[str]:
+    """The requirements a ``pip install ARGS`` names, its ``-r`` files' included (other options left out)."""
+    found, words = [], iter(args)
+    for word in words:
+        if word in ("-r", "--requirement"):
+            found += requirements_in(ROOT / next(words))
+        elif word in ("-c", "--constraint", "-i", "--index-url", "--extra-index-url", "-f", "--find-links"):
+            next(words)
+        elif not word.startswith("-"):
+            found.append(word)
+    return found
+
+
+def test_every_python_example_imports_only_what_its_install_brings() -> None:
+    """A page's Python block runs after the Quick start's install (``requirements.txt``) plus what that page has
+    you ``pip install`` before it: ``docs/api.md``'s ``openai`` example failed with ModuleNotFoundError after the
+    Quick start (openai came only with requirements-dev.txt)."""
+    import sys
+    from importlib.metadata import packages_distributions
+
+    from packaging.utils import canonicalize_name
+
+    runtime = requirements_in(ROOT / "requirements.txt")
+    providers = packages_distributions()
+    problems = []
+    for page in pages():
+        extra: list[str] = []
+        text = page.read_text(encoding="utf-8")
+        for block in re.finditer(r"^```(\w*)\n(.*?)^```", text, flags=re.S | re.M):
+            language, code = block.groups()
+            if language == "bash":
+                for line in re.findall(r"^\s*(?:\S*python -m )?pip install (.*)$", code, flags=re.M):
+                    extra += pip_installs(shlex.split(line, comments=True))
+            if language != "python":
+                continue
+            brought = installed_with(runtime + extra)
+            for node in ast.walk(ast.parse(code)):
+                modules = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+                if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                    modules = [node.module]
+                for module in modules:
+                    top = module.split(".")[0]
+                    if top in sys.stdlib_module_names or top == "vlm_demo":
+                        continue
+                    dists = {canonicalize_name(d) for d in providers.get(top, [top])}
+                    if not dists & brought:
+                        line = text[: block.start()].count("\n") + 1
+                        problems.append(f"{page.name}:{line}: imports {module}, which the install it names lacks")
+    assert not problems, "\n".join(problems)

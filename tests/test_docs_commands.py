@@ -44,6 +44,7 @@ DOCS_URL = "http://127.0.0.1:7860"
 SECURED = ("alice:s3cret", "Bearer TOKEN")  # the credentials the docs' examples use
 NOT_RUN = {  # first word(s) -> why the check does not run it here; the command is still read
     "apt-get": "installs from Debian's mirror as root: CI's .ci/run does it",
+    "hf auth login": "asks for the reader's own Hub token",
     "docker": "no Docker on these machines",
     "bash .ci/run": "it is CI itself",
 }
@@ -165,6 +166,8 @@ def test_the_block_runs_against_the_server(block: Block, servers: dict[str, str]
         done = run(["bash", "-c", prelude + code])
     assert done.returncode == 0, f"{block} failed:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
     assert done.stdout.strip(), f"{block} printed nothing"
+    for colour in re.findall(r"assets/tiny/(\w+)\.png", block.text):  # a picture the tiny model answers: it does
+        assert colour in done.stdout.lower(), f"{block}: the tiny model did not say {colour}:\n{done.stdout[-2000:]}"
     assert "event: error" not in done.stdout and '"error"' not in done.stdout, f"{block}:\n{done.stdout[-2000:]}"
 
 
@@ -241,20 +244,24 @@ def test_every_command_line_is_one_its_program_accepts() -> None:
         elif first in (".", "source") and words[1].endswith("/bin/activate"):
             continue  # made by the python -m venv before it
         elif first == "pip" or first.endswith("/bin/pip") or (python and words[1:3] == ["-m", "pip"]):
+            named = [word for word in words[words.index("install") + 1 :] if not word.startswith("-")]
             if "-r" in words:
                 requirements = words[words.index("-r") + 1]
                 if not (ROOT / requirements).is_file():
                     problems.append(f"{where}: {line}: no {requirements}")
-            else:
-                problems.append(f"{where}: {line}: install from a requirements file")
+            elif not named or not set(named) <= requirement_lines(ROOT / "requirements-dev.txt"):
+                problems.append(f"{where}: {line}: install from a requirements file, or what requirements-dev.txt pins")
         elif first == "ruff":
             done = run(["bash", "-c", line], timeout=120)
             if done.returncode != 0:
                 problems.append(f"{where}: {line}: {done.stdout[-1500:]}")
-        elif first == "hf" and words[1:2] == ["download"]:
-            done = run(["hf", "download", "--help"], timeout=120)  # the Hub cannot be reached from here
-            if done.returncode != 0:
-                problems.append(f"{where}: {line}: hf download does not exist here")
+        elif first == "hf" and words[1:2] in (["download"], ["upload"]) or words[:3] == ["hf", "repos", "create"]:
+            command = words[: 3 if words[1] == "repos" else 2]  # the Hub cannot be reached from here: its options
+            done = run([*command, "--help"], timeout=120)
+            options = set(re.findall(r"--[\w-]+", done.stdout))
+            unknown = [w.split("=")[0] for w in words if w.startswith("--") and w.split("=")[0] not in options]
+            if done.returncode != 0 or unknown:
+                problems.append(f"{where}: {line}: {shlex.join(command)} does not exist here or lacks {unknown}")
         else:
             problems.append(f"{where}: {line}: teach tests/test_docs_commands.py how to check this command")
     if modules:
@@ -266,6 +273,11 @@ def test_every_command_line_is_one_its_program_accepts() -> None:
     counts = selected_counts([selection for _, selection in selections])
     problems += [f"{where}: selects no test" for (where, _), count in zip(selections, counts, strict=True) if not count]
     assert not problems, "\n".join(problems)
+
+
+def requirement_lines(path: Path) -> set[str]:
+    """The requirements ``path`` names, as written (comments left out)."""
+    return {line.split("#")[0].strip() for line in path.read_text().splitlines()} - {""}
 
 
 def selection_of(args: list[str]) -> dict:
@@ -322,3 +334,22 @@ def test_the_docker_command_mounts_what_the_repository_has() -> None:
     for block in docker:
         for path in re.findall(r"/app/([\w./-]+)", block.text):
             assert (ROOT / path).exists(), f"{block}: /app/{path} is not in the repository"
+
+
+def test_the_triton_environments_recipe_installs_no_torch(tmp_path: Path) -> None:
+    """The README's recipe for ``.venv-triton``, run in a throwaway folder with pip's install a dry run: pip plans
+    PyTriton, numpy below 2 and what they need, and no torch (nor any CUDA library): the runtime's is reused."""
+    from test_docs import triton_recipe
+
+    venv = tmp_path / "venv-triton"
+    recipe = [line.replace(".venv-triton", str(venv)) for line in triton_recipe((ROOT / "README.md").read_text())]
+    *setup, install = recipe
+    report = tmp_path / "report.json"
+    script = "set -eo pipefail\n" + "\n".join(setup) + f"\n{install} --dry-run --quiet --report {report}\n"
+    done = run(["bash", "-c", script], timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    planned = {item["metadata"]["name"].lower() for item in json.loads(report.read_text())["install"]}
+    assert {"nvidia-pytriton", "numpy"} <= planned, planned
+    assert not {name for name in planned if name.startswith(("torch", "nvidia-")) and name != "nvidia-pytriton"}, (
+        planned
+    )

@@ -86,6 +86,17 @@ def test_auto_in_words_and_only_the_asked_choices(capsys) -> None:
     assert "int8:" not in said and "--quantize auto loads fp8" in said
 
 
+def test_why_a_choice_does_not_fit_reads_as_a_clause_about_the_card_asked_about(capsys) -> None:
+    """Not a server's start-up error pasted in: no "GPU 0 (GPU)", no sentence ended in the middle of the line
+    (".;"), no advice to run the tool being run."""
+    for argv in (["--gpu", "a10g"], ["--gpu", "t4"], ["--gpu-memory", "24GiB", "--max-new-tokens", "200000"]):
+        assert fit.main(argv) == 0
+        said = capsys.readouterr().out
+        assert "does not fit" in said, argv
+        for words in ("GPU 0", "(GPU)", ".;", ". ;", "vlm_demo.tools.fit"):
+            assert words not in said, (argv, words, said)
+
+
 def test_the_readme_table_is_the_tools_output() -> None:
     """README.md holds the table between its markers exactly as ``--readme-table`` prints it (regenerate it
     with ``python -m vlm_demo.tools.fit --readme-table`` after changing the memory plan or the formats)."""

@@ -125,3 +125,30 @@ def test_a_model_that_cannot_load_stops_start_up_with_one_line() -> None:
     message = str(exit_info.value)
     assert message.startswith("Cannot start the model:") and "\n" not in message
     assert "/nonexistent/llava-cot" in message
+
+
+def test_a_program_that_exits_without_closing_its_engine_stops_it_and_ends(tmp_path) -> None:
+    """The engine process ignores SIGTERM (a stop of the whole group is the web process's to carry out), so
+    multiprocessing's exit hook, which sends SIGTERM and waits, waited for ever on an engine nobody had closed (a
+    failed build, a tool): the backend's own exit hook closes it first."""
+    from support import descendants, outliving
+
+    script = tmp_path / "forgets_to_close.py"
+    script.write_text(
+        "import logging\n"
+        "from vlm_demo.backends.engine_client import EngineProcessBackend\n"
+        "from vlm_demo.config import Config\n"
+        "if __name__ == '__main__':\n"
+        "    logging.basicConfig(level=logging.INFO)\n"
+        "    EngineProcessBackend(Config(model='tiny', model_explicit=True))\n"
+        "    print('exiting without close', flush=True)\n"
+    )
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.Popen([sys.executable, str(script)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    engines: set[int] = set()
+    wait_until(lambda: engines.update(descendants(proc.pid)) or proc.poll() is not None, 240, every=0.2)
+    out = proc.communicate(timeout=60)[0]
+    assert proc.returncode == 0 and "exiting without close" in out, out[-3000:]
+    assert "engine process" in out and "stopped (exit code 0)" in out, out[-3000:]
+    assert not outliving(engines, 10), out[-3000:]

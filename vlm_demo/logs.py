@@ -32,6 +32,7 @@ def setup() -> None:
         logging.getLogger(name).setLevel(logging.WARNING)
     logging.getLogger("uvicorn.error").addFilter(ordinary_shutdown)
     quiet_hub_retries()
+    quiet_torchao_without_triton()
 
 
 def quiet_hub_retries() -> None:
@@ -45,6 +46,24 @@ def quiet_hub_retries() -> None:
     http = logging.getLogger("huggingface_hub.utils._http")
     if not any(isinstance(f, _HubRetries) for f in http.filters):
         http.addFilter(_HubRetries())
+
+
+TORCHAO_NO_TRITON = "Warning: Detected no triton"  # torchao.kernel.intmm, logged at import where triton is absent
+
+
+def quiet_torchao_without_triton() -> None:
+    """Drop torchao's "Detected no triton, on systems without Triton certain kernels will not work", logged on every
+    start on a machine without a GPU (the CPU build of torch brings no ``triton``): nothing there needs those
+    kernels and nothing a user can do about it. Only that record: the logger's other warnings still show. Call
+    before torchao is imported; safe in every process, more than once."""
+    intmm = logging.getLogger("torchao.kernel.intmm")
+    if not any(isinstance(f, _DropNoTriton) for f in intmm.filters):
+        intmm.addFilter(_DropNoTriton())
+
+
+class _DropNoTriton(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(TORCHAO_NO_TRITON)
 
 
 class _HubRetries(logging.Filter):

@@ -108,3 +108,4 @@ class LoadProgress:
     phase: str  # what is happening, for a person ("loading Xkev/Llama-3.2V-11B-cot on cuda")
     fraction: float | None = None  # how far along, 0..1, when known
     eta_s: float | None = None  # seconds left, when known (a build's steps, the last load's duration)
+    model: str | None = None  # the model being loaded, once chosen (the tiny one on a machine without a GPU)

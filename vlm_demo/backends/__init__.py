@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 
 from vlm_demo.backends.base import Backend
@@ -9,15 +10,20 @@ from vlm_demo.config import Config
 from vlm_demo.results import LoadProgress
 
 
-def make_backend(config: Config, progress: Callable[[LoadProgress], None] | None = None) -> Backend:
+def make_backend(
+    config: Config,
+    progress: Callable[[LoadProgress], None] | None = None,
+    stopping: threading.Event | None = None,
+) -> Backend:
     """The Triton backend when ``--triton-url`` is set; else on a ZeroGPU Space (``SPACES_ZERO_GPU``) the
     weights here and the engine in ZeroGPU's GPU calls; else the local batching engine: in its own process
     (the default), or in this one with ``--no-engine-process``; with the response cache in front
     (``--response-cache-mb``).
 
-    Raises ``SystemExit`` with one sentence when the model cannot be loaded at all.
+    Raises ``SystemExit`` with one sentence when the model cannot be loaded at all (or ``stopping`` was set while
+    the engine process loaded it).
     """
-    backend = _make_backend(config, progress)
+    backend = _make_backend(config, progress, stopping)
     if config.response_cache_mb > 0:
         from vlm_demo.backends.cache import CachingBackend
 
@@ -25,7 +31,9 @@ def make_backend(config: Config, progress: Callable[[LoadProgress], None] | None
     return backend
 
 
-def _make_backend(config: Config, progress: Callable[[LoadProgress], None] | None) -> Backend:
+def _make_backend(
+    config: Config, progress: Callable[[LoadProgress], None] | None, stopping: threading.Event | None
+) -> Backend:
     if config.triton_url:
         from vlm_demo.backends.triton.backend import TritonBackend
 
@@ -46,7 +54,7 @@ def _make_backend(config: Config, progress: Callable[[LoadProgress], None] | Non
         from vlm_demo.backends.engine_client import EngineProcessBackend, EngineStartError
 
         try:
-            return EngineProcessBackend.from_config(config, progress)
+            return EngineProcessBackend.from_config(config, progress, stopping)
         except EngineStartError as err:
             raise SystemExit(f"Cannot start the model: {err}") from None
     from vlm_demo.backends.local import LocalBackend

@@ -10,24 +10,30 @@ The web process keeps the page, the door and the HTTP server; the engine process
 - One thread reads the pipe and watches the process. If the engine process dies (out-of-memory kill,
   segfault), every request in flight fails at once with a clear error, ``health()`` turns not-ready,
   and a new engine process is started; the server keeps serving meanwhile.
+- Stopping is this side's: the engine process ignores the SIGTERM and SIGINT a stop sends to the whole group
+  (:mod:`vlm_demo.engine.process`) and ends when :meth:`close` says so; a stop while it is still loading
+  (``stopping`` set) ends the load.
 
 Nothing here imports torch: the web process stays light and starts fast.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 import multiprocessing
 import signal
 import threading
 import time
+import weakref
 from collections.abc import Callable
+from multiprocessing import resource_tracker
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 
 from vlm_demo.backends.base import Features, Health
 from vlm_demo.config import Config
-from vlm_demo.engine.ipc import ENGINE_FAILED, Cancel, Fatal, Loading, Ready, Shutdown, Step, Submit
+from vlm_demo.engine.ipc import ENGINE_FAILED, STOP_SIGNALS, Cancel, Fatal, Loading, Ready, Shutdown, Step, Submit
 from vlm_demo.engine.streams import EngineStream, StreamTable
 from vlm_demo.errors import BackendUnavailableError, DemoError, EngineStoppedError, QueueFullError
 from vlm_demo.request import ValidRequest
@@ -59,13 +65,32 @@ def _describe_exit(code: int | None) -> str:
     return f"exit code {code}"
 
 
+OPEN: weakref.WeakSet[EngineProcessBackend] = weakref.WeakSet()  # backends whose engine process may still run
+
+
+def close_open_backends() -> None:
+    """At exit, stop every engine process nobody closed. It ignores SIGTERM (a stop of the group is the web
+    process's to carry out), so multiprocessing's own exit hook, which sends SIGTERM and then waits for it, would
+    wait for ever. Registered after that hook, so it runs first."""
+    for backend in list(OPEN):
+        backend.close()
+
+
+atexit.register(close_open_backends)
+
+
 class EngineProcessBackend:
     """Starts, feeds and supervises the engine process."""
 
     name = "engine-process"
     remote = False
 
-    def __init__(self, config: Config, progress: Callable[[LoadProgress], None] | None = None) -> None:
+    def __init__(
+        self,
+        config: Config,
+        progress: Callable[[LoadProgress], None] | None = None,
+        stopping: threading.Event | None = None,
+    ) -> None:
         self.config = config
         self.progress = progress  # told where the engine process's model load stands
         self.model = config.model
@@ -78,19 +103,27 @@ class EngineProcessBackend:
         self._lock = threading.Lock()
         self._send_lock = threading.Lock()
         self._ready = threading.Event()
-        self._closing = False
+        self._stopping = stopping or threading.Event()  # the server stops: no restart, a load in progress ends
         self._proc: BaseProcess | None = None
         self._conn: Connection | None = None
         self._started_at = 0.0
+        OPEN.add(self)
         self._start()  # raises EngineStartError when the model cannot be loaded at all
         self._supervisor = threading.Thread(target=self._supervise, name="vlm-engine-supervisor", daemon=True)
         self._supervisor.start()
 
     @classmethod
     def from_config(
-        cls, config: Config, progress: Callable[[LoadProgress], None] | None = None
+        cls,
+        config: Config,
+        progress: Callable[[LoadProgress], None] | None = None,
+        stopping: threading.Event | None = None,
     ) -> EngineProcessBackend:
-        return cls(config, progress)
+        return cls(config, progress, stopping)
+
+    @property
+    def _closing(self) -> bool:
+        return self._stopping.is_set()
 
     # ---- Backend interface ----
     def submit(self, request: ValidRequest) -> EngineStream:
@@ -133,7 +166,8 @@ class EngineProcessBackend:
 
     def close(self, timeout: float = 10.0) -> None:
         """Stop the engine process: it fails what is queued and ends the running rows."""
-        self._closing = True
+        OPEN.discard(self)
+        self._stopping.set()
         self._ready.clear()
         try:
             self._send(Shutdown())
@@ -144,6 +178,7 @@ class EngineProcessBackend:
             if self._proc.is_alive():
                 self._proc.kill()
                 self._proc.join(5)
+            log.info("engine process %d stopped (%s)", self._proc.pid, _describe_exit(self._proc.exitcode))
         self._fail_all(EngineStoppedError("The server shut down before this request finished."))
 
     @property
@@ -170,10 +205,23 @@ class EngineProcessBackend:
         proc = self._ctx.Process(target=engine_process.run, args=(self.config, child), name="vlm-engine", daemon=True)
         if self.progress is not None:
             self.progress(LoadProgress("starting the engine process (importing torch and transformers)"))
-        proc.start()
+        # Born with the stop signals blocked (a mask is inherited), until the engine process ignores them: a stop of
+        # the group in its first second, before it could, would otherwise kill it as a crash would. The resource
+        # tracker first: starting it unblocks them.
+        resource_tracker.ensure_running()
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+        try:
+            proc.start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         child.close()  # the child holds its end: EOF here means it is gone
         log.info("engine process %d started; it says which model it loads", proc.pid)
         while True:
+            if self._closing:  # the server stops while the model loads: the load ends here
+                proc.kill()
+                proc.join(10)
+                log.info("the server stopped while the model loaded: engine process %d stopped", proc.pid)
+                raise EngineStartError("The server stopped before the model was loaded.")
             if parent.poll(0.5):
                 try:
                     message = parent.recv()

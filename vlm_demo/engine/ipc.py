@@ -9,6 +9,7 @@ not per token per row: with 32 rows that is 32× fewer messages for the web proc
 
 from __future__ import annotations
 
+import signal
 from dataclasses import dataclass, field
 
 from vlm_demo.errors import DemoError
@@ -16,6 +17,7 @@ from vlm_demo.request import ValidRequest
 from vlm_demo.results import BeamView, EngineStats, GenerationResult, LoadProgress
 
 ENGINE_FAILED = 3  # the engine process's exit code after its engine thread died (the supervisor says so)
+STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}  # a stop of the whole group; the web process stops the engine
 
 
 @dataclass

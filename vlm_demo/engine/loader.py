@@ -262,7 +262,8 @@ def load(
     gpus = target_gpus(dev) if cuda else []
     check_quantize(quantize, dev, gpus, torch_dtype)
     if progress is not None:
-        progress(LoadProgress("preparing the tiny test model" if model == "tiny" else f"finding {model}"))
+        phase = "preparing the tiny test model" if model == "tiny" else f"finding {model}"
+        progress(LoadProgress(phase, model=model))  # the loading page names the model chosen
     path = resolve_model_path(model, tiny_dir)
     config = load_model_config(path, model)
     kind = choose_quantize(quantize, config, dev, gpus, torch_dtype)

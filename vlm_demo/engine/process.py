@@ -15,6 +15,12 @@ and sends them. The engine thread never blocks on the pipe.
 If the engine thread dies (a sticky CUDA error), the requests it held have already failed with a clear
 error; this process sends that last step and exits with :data:`ENGINE_FAILED`, and the web process's
 supervisor starts a fresh one (a broken CUDA context cannot be repaired inside its process).
+
+Stopping belongs to the web process. A stop reaches the whole process group (Ctrl+C's SIGINT; the SIGTERM of
+``timeout``, systemd or a container runtime), this process included: both are ignored here, the web process
+stops its server and then tells this one (``Shutdown``). Died of the SIGTERM instead, this process would look like
+a crash to the supervisor, which would start a new engine that outlives the server. If the web process itself
+goes away (killed), this one follows it at once, even while it is still loading.
 """
 
 from __future__ import annotations
@@ -23,13 +29,25 @@ import logging
 import os
 import signal
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING
 
 from vlm_demo import logs
 from vlm_demo.config import Config
-from vlm_demo.engine.ipc import ENGINE_FAILED, Cancel, Ended, Fatal, Loading, Ready, Shutdown, Step, Submit
+from vlm_demo.engine.ipc import (
+    ENGINE_FAILED,
+    STOP_SIGNALS,
+    Cancel,
+    Ended,
+    Fatal,
+    Loading,
+    Ready,
+    Shutdown,
+    Step,
+    Submit,
+)
 from vlm_demo.errors import DemoError, GenerationError
 from vlm_demo.results import EngineStats, LoadProgress
 
@@ -39,6 +57,7 @@ if TYPE_CHECKING:  # the engine (and torch) load in ``run``, inside the engine p
 log = logging.getLogger(__name__)
 
 HEARTBEAT_S = 1.0  # stats reach the web process at least this often (for /health and /metrics)
+PARENT_CHECK_S = 1.0  # how often a process the web process started checks that it is still there
 
 
 class EngineCore:
@@ -143,13 +162,33 @@ class EngineCore:
             os._exit(ENGINE_FAILED)
 
 
+def follow_the_web_process(what: str = "engine") -> None:
+    """End this process as soon as the web process that started it is gone (killed, or ended without stopping
+    it): orphaned, it would hold its memory (and a GPU) for nobody. Also for ZeroGPU's GPU workers, forked by the
+    web process, which otherwise wait for their next call for ever. The web process is this one's parent."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(PARENT_CHECK_S)
+        log.warning("web process %d went away; stopping the %s (process %d)", parent, what, os.getpid())
+        logging.shutdown()
+        os._exit(0)
+
+    threading.Thread(target=watch, name="vlm-follow-parent", daemon=True).start()
+
+
 def run(config: Config, conn: Connection) -> None:
     """Entry point of the engine process (a ``spawn`` target): load, say ready, serve until told to stop."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl+C reaches the whole group: the web process decides
+    for signum in STOP_SIGNALS:  # a stop of the whole group: the web process decides
+        signal.signal(signum, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # blocked since birth; one that came meanwhile is dropped
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s [engine]: %(message)s")
+    follow_the_web_process()
     import transformers  # noqa: F401 - loading needs it; importing it gives huggingface_hub's logger a handler, taken off now
 
     logs.quiet_hub_retries()
+    logs.quiet_torchao_without_triton()
     try:
         from vlm_demo.engine import make_engine
         from vlm_demo.models.choice import choose_model
@@ -163,17 +202,19 @@ def run(config: Config, conn: Connection) -> None:
         config, notice = choose_model(config)
         engine = make_engine(config, progress=progress)
     except DemoError as err:
-        conn.send(Fatal(str(err)))
+        say(conn, Fatal(str(err)))
         return
     except Exception as err:  # noqa: BLE001 - reported to the operator in one line by the web process
         log.exception("engine failed to start")
-        conn.send(Fatal(f"The model could not be loaded: {type(err).__name__}: {err}"))
+        say(conn, Fatal(f"The model could not be loaded: {type(err).__name__}: {err}"))
         return
     core = EngineCore(engine, conn)
     engine.on_fatal = core.exit_on_fatal
     if engine.fatal:  # it died before the hook was in place
         core.exit_on_fatal(RuntimeError(engine.fatal))
-    conn.send(Ready(config.model, notice, core.stats()))
+    if not say(conn, Ready(config.model, notice, core.stats())):
+        engine.shutdown()
+        return
     publisher = threading.Thread(target=core.publish_loop, name="vlm-engine-publish", daemon=True)
     publisher.start()
     try:
@@ -181,3 +222,13 @@ def run(config: Config, conn: Connection) -> None:
     finally:
         core.close()
         publisher.join(2.0)
+
+
+def say(conn: Connection, message: Ready | Fatal) -> bool:
+    """Send one start-up message; False (and nothing raised) when the web process has already gone."""
+    try:
+        conn.send(message)
+    except (BrokenPipeError, OSError):
+        log.info("web process went away before the engine was ready; stopping")
+        return False
+    return True

@@ -1,7 +1,8 @@
 """Which model the server runs, and the banner that says so when it is not the real one.
 
-Torch-free: the decision is made where the model loads (the engine process asks CUDA), and the web
-process only shows the outcome.
+Torch-free: the decision is made where the model loads (the engine process asks CUDA). The web process
+foresees it without torch (:func:`planned_model`), so the loading page and ``/health`` name the model that
+loads from the first second, not the 11B one a machine without a GPU never loads.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import sys
 
 from vlm_demo.config import DEFAULT_MODEL, TINY, Config
 
@@ -48,6 +50,34 @@ def folder_problem(model: str) -> str | None:
     return None
 
 
+def no_gpu_here() -> bool:
+    """Whether this machine certainly has no CUDA GPU, told without torch (which takes seconds to import): macOS,
+    ``CUDA_VISIBLE_DEVICES`` that hides every GPU, or Linux without NVIDIA's device files (``/dev/nvidiactl``;
+    ``/dev/dxg`` is WSL's GPU). False means "maybe": the engine process asks CUDA itself."""
+    if sys.platform == "darwin":
+        return True
+    if os.environ.get("CUDA_VISIBLE_DEVICES", "unset").strip() in ("", "-1"):
+        return True
+    return sys.platform.startswith("linux") and not any(os.path.exists(d) for d in ("/dev/nvidiactl", "/dev/dxg"))
+
+
+def falls_back_to_tiny(config: Config, cuda: bool) -> bool:
+    """No GPU and nobody asked for a model (nor for a GPU, nor for Triton): the tiny model runs."""
+    return (
+        not cuda
+        and not config.triton_url
+        and not config.device.startswith("cuda")
+        and not config.model_explicit
+        and config.model != TINY
+    )
+
+
+def planned_model(config: Config) -> str:
+    """The model a start will load, as far as the web process can tell before the engine process has asked CUDA
+    (where that cannot be told, the configured one; the engine's choice replaces it as soon as it is made)."""
+    return TINY if falls_back_to_tiny(config, cuda=not no_gpu_here()) else config.model
+
+
 def choose_model(config: Config, cuda: bool | None = None) -> tuple[Config, str | None]:
     """Fall back to the tiny model when there is no GPU and nobody asked for a model; say so.
 
@@ -63,7 +93,7 @@ def choose_model(config: Config, cuda: bool | None = None) -> tuple[Config, str 
         return config, None
     if not cuda and config.device.startswith("cuda"):
         return config, None  # asked for a GPU there is none of: the loader says so in one line, no fallback
-    if not cuda and not config.model_explicit and config.model != TINY:
+    if falls_back_to_tiny(config, cuda):
         log.warning("no CUDA GPU and no --model given: serving the tiny test model instead of %s", config.model)
         notice = (
             "**⚠ No GPU found, so this page runs the tiny offline test model**, not Llama-3.2V-11B-cot. "

@@ -35,7 +35,7 @@ from vlm_demo.engine.memory import (
     read_by_decode,
     rows_that_fit,
 )
-from vlm_demo.engine.placement import Gpu, load_kwargs, meta_model
+from vlm_demo.engine.placement import LOAD_MARGIN, meta_model
 from vlm_demo.errors import ModelLoadError
 from vlm_demo.models import realshape
 from vlm_demo.tools.gpus import GPUS, GpuSpec, by_key, table_gpus
@@ -94,17 +94,27 @@ def evaluate(
     bound = bandwidth / read if bandwidth else None
     problem = quantize.problem(kind, True, capability, "this GPU", DTYPE) if capability else None
     if problem:
-        return Fit(kind, weights, False, False, 0, 0, 0, read, bound, problem)
-    gpu = Gpu(0, "GPU", free, memory, capability)
+        return Fit(kind, weights, False, False, 0, 0, 0, read, bound, clause(problem))
+    if weights + LOAD_MARGIN > free:
+        why = (
+            f"the weights need {weights / GiB:.1f} GiB, and {LOAD_MARGIN / GiB:.0f} GiB more while they load, but the "
+            f"card has {free / GiB:.1f} GiB free when the server starts"
+        )
+        return Fit(kind, weights, True, False, 0, 0, 0, read, bound, why)
     try:
-        load_kwargs("cuda:0", weights, [gpu], DTYPE)
         memory_plan = plan(kv, Config(max_new_tokens=max_new_tokens), cuda=True, free=free - weights, total=memory)
     except ModelLoadError as err:
-        return Fit(kind, weights, True, False, 0, 0, 0, read, bound, str(err))
+        return Fit(kind, weights, True, False, 0, 0, 0, read, bound, clause(str(err)))
     rows = rows_that_fit(kv, free - weights, memory, max_new_tokens)
     return Fit(
         kind, weights, True, True, rows, memory_plan.max_batch_size, memory_plan.kv_budget_bytes, read, bound, ""
     )
+
+
+def clause(message: str) -> str:
+    """A server's one-sentence start-up error, as a clause of this tool's line: without the advice to run this tool
+    and without the full stop (the line goes on)."""
+    return message.replace("; python -m vlm_demo.tools.fit says what fits", "").rstrip(".")
 
 
 def fit_report(

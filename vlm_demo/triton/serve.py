@@ -431,6 +431,20 @@ def run_until_stopped(triton: Any, address: str, models: Sequence[str], token: s
     log.info("stopping tritonserver (it gives open client connections up to %d s to close)", EXIT_TIMEOUT_S)
 
 
+def tritonserver_in_a_group_of_its_own() -> None:
+    """Have PyTriton start tritonserver, and with it its model processes, in a process group of their own.
+
+    A stop is often sent to a whole process group: a terminal's Ctrl+C, the SIGTERM of ``timeout`` or a container
+    runtime. In ours, tritonserver stopped at once on it, its model processes died mid-way (Python's resource
+    tracker then reported their "leaked shared_memory objects") and the orderly unload found nobody to talk to
+    ("Connection refused"). In a group of its own only this process hears the stop, unloads the models, and then
+    stops tritonserver itself (PyTriton's stop; and should this process die, the kernel stops tritonserver, as
+    PyTriton asks it to). PyTriton starts it through ``sh``, whose defaults hold the option."""
+    import sh
+
+    sh.Command._call_args["new_group"] = True
+
+
 def unload_models(
     address: str, models: Sequence[str], token: str | None, timeout_s: float = 120, request: bool = True,
     idle: Callable[[], bool] | None = None,
@@ -480,12 +494,17 @@ def main(argv: Sequence[str] | None = None) -> None:
         raise SystemExit(MISSING_PYTRITON) from None
     logs.setup()
     put_libdir_on_path()
+    tritonserver_in_a_group_of_its_own()
     config = config_from_namespace(args)
     ports = (args.http_port, args.grpc_port, args.metrics_port, args.host)
-    if args.model_repository:
-        serve_repository(args.model_repository, config, *ports)
-    else:
-        serve(config, *ports)
+    try:
+        if args.model_repository:
+            serve_repository(args.model_repository, config, *ports)
+        else:
+            serve(config, *ports)
+    except KeyboardInterrupt:  # Ctrl+C while the model loaded, before tritonserver started: nothing to unload
+        log.info("stopped before serving")
+        raise SystemExit(130) from None
 
 
 if __name__ == "__main__":

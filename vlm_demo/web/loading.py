@@ -49,6 +49,8 @@ class LoadingState:
     def update(self, progress: LoadProgress) -> None:
         with self._lock:
             self.progress = progress
+            if progress.model is not None:
+                self.model = progress.model
             phase, at = self._logged
             now = time.monotonic()
             watched = logs.interactive()  # a log file gets each phase once, then a line a minute, no percentages

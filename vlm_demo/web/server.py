@@ -17,7 +17,7 @@ import secrets
 import socket
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 
 import gradio as gr
@@ -30,6 +30,7 @@ from vlm_demo.backends import make_backend, zerogpu
 from vlm_demo.backends.base import Backend, Health
 from vlm_demo.config import Config
 from vlm_demo.images import DEFAULT_MAX_BYTES
+from vlm_demo.models.choice import planned_model
 from vlm_demo.results import LoadProgress
 from vlm_demo.web.answers import Answers
 from vlm_demo.web.asgi import Switch
@@ -61,12 +62,15 @@ class DemoApp:
 
 
 def create_app(
-    config: Config, backend: Backend | None = None, progress: Callable[[LoadProgress], None] | None = None
+    config: Config,
+    backend: Backend | None = None,
+    progress: Callable[[LoadProgress], None] | None = None,
+    stopping: threading.Event | None = None,
 ) -> DemoApp:
-    """Build the backend (unless given; ``progress`` hears how its loading goes), the metrics, the page,
-    and the FastAPI app around them."""
+    """Build the backend (unless given; ``progress`` hears how its loading goes, ``stopping`` ends it), the
+    metrics, the page, and the FastAPI app around them."""
     if backend is None:
-        backend = make_backend(config, progress)
+        backend = make_backend(config, progress, stopping)
     quiet_matplotlib()
     notice = backend.notice
     batch = backend.health().max_batch_size  # sized by the engine (GPU memory); 0: Triton batches on its side
@@ -266,10 +270,11 @@ def serve(config: Config) -> None:
             log.info("ZeroGPU: loading the weights before serving (the GPU calls fork this process)")
             backend = make_backend(config)
             start_zerogpu()
-        state = LoadingState(config.triton_url or config.model)
+        planned = backend.model if backend is not None else planned_model(config)  # ZeroGPU's is loaded already
+        state = LoadingState(config.triton_url or planned)
         switch = Switch(loading_app(state, OperatorDoor(config)))
         proxies = config.forwarded_allow_ips or ("*" if on_spaces() else None)  # a Space's proxy names the visitor
-        server = uvicorn.Server(
+        server = _Server(
             uvicorn.Config(
                 switch,
                 host=config.host,
@@ -292,6 +297,19 @@ def serve(config: Config) -> None:
             raise SystemExit(build.failure)
 
 
+class _Server(uvicorn.Server):
+    """uvicorn re-raises the stop signal (SIGTERM, Ctrl+C's SIGINT) the moment it has stopped serving: SIGTERM then
+    ended this process there and then, before :func:`serve` could stop the engine process, and SIGINT raised a
+    KeyboardInterrupt with its traceback. The stop was asked for and is carried out in order here, so once it is
+    done the process ends as any program does (exit status 0)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        with super().capture_signals():
+            yield
+            self._captured_signals.clear()  # what uvicorn re-raises when this block ends
+
+
 class _Build:
     """Builds the demo in a thread while the loading page answers, then switches the server over to it."""
 
@@ -311,17 +329,19 @@ class _Build:
         self._thread = threading.Thread(target=self._run, name="vlm-build", daemon=True)
         self._lock = threading.Lock()
         self._closed = False
+        self.stopping = threading.Event()  # the server stops: a model still loading stops loading
 
     def start(self) -> None:
         self._thread.start()
 
     def _run(self) -> None:
         try:
-            demo_app = create_app(self.config, self.backend, progress=self.state.update)
+            demo_app = create_app(self.config, self.backend, progress=self.state.update, stopping=self.stopping)
             if self.backend is not None:  # built before serving: ZeroGPU's, whose GPU workers fork this process
                 expose_server(demo_app.demo, self.server)
         except SystemExit as err:
-            self._fail(str(err.code))
+            if not self.stopping.is_set():  # else the load was ended by the stop: nothing failed
+                self._fail(str(err.code))
             return
         except Exception as err:  # a bug, not a bad model: still one clear line and an ended server
             log.exception("building the demo failed")
@@ -349,8 +369,13 @@ class _Build:
         timer.start()
 
     def close(self) -> None:
+        """The server has stopped: stop the backend, or the load still in progress (its engine process must not
+        outlive this one)."""
+        self.stopping.set()
         with self._lock:
             self._closed = True
             demo_app = self.demo_app
         if demo_app is not None:
             demo_app.backend.close()
+        elif self._thread.is_alive():
+            self._thread.join(30)

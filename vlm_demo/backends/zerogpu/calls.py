@@ -42,6 +42,7 @@ class GpuSide:
         self.worker = worker
         self.engine: Engine | None = None  # built in a GPU worker, on its first call; never in the web process
         self.every = config.stream_every_ms / 1000.0
+        self.following = False  # whether this (forked) worker watches that the web process is still there
 
     def answer(self, batch: list[Submit]) -> Iterator[Step]:
         """Answer ``batch`` together (one request, or a Gradio batch with each answer's candidates) and yield
@@ -76,8 +77,12 @@ class GpuSide:
     def _engine(self) -> Engine:
         if self.engine is None:
             from vlm_demo.engine import make_engine
+            from vlm_demo.engine.process import follow_the_web_process
 
             close_server_sockets(self.config.port)
+            if not self.following:  # once per worker: a worker whose engine failed builds another
+                follow_the_web_process("GPU worker")  # killed, the web process leaves no worker behind
+                self.following = True
 
             started = time.monotonic()
             self.engine = make_engine(self.config, self.worker, start=False)
