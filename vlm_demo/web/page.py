@@ -160,7 +160,8 @@ class DemoUI:
         return (None, gr.update(value="", visible=False), *self._new_conversation(question=""), *cleared())
 
     def new_conversation(self, request: gr.Request = None) -> tuple[Any, ...]:  # type: ignore[assignment]
-        """The New conversation button: like Clear, but the image and the question stay."""
+        """The New conversation button: like Clear, but the image stays, and so does what the question box holds (Ask
+        emptied it: a question typed since)."""
         self.handlers.stop(request)
         return (*self._new_conversation(), *cleared())
 
