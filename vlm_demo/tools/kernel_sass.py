@@ -365,15 +365,31 @@ def report(targets: tuple[str, ...] = tuple(TARGETS), kernels: tuple[str, ...] =
             for m in rows:
                 launch = packed_launch(name.removeprefix("packed_"), m)
                 tile = tuple(launch.args[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K"))
-                key = (name, target, tile)
+                key = (name, target, tile, launch.options.get("num_stages"))
                 if key not in compiled:
                     compiled[key] = entry(name, launch, target, m)
-                out.append({**compiled[key], "rows": m, "tile": list(tile)})
+                out.append(packed_row(compiled[key], m, launch))
     return {"triton": triton.__version__, "shapes": _shapes(), "ceiling": CEILING, "kernels": out}
 
 
+def packed_row(compiled: dict[str, Any], rows: int, launch: Launch) -> dict[str, Any]:
+    """A packed kernel's entry at ``rows``: its tile's figures, with ``row_blocks`` programs widening each weight
+    tile (the batch in ``BLOCK_M`` blocks) — the tile's ceiling is then shared by that many: ``ceiling_tb_s`` is
+    weight bytes first read per second (``tile_ceiling_tb_s`` ÷ ``row_blocks``), ``split_k`` the programs per tile
+    along the inputs."""
+    a = launch.args
+    blocks = -(-rows // a["BLOCK_M"])
+    row = {**compiled, "rows": rows, "tile": [a["BLOCK_M"], a["BLOCK_N"], a["BLOCK_K"]], "row_blocks": blocks,
+           "split_k": a["SPLIT_K"]}  # fmt: skip
+    if compiled.get("ceiling_tb_s") is not None:
+        row["tile_ceiling_tb_s"] = compiled["ceiling_tb_s"]
+        row["ceiling_tb_s"] = round(compiled["ceiling_tb_s"] / blocks, 3)
+    return row
+
+
 CEILING = ("ceiling_tb_s = bytes per main-loop iteration / max(loop_instructions * warps / 4, slow_conversions * "
-           "warps * 32 / 16) clocks * SMs * clock (docs/BENCHMARKS.md, 'Reading the kernels')")  # fmt: skip
+           "warps * 32 / 16) clocks * SMs * clock, over the row blocks that widen the same weights (packed) "
+           "(docs/BENCHMARKS.md, 'Reading the kernels')")  # fmt: skip
 
 
 def _shapes() -> dict[str, Any]:
