@@ -111,6 +111,17 @@ def _nibbles(codes, HIGH: tl.constexpr, WIDE: tl.constexpr):
 
 
 @triton.jit
+def _times_2_64(x, INTERPRETED: tl.constexpr):
+    """bf16 ``x · 2⁶⁴``: one HMUL2 per pair on the GPU; the interpreter multiplies bf16's raw bits, so there 64 is
+    added to the exponent field (the same value for every normal ``|x| < 2⁶³``; a zero becomes 2⁻⁶³, whose products
+    with the placed weights, ≤ 2⁻¹¹¹, are below float32's smallest subnormal and round to zero)."""
+    if INTERPRETED:
+        return (x.to(tl.int16, bitcast=True) + 0x2000).to(tl.bfloat16, bitcast=True)
+    else:
+        return x * 18446744073709551616.0
+
+
+@triton.jit
 def _float32(x):
     """A bf16 (or other float) tensor as fp32; bf16 by placing its bits (exact; no conversion instruction)."""
     if x.dtype == tl.bfloat16:
@@ -171,15 +182,17 @@ def _weight_only_matmul(
             elif K % (BLOCK_K * SPLIT_K) == 0:
                 x = tl.load(X + m_read[:, None] * stride_xm + start + k[None, :])
                 w = _widen(tl.load(W + n_read[:, None] * stride_wn + start + k[None, :]), FP8, wide, INTERPRETED)
-            else:
+            else:  # the last step's inputs past K: x's are zero, the weights' a valid column again (no fill value)
                 k_live = start + k < K
                 x = tl.load(X + m_read[:, None] * stride_xm + start + k[None, :], mask=k_live[None, :], other=0.0)
-                w = tl.load(W + n_read[:, None] * stride_wn + start + k[None, :], mask=k_live[None, :], other=0)
+                w = tl.load(W + n_read[:, None] * stride_wn + tl.minimum(start + k, K - 1)[None, :])
                 w = _widen(w, FP8, wide, INTERPRETED)
+            if FP8 and wide == tl.bfloat16:  # 2^64 of the placement's 2^-120 moved onto x (exact: a power of two)
+                x = _times_2_64(x, INTERPRETED)
             acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)
         row_scale = tl.load(SCALE + n_read)
-        if FP8:  # the e4m3 placement's factor: 2^8 in fp16, else 2^120
-            row_scale = row_scale * (256.0 if wide == tl.float16 else 1.329227995784916e36)
+        if FP8:  # what the e4m3 placement leaves: fp16 2^8; bf16 2^56 (2^120 less x's 2^64); fp32 2^120
+            row_scale *= 256.0 if wide == tl.float16 else 7.205759403792794e16 if wide == tl.bfloat16 else 2.0**120
         acc *= row_scale[None, :]
     live = (m < M)[:, None] & (n < N)[None, :]
     if SPLIT_K > 1:  # park this split's part; the last split of the tile to arrive adds them all, in split order
