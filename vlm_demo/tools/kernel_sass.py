@@ -392,6 +392,45 @@ CEILING = ("ceiling_tb_s = bytes per main-loop iteration / max(loop_instructions
            "(docs/BENCHMARKS.md, 'Reading the kernels')")  # fmt: skip
 
 
+# ``ceiling_tb_s`` of the packed kernels at the gate/up shape (``bench --kernel-sass``, Triton 3.9.0, 2026-12-06):
+# target → format → rows → TB/s of weight bytes the SMs could widen and multiply (the row blocks that share a
+# weight tile counted). A decode step's packed products read at most ``min(memory_tb_s, ceiling)``; the test
+# ``test_kernel_sass`` keeps the sm_89/sm_90 decode rows equal to a fresh compile.
+PACKED_CEILINGS: dict[str, dict[str, dict[int, float]]] = {
+    "sm_80": {
+        "int8": {1: 2.436, 16: 2.436, 32: 2.436, 64: 1.218, 128: 0.609, 256: 0.609},
+        "fp8": {1: 4.655, 16: 4.655, 32: 3.769, 64: 3.257, 128: 1.902, 256: 1.218},
+        "int4": {1: 2.599, 16: 2.599, 32: 2.076, 64: 0.985, 128: 0.492, 256: 0.246},
+    },
+    "sm_89": {
+        "int8": {1: 5.725, 16: 5.725, 32: 5.725, 64: 2.863, 128: 1.431, 256: 1.431},
+        "fp8": {1: 10.938, 16: 10.938, 32: 8.751, 64: 7.714, 128: 4.261, 256: 2.955},
+        "int4": {1: 6.184, 16: 6.184, 32: 4.902, 64: 2.287, 128: 1.143, 256: 0.572},
+    },
+    "sm_90": {
+        "int8": {1: 7.884, 16: 7.884, 32: 5.803, 64: 7.67, 128: 4.055, 256: 3.585},
+        "fp8": {1: 7.17, 16: 7.17, 32: 5.978, 64: 6.777, 128: 4.089, 256: 3.276},
+        "int4": {1: 4.368, 16: 4.368, 32: 3.515, 64: 1.677, 128: 0.839, 256: 0.419},
+    },
+    "sm_120": {
+        "int8": {1: 16.967, 16: 16.967, 32: 11.376, 64: 7.7, 128: 3.525, 256: 2.677},
+        "fp8": {1: 15.283, 16: 15.283, 32: 12.513, 64: 10.971, 128: 6.376, 256: 4.26},
+        "int4": {1: 8.839, 16: 8.839, 32: 7.013, 64: 3.411, 128: 1.706, 256: 0.853},
+    },
+}
+
+
+def packed_bandwidth(fmt: str, target: str, rows: int) -> float:
+    """TB/s a decode step's ``fmt`` products can read at ``rows`` rows on ``target``: the smaller of the card's
+    memory bandwidth and the compiled ceiling of the smallest row tier at or above ``rows`` (``bf16``: the memory's)."""
+    memory = TARGETS[target].memory_tb_s
+    if fmt == "bf16":
+        return memory
+    tiers = PACKED_CEILINGS[target][fmt]
+    tier = min((r for r in tiers if r >= rows), default=max(tiers))
+    return min(memory, tiers[tier])
+
+
 def _shapes() -> dict[str, Any]:
     return {
         "attention": f"1 row: {TEXT_TOKENS} text tokens (256-token pages), a 4-tile picture ({IMAGE_TOKENS} states, "
