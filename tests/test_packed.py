@@ -199,3 +199,24 @@ def test_the_gpu_checks_kernel_comparison_passes_the_kernel_and_catches_a_wrong_
         packed, "weight_only_linear", lambda x, v, s, z, r, a: packed.torch_product(x, v, s, z, None, a)
     )
     assert gpu_measure.packed_kernel_error(model, rows=(1, 20)) > 0.1
+
+
+def test_the_kernel_in_bf16_stays_close_to_the_unquantized_bf16_product() -> None:
+    """How far each format moves a 4,096-wide product (Gaussian weights, torchao's rounding: per-row scales for
+    int8 and fp8, 128-wide groups for int4; bf16 inputs through the kernel's 16-bit path) from the bf16 weights'
+    product, relative L2: measured int8 0.0092, fp8 0.027, int4 0.099 (bf16's own output rounding: 0.0016)."""
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(256, 4096, generator=generator) * 0.02
+    x = torch.randn(16, 4096, generator=generator).to(torch.bfloat16)
+    want = F.linear(x.float(), weight.to(torch.bfloat16).float())
+    for fmt, bound in (("int8", 0.012), ("fp8", 0.035), ("int4", 0.12)):
+        if fmt == "int4":
+            layer = pack_int4(weight, 128, torch.bfloat16).packed()
+        else:
+            top = 127.0 if fmt == "int8" else 448.0
+            scale = weight.abs().amax(1) / top
+            scaled = weight / scale[:, None]
+            values = scaled.round().clamp(-128, 127).to(torch.int8) if fmt == "int8" else scaled.to(torch.float8_e4m3fn)
+            layer = PackedLinear(values, scale, None, 4096).packed()
+        got = via_triton(x, layer.values, layer.scale, layer.zero, None, 1.0).float()
+        assert float((got - want).norm() / want.norm()) < bound, fmt
