@@ -220,3 +220,14 @@ def test_the_kernel_in_bf16_stays_close_to_the_unquantized_bf16_product() -> Non
             layer = PackedLinear(values, scale, None, 4096).packed()
         got = via_triton(x, layer.values, layer.scale, layer.zero, None, 1.0).float()
         assert float((got - want).norm() / want.norm()) < bound, fmt
+
+
+def test_int4_scales_and_zeros_are_stored_group_major_and_stay_so_merged() -> None:
+    """The kernel loads one group's scales for a tile of consecutive rows as one contiguous run: packed and merged
+    int4 tables are ``[out, groups]`` views of group-major storage (``stride(0) == 1``), the modules' rows too."""
+    layers = [packed_random("int4", n, 64, seed=n) for n in (32, 16)]
+    assert all(layer.scale.stride(0) == 1 and layer.zero.stride(0) == 1 for layer in layers)
+    merged = packed.merge(layers)
+    assert merged is not None and merged.scale.shape == (48, 2) and merged.scale.stride() == (1, 48)
+    assert merged.zero is not None and merged.zero.stride() == (1, 48)
+    assert all(layer.scale.stride() == (1, 48) for layer in layers)

@@ -134,7 +134,7 @@ def _float32(x):
 def _weight_only_matmul(
     X, W, SCALE, ZERO, RES, OUT, PARTS, TICKETS,
     M, N,
-    stride_xm, stride_wn, stride_sn, stride_rm, stride_om,
+    stride_xm, stride_wn, stride_sn, stride_sg, stride_rm, stride_om,
     alpha,
     K: tl.constexpr, GROUP: tl.constexpr, INT4: tl.constexpr, FP8: tl.constexpr, WORDS: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr, PRECISION: tl.constexpr, SPLIT_K: tl.constexpr, INTERPRETED: tl.constexpr,
@@ -164,8 +164,8 @@ def _weight_only_matmul(
                 codes = tl.load(W + n_read[:, None] * stride_wn + group * (GROUP // 2) + half[None, :])
                 w_low = _nibbles(codes, False, wide)
                 w_high = _nibbles(codes, True, wide)
-            scale = tl.load(SCALE + n_read * stride_sn + group).to(tl.float32)
-            zero = tl.load(ZERO + n_read * stride_sn + group).to(tl.float32)
+            scale = tl.load(SCALE + n_read * stride_sn + group * stride_sg).to(tl.float32)  # group-major: contiguous
+            zero = tl.load(ZERO + n_read * stride_sn + group * stride_sg).to(tl.float32)
             part = tl.dot(x_low, tl.trans(w_low), input_precision=PRECISION)
             part = tl.dot(x_high, tl.trans(w_high), part, input_precision=PRECISION)
             total = tl.sum(_float32(x_low) + _float32(x_high), 1)
@@ -289,6 +289,8 @@ def weight_only_matmul(x: torch.Tensor, values: torch.Tensor, scale: torch.Tenso
     words = words and (group % 8 == 0 if zero is not None else fp8 and width % (block_k * split) == 0)
     if words:
         values = values.view(torch.int32)
+    if zero is not None and zero.stride() != scale.stride():  # one pair of strides serves both tables
+        zero = torch.empty_like(scale).copy_(zero)
     parts, ticket = out, scale  # unread without a split
     if split > 1:
         parts = torch.empty(grid[0] * grid[1] * split * block_n * block_m, dtype=torch.float32, device=x.device)
@@ -297,7 +299,8 @@ def weight_only_matmul(x: torch.Tensor, values: torch.Tensor, scale: torch.Tenso
         x, values, scale, zero if zero is not None else scale, residual if residual is not None else out, out,
         parts, ticket,
         rows, columns,
-        x.stride(0), values.stride(0), scale.stride(0), residual.stride(0) if residual is not None else 0,
+        x.stride(0), values.stride(0), scale.stride(0), scale.stride(1) if scale.dim() > 1 else 0,
+        residual.stride(0) if residual is not None else 0,
         out.stride(0),
         alpha,
         K=width, GROUP=max(group, 1), INT4=zero is not None, FP8=fp8, WORDS=words,

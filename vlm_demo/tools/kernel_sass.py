@@ -297,7 +297,7 @@ def packed_launch(fmt: str, rows: int) -> Launch:
     if fmt == "int4":
         group = int4_group(HIDDEN, True) or 128
         values = torch.empty(columns, HIDDEN // 2, dtype=torch.uint8, device=meta)
-        scale = torch.empty(columns, HIDDEN // group, dtype=torch.bfloat16, device=meta)
+        scale = torch.empty(HIDDEN // group, columns, dtype=torch.bfloat16, device=meta).t()  # group-major, as packed
         zero: torch.Tensor | None = torch.empty_like(scale)
     else:
         values = torch.empty(columns, HIDDEN, dtype=torch.int8 if fmt == "int8" else torch.float8_e4m3fn, device=meta)
