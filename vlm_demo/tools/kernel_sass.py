@@ -21,7 +21,9 @@ kernel's **main loop** — the longest loop (a backward branch) that loads from 
   4`` clocks: four schedulers per SM, one warp instruction each per clock) and its conversion time
   (``slow_conversions × warps × 32 ÷ 16`` clocks), times the target's SMs and clock — what the SMs could consume
   if memory kept up and enough programs were resident to hide its latency. Compare it with the memory's bandwidth
-  (``memory_tb_s``): below it, the kernel is bound by its instructions, not by memory.
+  (``memory_tb_s``): below it, the kernel is bound by its instructions, not by memory. For the packed products
+  it is divided by ``row_blocks``, the programs that widen the same weight tile (a batch wider than one
+  ``BLOCK_M``): what counts is the weight bytes first read (``tile_ceiling_tb_s``: one program's).
 """
 
 from __future__ import annotations
@@ -400,22 +402,22 @@ PACKED_CEILINGS: dict[str, dict[str, dict[int, float]]] = {
     "sm_80": {
         "int8": {1: 2.436, 16: 2.436, 32: 2.436, 64: 1.218, 128: 0.609, 256: 0.609},
         "fp8": {1: 4.655, 16: 4.655, 32: 3.769, 64: 3.257, 128: 1.902, 256: 1.218},
-        "int4": {1: 2.599, 16: 2.599, 32: 2.076, 64: 0.985, 128: 0.492, 256: 0.246},
+        "int4": {1: 2.61, 16: 2.61, 32: 2.076, 64: 1.004, 128: 0.502, 256: 0.251},
     },
     "sm_89": {
         "int8": {1: 5.725, 16: 5.725, 32: 5.725, 64: 2.863, 128: 1.431, 256: 1.431},
         "fp8": {1: 10.938, 16: 10.938, 32: 8.751, 64: 7.714, 128: 4.261, 256: 2.955},
-        "int4": {1: 6.184, 16: 6.184, 32: 4.902, 64: 2.287, 128: 1.143, 256: 0.572},
+        "int4": {1: 6.107, 16: 6.107, 32: 4.927, 64: 2.297, 128: 1.149, 256: 0.574},
     },
     "sm_90": {
         "int8": {1: 7.884, 16: 7.884, 32: 5.803, 64: 7.67, 128: 4.055, 256: 3.585},
         "fp8": {1: 7.17, 16: 7.17, 32: 5.978, 64: 6.777, 128: 4.089, 256: 3.276},
-        "int4": {1: 4.368, 16: 4.368, 32: 3.515, 64: 1.677, 128: 0.839, 256: 0.419},
+        "int4": {1: 4.302, 16: 4.302, 32: 3.54, 64: 1.767, 128: 0.883, 256: 0.442},
     },
     "sm_120": {
         "int8": {1: 16.967, 16: 16.967, 32: 11.376, 64: 7.7, 128: 3.525, 256: 2.677},
         "fp8": {1: 15.283, 16: 15.283, 32: 12.513, 64: 10.971, 128: 6.376, 256: 4.26},
-        "int4": {1: 8.839, 16: 8.839, 32: 7.013, 64: 3.411, 128: 1.706, 256: 0.853},
+        "int4": {1: 8.762, 16: 8.762, 32: 6.928, 64: 3.422, 128: 1.711, 256: 0.856},
     },
 }
 
