@@ -231,3 +231,23 @@ def test_int4_scales_and_zeros_are_stored_group_major_and_stay_so_merged() -> No
     assert merged is not None and merged.scale.shape == (48, 2) and merged.scale.stride() == (1, 48)
     assert merged.zero is not None and merged.zero.stride() == (1, 48)
     assert all(layer.scale.stride() == (1, 48) for layer in layers)
+
+
+@pytest.mark.parametrize("rows", [1, 24, 128])
+def test_int8_words_as_ampere_and_ada_widen_them(rows) -> None:
+    """sm_80 and sm_89 widen int8 from int32 words (128 + the low 7 bits, less 128 + the sign bit's 128): every one
+    of the 256 codes exactly (``x`` the identity), and a product against ``F.linear`` on the widened weight."""
+    from vlm_demo.engine import packed_kernels
+
+    codes = torch.arange(256, dtype=torch.uint8).view(torch.int8).reshape(2, 128)
+    out = torch.empty(128, 2, dtype=torch.bfloat16)
+    packed_kernels.weight_only_matmul(
+        torch.eye(128, dtype=torch.bfloat16), codes, torch.ones(2), None, None, 1.0, out, 80
+    )
+    assert torch.equal(out.t().float(), codes.float())
+    layer = packed_random("int8", 72, 256, seed=rows).packed()
+    x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
+    out = torch.empty(rows, 72, dtype=torch.bfloat16)
+    packed_kernels.weight_only_matmul(x, layer.values, layer.scale, None, None, 1.0, out, 80)
+    want = F.linear(x.float(), packed.widened(layer.values, layer.scale, None, torch.float32))
+    assert (out.float() - want).abs().max() <= 8e-3 * want.abs().max()

@@ -26,7 +26,11 @@ the row blocks that share a weight tile fastest (``program_id(0)``), so they rea
   land in bf16's low exponent bits, bias 127 for 7), ``((word >> 4) & 0x07F007F0) | (word & 0x80008000)`` bytes
   1 and 3. Each is the e4m3 value × 2⁻¹²⁰, subnormals and zeros too (bf16 subnormals); the 2¹²⁰ multiplies the
   row scale.
-- **int8**: ``.to(bf16)``, which Triton lowers to PRMT/LOP3/HADD2 on packed pairs (0 conversions on sm_90).
+- **int8**: on sm_80 and sm_89, from int32 words: ``(word & 0x007F007F) | 0x43004300`` is ``128 + `` the low 7
+  bits, ``(word & 0x00800080) | 0x43004300`` is ``128 + 128 ·`` the sign bit, and their bf16 difference is the
+  int8 value (exact). On sm_90 and later ``.to(bf16)``, which Triton lowers to the same trick with PRMT/LOP3/HADD2
+  and schedules better there (under the interpreter, whose bf16 arithmetic and int8 casts are wrong, both go
+  through float32; tests pick the word path with ``capability=80``).
 
 Float32 inputs (the CPU tests) take fp32 patterns of the same placement and IEEE products; fp16 the fp16 ones.
 
@@ -64,6 +68,18 @@ def _fp8_words(words, ROWS: tl.constexpr, COLUMNS: tl.constexpr):
     even = ((words << 4) & 0x07F007F0) | ((words << 8) & -0x7FFF8000)  # -0x7FFF8000: 0x80008000, two sign bits
     odd = ((words >> 4) & 0x07F007F0) | (words & -0x7FFF8000)
     return _pairs(even, odd, ROWS, COLUMNS)
+
+
+@triton.jit
+def _int8_words(words, ROWS: tl.constexpr, COLUMNS: tl.constexpr, INTERPRETED: tl.constexpr):
+    """int32 words of four int8 as bf16: ``(128 + low 7 bits) − (128 + the sign bit's 128)``, both operands placed
+    into 0x4300 patterns (the sign bit already sits at bf16's mantissa top), one bf16 subtraction per pair."""
+    low = _pairs((words & 0x007F007F) | 0x43004300, ((words >> 8) & 0x007F007F) | 0x43004300, ROWS, COLUMNS)
+    top = _pairs((words & 0x00800080) | 0x43004300, ((words >> 8) & 0x00800080) | 0x43004300, ROWS, COLUMNS)
+    if INTERPRETED:  # the interpreter subtracts bf16's raw bits: the same difference in float32 there
+        return (_float32(low) - _float32(top)).to(tl.bfloat16)
+    else:
+        return low - top
 
 
 @triton.jit
@@ -175,10 +191,13 @@ def _weight_only_matmul(
         k = tl.arange(0, BLOCK_K)
         per_split: tl.constexpr = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
         for start in range(split * per_split, split * per_split + per_split, BLOCK_K):
-            if WORDS:  # e4m3 bytes read four to an int32 and widened two at a time
+            if WORDS:  # e4m3 or int8 bytes read four to an int32 and widened two at a time
                 words = tl.load(W + n_read[:, None] * stride_wn + start // 4 + tl.arange(0, BLOCK_K // 4)[None, :])
                 x = tl.load(X + m_read[:, None] * stride_xm + start + k[None, :])
-                w = _fp8_words(words, BLOCK_N, BLOCK_K)
+                if FP8:
+                    w = _fp8_words(words, BLOCK_N, BLOCK_K)
+                else:
+                    w = _int8_words(words, BLOCK_N, BLOCK_K, INTERPRETED)
             elif K % (BLOCK_K * SPLIT_K) == 0:
                 x = tl.load(X + m_read[:, None] * stride_xm + start + k[None, :])
                 w = _widen(tl.load(W + n_read[:, None] * stride_wn + start + k[None, :]), FP8, wide, INTERPRETED)
@@ -272,11 +291,22 @@ def tickets(device: torch.device, count: int) -> torch.Tensor:
     return held
 
 
+def _capability(device: torch.device, given: int | None) -> int:
+    """``given``, else the CUDA device's compute capability as 80, 89, 90…; 90 elsewhere (meta, CPU)."""
+    if given is not None:
+        return given
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        return 10 * major + minor
+    return 90
+
+
 def weight_only_matmul(x: torch.Tensor, values: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
-                       residual: torch.Tensor | None, alpha: float, out: torch.Tensor) -> None:  # fmt: skip
+                       residual: torch.Tensor | None, alpha: float, out: torch.Tensor,
+                       capability: int | None = None) -> None:  # fmt: skip
     """Launch the kernel: ``x`` ``[M, K]`` (unit stride along K), ``values`` ``[N, K]`` (int8, float8 e4m3) with
     ``scale`` ``[N]``, or ``[N, K / 2]`` 4-bit codes with ``scale`` and ``zero`` ``[N, K / group]``; ``residual``
-    and ``out`` ``[M, N]``."""
+    and ``out`` ``[M, N]``; ``capability`` (80, 89, 90…) for a launch recorded on ``meta`` (else the device's)."""
     rows, width = x.shape
     columns = values.shape[0]
     group = width // scale.shape[1] if zero is not None else 0
@@ -286,7 +316,9 @@ def weight_only_matmul(x: torch.Tensor, values: torch.Tensor, scale: torch.Tenso
     # bf16 inputs read the weights as int32 words (4 bytes: fp8's or int4's codes) and widen two at a time
     fp8 = values.dtype == torch.float8_e4m3fn
     words = x.dtype == torch.bfloat16 and values.stride(0) % 4 == 0 and values.shape[1] % 4 == 0
-    words = words and (group % 8 == 0 if zero is not None else fp8 and width % (block_k * split) == 0)
+    words = words and (group % 8 == 0 if zero is not None else width % (block_k * split) == 0)
+    if values.dtype == torch.int8:  # placed bits beat Triton's own widening where that takes I2F (sm_80, sm_89)
+        words = words and _capability(x.device, capability) < 90
     if words:
         values = values.view(torch.int32)
     if zero is not None and zero.stride() != scale.stride():  # one pair of strides serves both tables

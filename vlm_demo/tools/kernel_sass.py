@@ -286,7 +286,7 @@ def attention_launches() -> dict[str, Launch]:
     return launches
 
 
-def packed_launch(fmt: str, rows: int) -> Launch:
+def packed_launch(fmt: str, rows: int, capability: int = 90) -> Launch:
     """The weight-only product's launch for the gate/up projection (28,672 × 4,096: 60 % of a step's weight bytes
     with down; the loop is the same for every shape) at ``rows`` rows."""
     from vlm_demo.engine import packed_kernels
@@ -305,7 +305,7 @@ def packed_launch(fmt: str, rows: int) -> Launch:
         values = torch.empty(columns, HIDDEN, dtype=torch.int8 if fmt == "int8" else torch.float8_e4m3fn, device=meta)
         scale, zero = torch.empty(columns, 1, dtype=torch.float32, device=meta), None
     with recording(packed_kernels, "_weight_only_matmul") as made:
-        packed_kernels.weight_only_matmul(x, values, scale, zero, None, 1.0, out)
+        packed_kernels.weight_only_matmul(x, values, scale, zero, None, 1.0, out, capability)
     return made[0]
 
 
@@ -365,9 +365,9 @@ def report(targets: tuple[str, ...] = tuple(TARGETS), kernels: tuple[str, ...] =
                 out.append(entry(name, attention[name], target, 1))
                 continue
             for m in rows:
-                launch = packed_launch(name.removeprefix("packed_"), m)
+                launch = packed_launch(name.removeprefix("packed_"), m, TARGETS[target].capability)
                 tile = tuple(launch.args[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K"))
-                key = (name, target, tile, launch.options.get("num_stages"))
+                key = (name, target, tile, launch.options.get("num_stages"), launch.args["WORDS"])
                 if key not in compiled:
                     compiled[key] = entry(name, launch, target, m)
                 out.append(packed_row(compiled[key], m, launch))
