@@ -185,3 +185,7 @@ def test_the_ceilings_table_is_what_the_compiler_gives(packed) -> None:
     assert kernel_sass.packed_bandwidth("int4", "sm_90", 256) == kernel_sass.PACKED_CEILINGS["sm_90"]["int4"][256]
     assert kernel_sass.packed_bandwidth("int4", "sm_90", 100) == kernel_sass.PACKED_CEILINGS["sm_90"]["int4"][128]
     assert kernel_sass.packed_bandwidth("bf16", "sm_89", 8) == 0.864
+    a10g = kernel_sass.card_bandwidth("int4", 86, 80, 1.71, 0.6, 256)  # sm_80's figure, scaled to 80 SMs at 1.71 GHz
+    assert abs(a10g - kernel_sass.PACKED_CEILINGS["sm_80"]["int4"][256] * 80 * 1.71 / (108 * 1.41)) < 1e-9
+    with pytest.raises(ValueError, match="capability 75"):
+        kernel_sass.card_bandwidth("int8", 75, 40, 1.59, 0.32, 1)

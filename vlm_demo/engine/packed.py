@@ -34,7 +34,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-TRITON_ROWS = 256  # rows up to which CUDA runs the Triton kernel (a decode step); a prefill above takes cuBLAS
+# Rows up to which CUDA runs the Triton kernel (a decode step); a prefill above takes cuBLAS on a widened copy. The
+# compiled ceilings put the crossover above 256 for every format and target (docs/quantization.md, "Where cuBLAS
+# would win"); 256 is also the engine's largest batch.
+TRITON_ROWS = 256
 FORMATS = {torch.int8: "int8", torch.float8_e4m3fn: "fp8", torch.uint8: "int4"}  # by the stored values' dtype
 CHUNK = 2048  # inputs read back at once when re-packing a torchao int4 layer
 

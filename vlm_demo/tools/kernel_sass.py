@@ -423,14 +423,25 @@ PACKED_CEILINGS: dict[str, dict[str, dict[int, float]]] = {
 
 
 def packed_bandwidth(fmt: str, target: str, rows: int) -> float:
-    """TB/s a decode step's ``fmt`` products can read at ``rows`` rows on ``target``: the smaller of the card's
+    """TB/s a decode step's ``fmt`` products can read at ``rows`` rows on ``target``'s card: the smaller of its
     memory bandwidth and the compiled ceiling of the smallest row tier at or above ``rows`` (``bf16``: the memory's)."""
-    memory = TARGETS[target].memory_tb_s
+    card = TARGETS[target]
+    return card_bandwidth(fmt, card.capability, card.sms, card.ghz, card.memory_tb_s, rows)
+
+
+def card_bandwidth(fmt: str, capability: int, sms: int, ghz: float, memory_tb_s: float, rows: int) -> float:
+    """``packed_bandwidth`` for any card: the ceilings of the newest compiled target it can run (compute
+    capability at or below its own: an A10G's 86 reads sm_80's), scaled by its SMs × clock (the ceiling is bytes
+    per SM clock × SMs × clock), under its memory's bandwidth. ``bf16``: the memory's."""
     if fmt == "bf16":
-        return memory
-    tiers = PACKED_CEILINGS[target][fmt]
-    tier = min((r for r in tiers if r >= rows), default=max(tiers))
-    return min(memory, tiers[tier])
+        return memory_tb_s
+    compiled = [name for name, t in TARGETS.items() if t.capability <= capability]
+    if not compiled:
+        raise ValueError(f"no compiled target at or below compute capability {capability}")
+    name = max(compiled, key=lambda n: TARGETS[n].capability)
+    tiers = PACKED_CEILINGS[name][fmt]
+    ceiling = tiers[min((r for r in tiers if r >= rows), default=max(tiers))]
+    return min(memory_tb_s, ceiling * sms * ghz / (TARGETS[name].sms * TARGETS[name].ghz))
 
 
 def _shapes() -> dict[str, Any]:
