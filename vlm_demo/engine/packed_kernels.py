@@ -219,11 +219,12 @@ def _weight_only_matmul(
         parts = PARTS + out_tile * SPLIT_K * (BLOCK_M * BLOCK_N) + tl.arange(0, BLOCK_M)[:, None] * BLOCK_N
         parts += tl.arange(0, BLOCK_N)[None, :]
         tl.store(parts + split * (BLOCK_M * BLOCK_N), acc)
-        ticket = tl.atomic_add(TICKETS + out_tile, 1, sem="acq_rel")  # after this split's part is written
-        if ticket == SPLIT_K - 1:
-            acc = tl.load(parts)
+        tl.debug_barrier()  # every thread's part stored before the (one-thread, releasing) ticket
+        ticket = tl.atomic_add(TICKETS + out_tile, 1, sem="acq_rel", scope="gpu")
+        if ticket == SPLIT_K - 1:  # the others' parts, read past L1 (not coherent across SMs)
+            acc = tl.load(parts, cache_modifier=".cg")
             for other in range(1, SPLIT_K):
-                acc += tl.load(parts + other * (BLOCK_M * BLOCK_N))
+                acc += tl.load(parts + other * (BLOCK_M * BLOCK_N), cache_modifier=".cg")
             tl.atomic_xchg(TICKETS + out_tile, 0)  # zero again for the next launch (a graph's replay)
             _finish(acc, alpha, RES, OUT, n, m, live, stride_rm, stride_om, HAS_RESIDUAL)
     else:
