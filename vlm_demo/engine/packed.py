@@ -10,7 +10,8 @@ re-packed, once, into a :class:`PackedLinear`:
   and one float32 scale per output row (``w = value · scale``; torchao's int8 zero points are all zero);
 - **int4**: two 4-bit codes a byte (``[out, in / 2]``: in each group of ``group`` inputs, input ``j`` in byte
   ``j``'s low half and ``j + group / 2`` in its high half) and, per group of a row, a scale and a zero in the
-  model dtype (``w = code · scale + zero``, codes 0–15: the group's minimum to its maximum). torchao's int4
+  model dtype (``w = code · scale + zero``, codes 0–15: the group's minimum to its maximum), ``[out, groups]``
+  tables stored group-major (:func:`group_major`). torchao's int4
   layouts (tinygemm's tiles, aten's CPU packing) cannot be concatenated or read by our kernel, so their values
   are read back through the layer itself and packed again — on the same 16-level grid, so nothing is lost.
 
@@ -33,7 +34,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-TRITON_ROWS = 256  # rows up to which CUDA runs the Triton kernel (a decode step); a prefill above takes cuBLAS
+# Rows up to which CUDA runs the Triton kernel (a decode step); a prefill above takes cuBLAS on a widened copy. The
+# compiled ceilings put the crossover above 256 for every format and target (docs/quantization.md, "Where cuBLAS
+# would win"); 256 is also the engine's largest batch.
+TRITON_ROWS = 256
 FORMATS = {torch.int8: "int8", torch.float8_e4m3fn: "fp8", torch.uint8: "int4"}  # by the stored values' dtype
 CHUNK = 2048  # inputs read back at once when re-packing a torchao int4 layer
 
@@ -152,14 +156,20 @@ def packed_bytes(fmt: str, out_features: int, in_features: int, dtype: torch.dty
     return out_features * in_features // 2 + 2 * out_features * (in_features // group) * dtype.itemsize
 
 
+def group_major(table: torch.Tensor) -> torch.Tensor:
+    """A ``[out, groups]`` table stored group by group (``stride(0) == 1``): the kernel loads one group's scales (or
+    zeros) for a tile of consecutive rows as one contiguous run; indexing and views see the same ``[out, groups]``."""
+    return table.t().contiguous().t()
+
+
 def pack_int4(weight: torch.Tensor, group: int, dtype: torch.dtype) -> PackedLinear:
     """``weight`` ``[out, in]`` in 4 bits per groups of ``group`` inputs: codes 0–15 from the group's minimum
     (the zero) to its maximum, scale and zero stored in ``dtype`` (the codes computed from the stored ones)."""
     rows, width = weight.shape
     w = weight.detach().float().reshape(rows, width // group, group)
     low, high = w.amin(-1), w.amax(-1)
-    scale = ((high - low) / 15).to(dtype)
-    zero = low.to(dtype)
+    scale = group_major(((high - low) / 15).to(dtype))
+    zero = group_major(low.to(dtype))
     step = torch.where(scale == 0, torch.ones_like(scale), scale).float()
     codes = ((w - zero.float()[..., None]) / step[..., None]).round_().clamp_(0, 15).to(torch.uint8)
     values = codes[..., : group // 2] | (codes[..., group // 2 :] << 4)
@@ -199,8 +209,11 @@ def merge(modules: Sequence[torch.nn.Module]) -> PackedWeight | None:
     if len(kinds) != 1 or len({p.zero is None for p in parts}) != 1:
         return None
     values = torch.cat([p.values for p in parts])
-    scale = torch.cat([p.scale for p in parts])
-    zero = torch.cat([p.zero for p in parts]) if parts[0].zero is not None else None  # type: ignore[misc]
+    if parts[0].zero is None:
+        scale, zero = torch.cat([p.scale for p in parts]), None
+    else:  # int4: concatenated group-major, so the modules' rows stay views of it
+        scale = torch.cat([p.scale.t() for p in parts], dim=1).t()
+        zero = torch.cat([p.zero.t() for p in parts], dim=1).t()  # type: ignore[union-attr]
     start = 0
     for module, part in zip(modules, parts, strict=True):
         end = start + part.values.shape[0]

@@ -21,7 +21,9 @@ kernel's **main loop** — the longest loop (a backward branch) that loads from 
   4`` clocks: four schedulers per SM, one warp instruction each per clock) and its conversion time
   (``slow_conversions × warps × 32 ÷ 16`` clocks), times the target's SMs and clock — what the SMs could consume
   if memory kept up and enough programs were resident to hide its latency. Compare it with the memory's bandwidth
-  (``memory_tb_s``): below it, the kernel is bound by its instructions, not by memory.
+  (``memory_tb_s``): below it, the kernel is bound by its instructions, not by memory. For the packed products
+  it is divided by ``row_blocks``, the programs that widen the same weight tile (a batch wider than one
+  ``BLOCK_M``): what counts is the weight bytes first read (``tile_ceiling_tb_s``: one program's).
 """
 
 from __future__ import annotations
@@ -284,7 +286,7 @@ def attention_launches() -> dict[str, Launch]:
     return launches
 
 
-def packed_launch(fmt: str, rows: int) -> Launch:
+def packed_launch(fmt: str, rows: int, capability: int = 90) -> Launch:
     """The weight-only product's launch for the gate/up projection (28,672 × 4,096: 60 % of a step's weight bytes
     with down; the loop is the same for every shape) at ``rows`` rows."""
     from vlm_demo.engine import packed_kernels
@@ -297,13 +299,13 @@ def packed_launch(fmt: str, rows: int) -> Launch:
     if fmt == "int4":
         group = int4_group(HIDDEN, True) or 128
         values = torch.empty(columns, HIDDEN // 2, dtype=torch.uint8, device=meta)
-        scale = torch.empty(columns, HIDDEN // group, dtype=torch.bfloat16, device=meta)
+        scale = torch.empty(HIDDEN // group, columns, dtype=torch.bfloat16, device=meta).t()  # group-major, as packed
         zero: torch.Tensor | None = torch.empty_like(scale)
     else:
         values = torch.empty(columns, HIDDEN, dtype=torch.int8 if fmt == "int8" else torch.float8_e4m3fn, device=meta)
         scale, zero = torch.empty(columns, 1, dtype=torch.float32, device=meta), None
     with recording(packed_kernels, "_weight_only_matmul") as made:
-        packed_kernels.weight_only_matmul(x, values, scale, zero, None, 1.0, out)
+        packed_kernels.weight_only_matmul(x, values, scale, zero, None, 1.0, out, capability)
     return made[0]
 
 
@@ -363,17 +365,83 @@ def report(targets: tuple[str, ...] = tuple(TARGETS), kernels: tuple[str, ...] =
                 out.append(entry(name, attention[name], target, 1))
                 continue
             for m in rows:
-                launch = packed_launch(name.removeprefix("packed_"), m)
+                launch = packed_launch(name.removeprefix("packed_"), m, TARGETS[target].capability)
                 tile = tuple(launch.args[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K"))
-                key = (name, target, tile)
+                key = (name, target, tile, launch.options.get("num_stages"), launch.args["WORDS"])
                 if key not in compiled:
                     compiled[key] = entry(name, launch, target, m)
-                out.append({**compiled[key], "rows": m, "tile": list(tile)})
+                out.append(packed_row(compiled[key], m, launch))
     return {"triton": triton.__version__, "shapes": _shapes(), "ceiling": CEILING, "kernels": out}
 
 
+def packed_row(compiled: dict[str, Any], rows: int, launch: Launch) -> dict[str, Any]:
+    """A packed kernel's entry at ``rows``: its tile's figures, with ``row_blocks`` programs widening each weight
+    tile (the batch in ``BLOCK_M`` blocks) — the tile's ceiling is then shared by that many: ``ceiling_tb_s`` is
+    weight bytes first read per second (``tile_ceiling_tb_s`` ÷ ``row_blocks``), ``split_k`` the programs per tile
+    along the inputs."""
+    a = launch.args
+    blocks = -(-rows // a["BLOCK_M"])
+    row = {**compiled, "rows": rows, "tile": [a["BLOCK_M"], a["BLOCK_N"], a["BLOCK_K"]], "row_blocks": blocks,
+           "split_k": a["SPLIT_K"]}  # fmt: skip
+    if compiled.get("ceiling_tb_s") is not None:
+        row["tile_ceiling_tb_s"] = compiled["ceiling_tb_s"]
+        row["ceiling_tb_s"] = round(compiled["ceiling_tb_s"] / blocks, 3)
+    return row
+
+
 CEILING = ("ceiling_tb_s = bytes per main-loop iteration / max(loop_instructions * warps / 4, slow_conversions * "
-           "warps * 32 / 16) clocks * SMs * clock (docs/BENCHMARKS.md, 'Reading the kernels')")  # fmt: skip
+           "warps * 32 / 16) clocks * SMs * clock, over the row blocks that widen the same weights (packed) "
+           "(docs/BENCHMARKS.md, 'Reading the kernels')")  # fmt: skip
+
+
+# ``ceiling_tb_s`` of the packed kernels at the gate/up shape (``bench --kernel-sass``, Triton 3.9.0, 2026-12-06):
+# target → format → rows → TB/s of weight bytes the SMs could widen and multiply (the row blocks that share a
+# weight tile counted). A decode step's packed products read at most ``min(memory_tb_s, ceiling)``; the test
+# ``test_kernel_sass`` keeps the sm_89/sm_90 decode rows equal to a fresh compile.
+PACKED_CEILINGS: dict[str, dict[str, dict[int, float]]] = {
+    "sm_80": {
+        "int8": {1: 3.735, 16: 3.735, 32: 3.437, 64: 3.028, 128: 1.902, 256: 1.499},
+        "fp8": {1: 4.655, 16: 4.655, 32: 3.769, 64: 3.257, 128: 1.902, 256: 1.218},
+        "int4": {1: 2.61, 16: 2.61, 32: 2.076, 64: 1.004, 128: 0.502, 256: 0.251},
+    },
+    "sm_89": {
+        "int8": {1: 8.777, 16: 8.777, 32: 7.988, 64: 7.115, 128: 4.469, 256: 3.523},
+        "fp8": {1: 10.938, 16: 10.938, 32: 8.751, 64: 7.714, 128: 4.261, 256: 2.955},
+        "int4": {1: 6.107, 16: 6.107, 32: 4.927, 64: 2.297, 128: 1.149, 256: 0.574},
+    },
+    "sm_90": {
+        "int8": {1: 7.884, 16: 7.884, 32: 5.803, 64: 7.67, 128: 4.055, 256: 3.585},
+        "fp8": {1: 7.17, 16: 7.17, 32: 5.978, 64: 6.777, 128: 4.089, 256: 3.276},
+        "int4": {1: 4.302, 16: 4.302, 32: 3.54, 64: 1.767, 128: 0.883, 256: 0.442},
+    },
+    "sm_120": {
+        "int8": {1: 16.967, 16: 16.967, 32: 11.376, 64: 7.7, 128: 3.525, 256: 2.677},
+        "fp8": {1: 15.283, 16: 15.283, 32: 12.513, 64: 10.971, 128: 6.376, 256: 4.26},
+        "int4": {1: 8.762, 16: 8.762, 32: 6.928, 64: 3.422, 128: 1.711, 256: 0.856},
+    },
+}
+
+
+def packed_bandwidth(fmt: str, target: str, rows: int) -> float:
+    """TB/s a decode step's ``fmt`` products can read at ``rows`` rows on ``target``'s card: the smaller of its
+    memory bandwidth and the compiled ceiling of the smallest row tier at or above ``rows`` (``bf16``: the memory's)."""
+    card = TARGETS[target]
+    return card_bandwidth(fmt, card.capability, card.sms, card.ghz, card.memory_tb_s, rows)
+
+
+def card_bandwidth(fmt: str, capability: int, sms: int, ghz: float, memory_tb_s: float, rows: int) -> float:
+    """``packed_bandwidth`` for any card: the ceilings of the newest compiled target it can run (compute
+    capability at or below its own: an A10G's 86 reads sm_80's), scaled by its SMs × clock (the ceiling is bytes
+    per SM clock × SMs × clock), under its memory's bandwidth. ``bf16``: the memory's."""
+    if fmt == "bf16":
+        return memory_tb_s
+    compiled = [name for name, t in TARGETS.items() if t.capability <= capability]
+    if not compiled:
+        raise ValueError(f"no compiled target at or below compute capability {capability}")
+    name = max(compiled, key=lambda n: TARGETS[n].capability)
+    tiers = PACKED_CEILINGS[name][fmt]
+    ceiling = tiers[min((r for r in tiers if r >= rows), default=max(tiers))]
+    return min(memory_tb_s, ceiling * sms * ghz / (TARGETS[name].sms * TARGETS[name].ghz))
 
 
 def _shapes() -> dict[str, Any]:
