@@ -104,3 +104,24 @@ def test_the_readme_table_is_the_tools_output() -> None:
     match = re.search(r"<!-- fit-table:start -->\n(.*?)\n<!-- fit-table:end -->", text, re.S)
     assert match, "README.md has no <!-- fit-table:start --> … <!-- fit-table:end --> block"
     assert match.group(1) == fit.readme_table()
+
+
+def test_the_bound_takes_the_packed_bytes_at_the_kernels_compiled_ceiling_where_it_is_below_the_memory() -> None:
+    """On an H200 int4's compiled loop reads at most ~4.3 TB/s (``kernel_sass.PACKED_CEILINGS``, below its 4.8): the
+    packed layers' bytes at that rate, the rest (LM head, keys/values) at the memory's; where the ceiling is above
+    the memory (int8 there, every format on an H100) the bound is bandwidth over bytes, as before."""
+    from vlm_demo.tools import kernel_sass
+
+    h200 = fit.spec_report(gpus.by_key("h200"))["results"]
+    int4, int8 = h200["int4"], h200["int8"]
+    ceiling = kernel_sass.card_bandwidth("int4", 90, 132, 1.83, 4.8, 1) * 1e12
+    assert int4["kernel_bytes_per_s"] == pytest.approx(ceiling) and ceiling < 4.8e12
+    other = int4["decode_read_bytes"] - int4["packed_read_bytes"]
+    expected = 1 / (other / 4.8e12 + int4["packed_read_bytes"] / ceiling)
+    assert int4["batch1_bound_tokens_per_s"] == pytest.approx(expected)
+    assert int4["batch1_bound_tokens_per_s"] < 4.8e12 / int4["decode_read_bytes"]
+    assert 0 < int4["packed_read_bytes"] < int4["decode_read_bytes"] and h200["none"]["packed_read_bytes"] == 0
+    assert int8["kernel_bytes_per_s"] is None
+    assert int8["batch1_bound_tokens_per_s"] == pytest.approx(4.8e12 / int8["decode_read_bytes"])
+    h100 = fit.spec_report(gpus.by_key("h100"))["results"]
+    assert all(h100[k]["kernel_bytes_per_s"] is None for k in ("fp8", "int8", "int4"))

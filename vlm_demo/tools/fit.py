@@ -3,8 +3,10 @@
 For each ``--quantize`` choice, the 11B model's weights in bytes (counted per layer from the real
 architecture, as the loader stores them), whether they load, how many answers of ``--max-new-tokens``
 tokens then fit at once (the engine's own memory plan: :mod:`vlm_demo.engine.memory`), what ``auto`` would
-pick, and the batch-1 decode bound for the card's memory bandwidth (the bytes a decode step reads, once:
-a bound, not a promise; see docs/quantization.md). ``--gpu NAME`` takes memory, bandwidth and compute
+pick, and the batch-1 decode bound: the bytes a decode step reads, once, at the card's memory bandwidth — the
+packed layers' bytes (``--quantize`` int8/fp8/int4) at the smaller of that and what our weight-only kernel's
+compiled loop can consume on this card (:func:`vlm_demo.tools.kernel_sass.card_bandwidth`: its ceiling at the
+newest compiled target the card runs, scaled by SMs × clock). A bound, not a promise; see docs/quantization.md. ``--gpu NAME`` takes memory, bandwidth and compute
 capability from :mod:`vlm_demo.tools.gpus`; ``--readme-table`` prints the README's "Which GPU?" table.
 
 Nothing is allocated: the model is built on the meta device. The GPU is taken to have its memory less
@@ -60,7 +62,9 @@ class Fit:
     max_batch_size: int  # what the server would batch (the memory plan: at most 256); 0 when it does not fit
     kv_budget_bytes: int
     decode_read_bytes: int  # what one batch-1 decode step reads
-    batch1_bound_tokens_per_s: float | None  # bandwidth / decode_read_bytes
+    packed_read_bytes: int  # of which the packed layers' (read by our weight-only kernel)
+    kernel_bytes_per_s: float | None  # what that kernel can read here (None: the memory's bandwidth, or unknown)
+    batch1_bound_tokens_per_s: float | None  # 1 / (other bytes / bandwidth + packed bytes / the kernel's rate)
     why: str  # why it does not fit or run ("" when it does)
 
 
@@ -82,33 +86,52 @@ def parse_bandwidth(text: str) -> float:
 def evaluate(
     kind: str,
     weights: int,
-    read: int,
+    read: tuple[int, int],
     kv: KVShape,
     memory: int,
     capability: tuple[int, int] | None,
     bandwidth: float | None,
     max_new_tokens: int,
+    cores: tuple[int, float] | None = None,
 ) -> Fit:
-    """Whether ``kind``'s weights load on a GPU of ``memory`` bytes and how many rows the plan then gives."""
+    """Whether ``kind``'s weights load on a GPU of ``memory`` bytes and how many rows the plan then gives;
+    ``read``: the bytes a batch-1 step reads and the packed layers' share of them; ``cores``: the card's SMs and
+    clock (the kernel's ceiling; None: the memory's bandwidth alone)."""
     free = memory - CUDA_OVERHEAD
-    bound = bandwidth / read if bandwidth else None
     problem = quantize.problem(kind, True, capability, "this GPU", DTYPE) if capability else None
+    total, packed = read
+    rate = kernel_rate(kind, capability, bandwidth, cores) if not problem and packed else None
+    bound = 1 / ((total - packed) / bandwidth + packed / (rate or bandwidth)) if bandwidth else None
+    figures = (total, packed, rate)
     if problem:
-        return Fit(kind, weights, False, False, 0, 0, 0, read, bound, clause(problem))
+        return Fit(kind, weights, False, False, 0, 0, 0, *figures, bound, clause(problem))
     if weights + LOAD_MARGIN > free:
         why = (
             f"the weights need {weights / GiB:.1f} GiB, and {LOAD_MARGIN / GiB:.0f} GiB more while they load, but the "
             f"card has {free / GiB:.1f} GiB free when the server starts"
         )
-        return Fit(kind, weights, True, False, 0, 0, 0, read, bound, why)
+        return Fit(kind, weights, True, False, 0, 0, 0, *figures, bound, why)
     try:
         memory_plan = plan(kv, Config(max_new_tokens=max_new_tokens), cuda=True, free=free - weights, total=memory)
     except ModelLoadError as err:
-        return Fit(kind, weights, True, False, 0, 0, 0, read, bound, clause(str(err)))
+        return Fit(kind, weights, True, False, 0, 0, 0, *figures, bound, clause(str(err)))
     rows = rows_that_fit(kv, free - weights, memory, max_new_tokens)
     return Fit(
-        kind, weights, True, True, rows, memory_plan.max_batch_size, memory_plan.kv_budget_bytes, read, bound, ""
+        kind, weights, True, True, rows, memory_plan.max_batch_size, memory_plan.kv_budget_bytes, *figures, bound, ""
     )
+
+
+def kernel_rate(
+    kind: str, capability: tuple[int, int] | None, bandwidth: float | None, cores: tuple[int, float] | None
+) -> float | None:
+    """Bytes/s our weight-only kernel reads ``kind``'s packed layers at on this card at batch 1, where its compiled
+    ceiling is below the memory's bandwidth (None: the memory's bandwidth sets it, or the card is unknown)."""
+    if not (capability and bandwidth and cores) or kind not in ("int8", "fp8", "int4") or capability < (8, 0):
+        return None  # below 8.0 no target is compiled: the memory's bandwidth stands
+    from vlm_demo.tools.kernel_sass import card_bandwidth
+
+    capped = card_bandwidth(kind, capability[0] * 10 + capability[1], *cores, bandwidth / 1e12, 1) * 1e12
+    return capped if capped < bandwidth else None
 
 
 def clause(message: str) -> str:
@@ -124,8 +147,9 @@ def fit_report(
     capability: tuple[int, int] | None = None,
     bandwidth: float | None = None,
     gpu: str = "",
+    cores: tuple[int, float] | None = None,
 ) -> dict[str, Any]:
-    """Everything ``fit`` says about one GPU, as the JSON it prints."""
+    """Everything ``fit`` says about one GPU, as the JSON it prints (``cores``: its SMs and clock, if known)."""
     config = realshape.full_config()
     model = meta_model(config)
     kv = KVShape.of(config, DTYPE)
@@ -134,7 +158,12 @@ def fit_report(
     for kind in kinds:
         weights = quantize.weight_bytes(model, DTYPE, kind, cuda=True)
         read = quantize.weight_bytes(model, DTYPE, kind, cuda=True, include=read_by_decode) + context
-        results[kind] = evaluate(kind, weights, read, kv, memory, capability, bandwidth, max_new_tokens)
+        names = packed_weights(model, kind)
+        packed = quantize.weight_bytes(
+            model, DTYPE, kind, cuda=True, include=lambda n, names=names: n in names and read_by_decode(n)
+        )
+        results[kind] = evaluate(kind, weights, (read, packed), kv, memory, capability, bandwidth, max_new_tokens,
+                                 cores)  # fmt: skip
     usable = {k: results[k].weight_bytes for k in kinds if results[k].runs}
     auto, auto_rows = most_precise_that_fits(usable, kv, memory - CUDA_OVERHEAD, memory) if usable else ("", 0)
     return {
@@ -150,6 +179,17 @@ def fit_report(
         "results": {kind: asdict(result) for kind, result in results.items()},
         "auto": auto if auto_rows else None,  # what --quantize auto loads; None: nothing this GPU runs fits
         "auto_rows_of_1024": auto_rows,
+    }
+
+
+def packed_weights(model: torch.nn.Module, kind: str) -> set[str]:
+    """The weights ``kind`` stores packed, read by our weight-only kernel (the language model's projections)."""
+    return {
+        f"{name}.weight"
+        for name, module in model.named_modules()
+        if isinstance(module, torch.nn.Linear)
+        and name.startswith(quantize.TEXT)
+        and quantize.layer_format(kind, name, module.in_features, True) is not None
     }
 
 
@@ -171,6 +211,8 @@ def words(report: dict[str, Any]) -> str:
             head += f", does not fit: {r['why']}"
         if r["batch1_bound_tokens_per_s"]:
             head += f"; batch-1 decode at most {r['batch1_bound_tokens_per_s']:.0f} tokens/s"
+            if r["kernel_bytes_per_s"]:
+                head += f" (its kernel reads the packed weights at {r['kernel_bytes_per_s'] / 1e12:.2f} TB/s here)"
         lines.append(head)
     if not report["compute_capability"]:
         lines.append("  (compute capability unknown: fp8 counted as available; --compute-capability 8.6 or --gpu NAME)")
@@ -186,7 +228,8 @@ def words(report: dict[str, Any]) -> str:
 
 
 def spec_report(spec: GpuSpec, max_new_tokens: int = 2048) -> dict[str, Any]:
-    return fit_report(spec.memory, quantize.KINDS, max_new_tokens, spec.capability, spec.bandwidth, spec.label)
+    return fit_report(spec.memory, quantize.KINDS, max_new_tokens, spec.capability, spec.bandwidth, spec.label,
+                      (spec.sms, spec.ghz))  # fmt: skip
 
 
 def readme_table(max_new_tokens: int = 2048) -> str:
@@ -258,7 +301,8 @@ def main(argv: list[str] | None = None) -> int:
         capability = (int(match.group(1)), int(match.group(2)))
     bandwidth = args.bandwidth or (spec.bandwidth if spec else None)
     kinds = quantize.KINDS if "auto" in asked else asked  # auto: weigh them all, show its pick
-    report = fit_report(memory, kinds, args.max_new_tokens, capability, bandwidth, spec.label if spec else "")
+    cores = (spec.sms, spec.ghz) if spec else None
+    report = fit_report(memory, kinds, args.max_new_tokens, capability, bandwidth, spec.label if spec else "", cores)
     shown = {k for k in asked if k != "auto"} | ({report["auto"]} if "auto" in asked else set())
     report["results"] = {k: r for k, r in report["results"].items() if k in shown}
     print(json.dumps(report, indent=1) if args.json else words(report))
