@@ -222,7 +222,7 @@ def test_every_command_line_is_one_its_program_accepts() -> None:
             name, _, value = words.pop(0).partition("=")
             environ[name] = value
         first = words[0]
-        python = first == "python" or first.endswith("/bin/python")
+        python = first in ("python", "python3") or first.endswith("/bin/python")
         if any(line == key or line.startswith(key + " ") for key in NOT_RUN):
             continue
         if python and words[1:2] == ["app.py"]:

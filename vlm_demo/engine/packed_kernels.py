@@ -147,6 +147,38 @@ def _float32(x):
 
 
 @triton.jit
+def _int4_product(X, W, SCALE, ZERO, m_read, n_read, split, acc, stride_xm, stride_wn, stride_sn, stride_sg,
+                  K: tl.constexpr, GROUP: tl.constexpr, WORDS: tl.constexpr, PRECISION: tl.constexpr,
+                  SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+    """``acc`` plus this split's groups of int4 products: each group's codes widened, multiplied, then its scale and
+    (the pattern's base folded in) its zero applied."""
+    wide: tl.constexpr = X.dtype.element_ty
+    half = tl.arange(0, GROUP // 2)
+    per_split: tl.constexpr = K // GROUP // SPLIT_K
+    base: tl.constexpr = 1024.0 if wide == tl.float16 else 128.0  # what a code's pattern adds to it
+    for group in range(split * per_split, split * per_split + per_split):
+        x_low = tl.load(X + m_read[:, None] * stride_xm + group * GROUP + half[None, :])
+        x_high = tl.load(X + m_read[:, None] * stride_xm + group * GROUP + GROUP // 2 + half[None, :])
+        if WORDS:
+            quarter = tl.arange(0, GROUP // 8)
+            codes = tl.load(W + n_read[:, None] * stride_wn + group * (GROUP // 8) + quarter[None, :])
+            w_low = _int4_words(codes, False, BLOCK_N, GROUP // 2)
+            w_high = _int4_words(codes, True, BLOCK_N, GROUP // 2)
+        else:
+            codes = tl.load(W + n_read[:, None] * stride_wn + group * (GROUP // 2) + half[None, :])
+            w_low = _nibbles(codes, False, wide)
+            w_high = _nibbles(codes, True, wide)
+        scale = tl.load(SCALE + n_read * stride_sn + group * stride_sg).to(tl.float32)  # group-major: contiguous
+        zero = tl.load(ZERO + n_read * stride_sn + group * stride_sg).to(tl.float32)
+        part = tl.dot(x_low, tl.trans(w_low), input_precision=PRECISION)
+        part = tl.dot(x_high, tl.trans(w_high), part, input_precision=PRECISION)
+        total = tl.sum(_float32(x_low) + _float32(x_high), 1)
+        acc = tl.fma(part, scale[None, :], acc)  # two fused multiply-adds an element per group
+        acc = tl.fma(total[:, None], (zero - base * scale)[None, :], acc)
+    return acc
+
+
+@triton.jit
 def _weight_only_matmul(
     X, W, SCALE, ZERO, RES, OUT, PARTS, TICKETS,
     M, N,
@@ -165,28 +197,8 @@ def _weight_only_matmul(
     wide: tl.constexpr = X.dtype.element_ty
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     if INT4:  # a group of GROUP inputs is GROUP // 2 bytes: input j in byte j's low half, j + GROUP // 2 in its high
-        half = tl.arange(0, GROUP // 2)
-        per_split: tl.constexpr = K // GROUP // SPLIT_K
-        base: tl.constexpr = 1024.0 if wide == tl.float16 else 128.0  # what a code's pattern adds to it
-        for group in range(split * per_split, split * per_split + per_split):
-            x_low = tl.load(X + m_read[:, None] * stride_xm + group * GROUP + half[None, :])
-            x_high = tl.load(X + m_read[:, None] * stride_xm + group * GROUP + GROUP // 2 + half[None, :])
-            if WORDS:
-                quarter = tl.arange(0, GROUP // 8)
-                codes = tl.load(W + n_read[:, None] * stride_wn + group * (GROUP // 8) + quarter[None, :])
-                w_low = _int4_words(codes, False, BLOCK_N, GROUP // 2)
-                w_high = _int4_words(codes, True, BLOCK_N, GROUP // 2)
-            else:
-                codes = tl.load(W + n_read[:, None] * stride_wn + group * (GROUP // 2) + half[None, :])
-                w_low = _nibbles(codes, False, wide)
-                w_high = _nibbles(codes, True, wide)
-            scale = tl.load(SCALE + n_read * stride_sn + group * stride_sg).to(tl.float32)  # group-major: contiguous
-            zero = tl.load(ZERO + n_read * stride_sn + group * stride_sg).to(tl.float32)
-            part = tl.dot(x_low, tl.trans(w_low), input_precision=PRECISION)
-            part = tl.dot(x_high, tl.trans(w_high), part, input_precision=PRECISION)
-            total = tl.sum(_float32(x_low) + _float32(x_high), 1)
-            acc = tl.fma(part, scale[None, :], acc)  # two fused multiply-adds an element per group
-            acc = tl.fma(total[:, None], (zero - base * scale)[None, :], acc)
+        acc = _int4_product(X, W, SCALE, ZERO, m_read, n_read, split, acc, stride_xm, stride_wn, stride_sn, stride_sg,
+                            K, GROUP, WORDS, PRECISION, SPLIT_K, BLOCK_N)  # fmt: skip
     else:
         k = tl.arange(0, BLOCK_K)
         per_split: tl.constexpr = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
@@ -214,6 +226,14 @@ def _weight_only_matmul(
             row_scale *= 256.0 if wide == tl.float16 else 7.205759403792794e16 if wide == tl.bfloat16 else 2.0**120
         acc *= row_scale[None, :]
     live = (m < M)[:, None] & (n < N)[None, :]
+    _store(acc, alpha, RES, OUT, PARTS, TICKETS, n, m, live, split, tile, stride_rm, stride_om, HAS_RESIDUAL,
+           SPLIT_K, BLOCK_M, BLOCK_N)  # fmt: skip
+
+
+@triton.jit
+def _store(acc, alpha, RES, OUT, PARTS, TICKETS, n, m, live, split, tile, stride_rm, stride_om,
+           HAS_RESIDUAL: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+    """The tile's sum out: at once, or with split-K parked, the last split of the tile to arrive adding them all."""
     if SPLIT_K > 1:  # park this split's part; the last split of the tile to arrive adds them all, in split order
         out_tile = tile * tl.num_programs(0) + tl.program_id(0)
         parts = PARTS + out_tile * SPLIT_K * (BLOCK_M * BLOCK_N) + tl.arange(0, BLOCK_M)[:, None] * BLOCK_N
