@@ -69,16 +69,27 @@ SESSION_MARK = "VLM_TEST_SESSION"
 os.environ[SESSION_MARK] = uuid.uuid4().hex
 
 
+# multiprocessing's helpers of this very process (the resource tracker that its engine processes' shared memory
+# starts, a fork server): they end when it exits, after this check, and are no test's leftover.
+OWN_HELPERS = (b"multiprocessing.resource_tracker", b"multiprocessing.forkserver")
+
+
 def marked_processes() -> set[int]:
-    """The live processes, other than this one, that carry this session's mark in their environment."""
+    """The live processes, other than this one and its own multiprocessing helpers, that carry this session's mark
+    in their environment."""
     mark = f"{SESSION_MARK}={os.environ[SESSION_MARK]}".encode()
     found = set()
     for environ in Path("/proc").glob("[0-9]*/environ"):
         try:
-            if mark in environ.read_bytes().split(b"\0"):
-                found.add(int(environ.parent.name))
+            if mark not in environ.read_bytes().split(b"\0"):
+                continue
+            command = (environ.parent / "cmdline").read_bytes()
+            parent = int((environ.parent / "stat").read_text().rsplit(")", 1)[1].split()[1])
         except (OSError, ValueError):  # gone meanwhile, or not ours to read
             continue
+        if parent == os.getpid() and any(helper in command for helper in OWN_HELPERS):
+            continue
+        found.add(int(environ.parent.name))
     return found - {os.getpid()}
 
 
