@@ -91,6 +91,8 @@ class EngineStats:
     kv_pages_free: int = 0
     kv_page_bytes: int = 0
     kv_bytes_per_tile: int = 0  # one tile's image states (a picture holds only the tiles it shows)
+    picture_states_bytes: int = 0  # pages holding pictures' cross-attention states (a shared picture once)
+    pictures_shared: int = 0  # newcomers whose picture's states other rows already held (no pages, no writes)
     decode_attention: str = ""  # continuous mode: "flash", "triton" or "reference" (engine/attention)
     cuda_graphs: int = 0  # decode graphs captured (0: the step runs eagerly)
     graph_pool_bytes: int = 0  # GPU memory the captured graphs hold

@@ -9,6 +9,13 @@ It also answers the plan's questions: what a newcomer needs, which rows open a p
 what a row would give back, and how many free pages the image-state cache must leave to the newcomers.
 The pool (:mod:`~vlm_demo.engine.pages`) holds the bytes and the reference counts; the image-state cache
 (:mod:`~vlm_demo.engine.image_cache`) takes free pages of its own, never one the table reserves.
+
+**One copy per picture.** A row's cross-attention keys/values depend on its picture's states and the model's
+weights alone, never on its text: rows showing the same picture (its digest, the tiles the tower ran and the tiles
+the row sees: a :data:`PictureKey`) hold the same values. The table keeps the image pages of every picture rows
+hold; a newcomer whose picture is held points its image pages at them (one more owner each: no pages taken, no
+states written), so eight visitors asking about one example picture hold it once. The entry goes when the last
+row (or snapshot) holding those pages lets go of them.
 """
 
 from __future__ import annotations
@@ -21,6 +28,9 @@ import torch
 from vlm_demo.engine.pages import PagePool
 from vlm_demo.engine.request import Request
 
+# A picture's cross-attention states as rows hold them: its digest, the tiles the tower ran, the tiles the row sees.
+PictureKey = tuple[str, int, tuple[int, ...]]
+
 
 @dataclass(eq=False)
 class Placement:
@@ -31,6 +41,8 @@ class Placement:
     image_pages: list[int]
     tiles: int  # tiles whose image states it holds
     sees_image: bool  # False: no tile is visible (the model then attends evenly to all, and skips the MLP)
+    picture: PictureKey | None = None  # whose states its image pages hold (None: a picture nobody shares)
+    shared_picture: bool = False  # its image pages were another row's when it was placed (nothing to write)
 
     @property
     def all_pages(self) -> list[int]:
@@ -67,11 +79,27 @@ class PageTable:
         self.pool = pool
         self.shape = pool.shape
         self.copied_bytes = 0  # keys/values copied into a fork's own last page
+        self.pictures: dict[PictureKey, list[int]] = {}  # the image pages of each picture rows hold
+        self.image_held: set[int] = set()  # every image page rows or snapshots hold (each shared page once)
+        self.pictures_shared = 0  # newcomers placed on a picture another row already held
 
     # ---- what the plan asks ------------------------------------------------------------------------
     def newcomer_pages(self, request: Request) -> int:
-        """Pages a newcomer takes: its prompt, its first answer token and its picture's tiles."""
-        return self.shape.row_pages(request.input_tokens + 1, request.tiles)
+        """Pages a newcomer takes: its prompt, its first answer token and its picture's tiles, unless rows hold its
+        picture already (then only its text pages)."""
+        text = self.shape.text_pages(request.input_tokens + 1)
+        if self.holds_picture(request.image_key, request.tiles):
+            return text
+        return text + self.shape.image_pages(request.tiles * self.shape.patches)
+
+    def holds_picture(self, digest: str, tiles: int) -> bool:
+        """Whether rows hold the states of this picture for rows seeing ``tiles`` tiles (what admission plans by)."""
+        return bool(digest) and any(key[0] == digest and len(key[2]) == tiles for key in self.pictures)
+
+    @property
+    def picture_bytes(self) -> int:
+        """Bytes of the pages that hold pictures' cross-attention states (a shared page counted once)."""
+        return len(self.image_held) * self.shape.page_bytes
 
     def opens_page(self, place: Placement) -> bool:
         """Whether this row's next token starts a page (its pages are full)."""
@@ -87,21 +115,47 @@ class PageTable:
 
     def cache_reserve(self, newcomers: Sequence[Request], running: int) -> int:
         """Free pages the image-state cache must leave while ``newcomers`` are prefilled beside ``running`` rows:
-        the newcomers' pages and one more for every row of the next step."""
-        return sum(self.newcomer_pages(r) for r in newcomers) + running + len(newcomers)
+        the newcomers' pages (a picture several of them show, once) and one more for every row of the next step."""
+        pages, seen = 0, set()
+        for request in newcomers:
+            key = (request.image_key, request.tiles)
+            pages += self.newcomer_pages(request)
+            if request.image_key and key in seen and not self.holds_picture(*key):
+                pages -= self.shape.image_pages(request.tiles * self.shape.patches)
+            seen.add(key)
+        return pages + running + len(newcomers)
 
     # ---- taking, sharing, giving back ----------------------------------------------------------------
-    def allocate(self, lengths: Sequence[int], tiles: Sequence[int], sees: Sequence[bool]) -> list[Placement] | None:
-        """Fresh pages for new rows of ``lengths`` tokens holding ``tiles`` tiles each (``None``, nothing
-        taken, when too few are free)."""
+    def allocate(self, lengths: Sequence[int], tiles: Sequence[int], sees: Sequence[bool],
+                 pictures: Sequence[PictureKey | None] | None = None) -> list[Placement] | None:  # fmt: skip
+        """Pages for new rows of ``lengths`` tokens holding ``tiles`` tiles each (``None``, nothing taken, when too
+        few are free): fresh text pages, and fresh image pages unless the row's picture (``pictures``) is held
+        already, by running rows or by an earlier row of the same call (then its pages are shared)."""
         s = self.shape
-        need = sum(s.row_pages(length, n) for length, n in zip(lengths, tiles, strict=True))
+        keys = list(pictures) if pictures is not None else [None] * len(lengths)
+        need, fresh = 0, set()
+        for length, n, key in zip(lengths, tiles, keys, strict=True):
+            need += s.text_pages(length)
+            if key is None or (key not in self.pictures and key not in fresh):
+                need += s.image_pages(n * s.patches)
+                if key is not None:
+                    fresh.add(key)
         if need > self.pool.free_pages:
             return None
         places = []
-        for length, n, seen in zip(lengths, tiles, sees, strict=True):
+        for length, n, seen, key in zip(lengths, tiles, sees, keys, strict=True):
             text = self.pool.take(s.text_pages(length)) or []
-            places.append(Placement(text, length, self.pool.take(s.image_pages(n * s.patches)) or [], n, seen))
+            held = self.pictures.get(key) if key is not None else None
+            if held is not None:
+                self.pool.share(held)
+                self.pictures_shared += 1
+                places.append(Placement(text, length, list(held), n, seen, key, shared_picture=True))
+                continue
+            image = self.pool.take(s.image_pages(n * s.patches)) or []
+            self.image_held.update(image)
+            if key is not None and image:
+                self.pictures[key] = image
+            places.append(Placement(text, length, image, n, seen, key))
         return places
 
     def grow(self, places: Sequence[Placement]) -> None:
@@ -130,13 +184,14 @@ class PageTable:
                 self.pool.copy_page(base.pages[-1], own[0], partial, text=True)
                 self.copied_bytes += partial * self.shape.text_bytes_per_token
                 pages = pages + own
-            places.append(Placement(pages, base.length, list(base.image_pages), base.tiles, base.sees_image))
+            places.append(Placement(pages, base.length, list(base.image_pages), base.tiles, base.sees_image,
+                                    base.picture))  # fmt: skip
         return places
 
     def snapshot(self, place: Placement, length: int, next_token: torch.Tensor) -> Snapshot:
         """The first ``length`` tokens of a row's cache kept aside: its pages shared, nothing copied."""
         pages = place.pages[: -(-length // self.shape.page_tokens)]
-        kept = Placement(list(pages), length, list(place.image_pages), place.tiles, place.sees_image)
+        kept = Placement(list(pages), length, list(place.image_pages), place.tiles, place.sees_image, place.picture)
         self.pool.share(kept.all_pages)
         return Snapshot(kept, self, next_token=next_token)
 
@@ -145,8 +200,13 @@ class PageTable:
         return Snapshot(place, self, logits=logits)
 
     def release(self, place: Placement) -> None:
-        """One owner less for each of the row's pages (pages nobody owns go back to the free list)."""
+        """One owner less for each of the row's pages (pages nobody owns go back to the free list, and a picture
+        whose pages nobody holds is forgotten)."""
         self.pool.release(place.all_pages)
+        gone = [p for p in place.image_pages if self.pool.owners(p) == 0]
+        self.image_held.difference_update(gone)
+        if gone and place.picture is not None and self.pictures.get(place.picture) == place.image_pages:
+            del self.pictures[place.picture]
 
     def inert(self, count: int) -> list[Placement]:
         """Rows that pad a step to its CUDA graph's size: they write into the pool's null pages and read only those."""

@@ -3,7 +3,8 @@
 Newcomers are prefilled together (``Worker.prefill``), left-padded among themselves as a dynamic batch;
 each one's real tokens and the tiles it sees are then copied into the fresh pages the page table gave it
 (:mod:`~vlm_demo.engine.page_table`), every layer in one indexed write. Padding and unseen tiles take no
-page.
+page, and a picture rows already hold in the pool (the same digest, tiles run and tiles seen) takes none either: the
+newcomer's image pages are that picture's, and only its text is written.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from vlm_demo.engine.page_table import PageTable, Placement
+from vlm_demo.engine.page_table import PageTable, PictureKey, Placement
 from vlm_demo.engine.staging import Staging
 
 
@@ -28,6 +29,7 @@ class Prefill:
     lengths: list[int]  # each row's real prompt tokens
     tiles: torch.Tensor  # [n, most real tiles] bool (host): the tiles each row's next token sees
     picture_tiles: list[int]  # each row's picture's real tiles (those its cache holds states of)
+    digests: list[str] | None = None  # each row's picture's digest ("": none, its states are not shared)
 
     def shown(self, index: int) -> np.ndarray:
         """The tiles row ``index`` keeps: those it sees, or all its picture's when it sees none (it then
@@ -38,27 +40,41 @@ class Prefill:
     def pages(self, table: PageTable, index: int) -> int:
         return table.shape.row_pages(self.lengths[index], len(self.shown(index)))
 
+    def picture(self, index: int) -> PictureKey | None:
+        """Row ``index``'s picture as the page table shares it (``None``: it has no digest)."""
+        digest = self.digests[index] if self.digests is not None else ""
+        return (digest, self.picture_tiles[index], tuple(int(t) for t in self.shown(index))) if digest else None
+
 
 def place(table: PageTable, staging: Staging, dtype: torch.dtype, prefill: Prefill,
           index: list[int]) -> list[Placement] | None:  # fmt: skip
-    """Write rows ``index`` of a prefill into fresh pages (``None``, nothing taken, when too few are free)."""
+    """Write rows ``index`` of a prefill into fresh pages (``None``, nothing taken, when too few are free); a row
+    whose picture is held already shares its pages, and only its text is written. If writing fails, the pages
+    taken go back."""
     shown = [prefill.shown(i) for i in index]
     seen = [bool(prefill.tiles[i].any()) for i in index]
-    places = table.allocate([prefill.lengths[i] for i in index], [len(t) for t in shown], seen)
+    pictures = [prefill.picture(i) for i in index]
+    places = table.allocate([prefill.lengths[i] for i in index], [len(t) for t in shown], seen, pictures)
     if places is None:
         return None
     s = table.shape
     width, tiles_max = prefill.attention_mask.shape[1], prefill.tiles.shape[1]
-    text, image, text_source, tile_source = [], [], [], []
+    text, image, text_source, tile_source = [], [_addresses([], 0, 1)], [], [np.zeros(0, dtype=np.int64)]
     for j, (place, tiles) in enumerate(zip(places, shown, strict=True)):
         length = place.length
         text.append(_addresses(place.pages, length, s.page_tokens))
-        image.append(_addresses(place.image_pages, place.tiles * s.patches, s.image_page_tokens))
         text_source.append(j * width + np.arange(width - length, width))  # its real (right-aligned) tokens
-        tile_source.append(j * tiles_max + tiles)
+        if not place.shared_picture:
+            image.append(_addresses(place.image_pages, place.tiles * s.patches, s.image_page_tokens))
+            tile_source.append(j * tiles_max + tiles)
     where = [np.concatenate(text, axis=1), np.concatenate(image, axis=1), np.concatenate(text_source),
              np.concatenate(tile_source)]  # fmt: skip
-    _write(table, staging, dtype, prefill, index, where)
+    try:
+        _write(table, staging, dtype, prefill, index, where)
+    except BaseException:
+        for place in places:
+            table.release(place)
+        raise
     return places
 
 
@@ -75,6 +91,8 @@ def _write(table: PageTable, staging: Staging, dtype: torch.dtype, prefill: Pref
             sent[str(device)] = sender.send([rows, *where])
         picked, text, image, text_source, tile_source = sent[str(device)]
         cross = layer in shape.cross_layers
+        if cross and not len(tile_source):  # every row's picture is held already
+            continue
         target = image if cross else text
         pool_device = pool.keys[layer].device
         keys, values = (
@@ -98,5 +116,5 @@ def _tokens(cached: torch.Tensor, source: torch.Tensor, patches: int) -> torch.T
 
 def _addresses(pages: list[int], tokens: int, per_page: int) -> np.ndarray:
     """``[2, tokens]``: the page and offset of each of a row's first ``tokens`` tokens."""
-    at = np.arange(tokens)
+    at = np.arange(tokens, dtype=np.int64)
     return np.stack([np.asarray(pages, dtype=np.int64)[at // per_page], at % per_page])

@@ -105,6 +105,8 @@ class RunningRows:
             "kv_pages": pool.pages,
             "kv_pages_free": pool.free_pages,
             "kv_page_bytes": self.shape.page_bytes,
+            "picture_states_bytes": self.table.picture_bytes,
+            "pictures_shared": self.table.pictures_shared,
             "kv_copied_bytes": self.table.copied_bytes,  # rows joining, leaving or handed back copy nothing
             "kv_written_bytes": self.written_bytes,
             "attention_read_bytes": self.read_bytes,

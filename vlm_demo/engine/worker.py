@@ -236,7 +236,8 @@ class Worker:
         else:
             inputs["position_ids"] = (inputs["attention_mask"].long().cumsum(-1) - 1).masked_fill(~mask, 0)
         out = self.model(**inputs, use_cache=True, logits_to_keep=1)
-        return Prefill(out.cache, out.logits[:, -1].float(), mask, lengths, seen, [s.shape[0] for s in states])
+        digests = [r.image_key for r in requests]
+        return Prefill(out.cache, out.logits[:, -1].float(), mask, lengths, seen, [s.shape[0] for s in states], digests)
 
     def _picture_states(self, requests: list[Request], images: ImageStates | None, reserve: int) -> list[torch.Tensor]:
         """Each row's picture as ``[tiles run, patches, hidden]`` projected states."""

@@ -46,6 +46,7 @@ class CacheCounts:
     kv_written_bytes: int = 0
     attention_read_bytes: int = 0
     attention_live_bytes: int = 0
+    picture_states_bytes: int = 0  # a gauge: what the pool holds for pictures now
 
 
 TRAFFIC: dict[str, tuple[Callable[[CacheCounts], int], str]] = {  # counter (exposed with _total) -> (value, help)
@@ -66,8 +67,8 @@ TRAFFIC: dict[str, tuple[Callable[[CacheCounts], int], str]] = {  # counter (exp
 
 
 class _CacheCollector:
-    """``vlm_cache_requests_total{cache,result}``, ``vlm_vision_encodes_total``, ``vlm_vision_tiles_total`` and the key/value traffic
-    counters (:data:`TRAFFIC`), from counts kept elsewhere (the response cache in this process, the
+    """``vlm_cache_requests_total{cache,result}``, ``vlm_vision_encodes_total``, ``vlm_vision_tiles_total``, the key/value
+    traffic counters (:data:`TRAFFIC`) and the ``vlm_picture_states_bytes`` gauge, from counts kept elsewhere (the response cache in this process, the
     image-state cache and the page pool in the engine's)."""
 
     def __init__(self, read: Callable[[], CacheCounts]) -> None:
@@ -97,6 +98,11 @@ class _CacheCollector:
         )
         for name, (value, text) in TRAFFIC.items():
             yield CounterMetricFamily(name, text, value=value(counts))
+        yield GaugeMetricFamily(
+            "vlm_picture_states_bytes",
+            "Bytes of cross-attention keys/values the page pool holds for pictures (a picture rows share, once).",
+            value=counts.picture_states_bytes,
+        )
 
 
 class _InfoCollector:

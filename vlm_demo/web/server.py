@@ -195,6 +195,7 @@ def cache_counts(backend: Backend) -> CacheCounts:
         kv_written_bytes=engine.kv_written_bytes if engine is not None else 0,
         attention_read_bytes=engine.attention_read_bytes if engine is not None else 0,
         attention_live_bytes=engine.attention_live_bytes if engine is not None else 0,
+        picture_states_bytes=engine.picture_states_bytes if engine is not None else 0,
     )
 
 
