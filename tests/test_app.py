@@ -172,6 +172,53 @@ def test_the_vision_tower_runs_each_pictures_real_tiles_only(server: str, client
     assert metric(server, "vlm_vision_encodes_total") - encodes == 3
 
 
+def gauge_peak(server: str, name: str, ask: Iterator | list) -> float:
+    """The highest value a ``/metrics`` gauge shows while ``ask`` (answers being asked) runs."""
+    import threading
+
+    peak, done = [0.0], threading.Event()
+
+    def watch() -> None:
+        while not done.is_set():
+            peak[0] = max(peak[0], metric(server, name))
+            time.sleep(0.02)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        answers = list(ask)
+    finally:
+        done.set()
+        watcher.join(timeout=5)
+    assert all("<SUMMARY>" in a for a in answers), answers
+    return peak[0]
+
+
+def test_answers_about_one_picture_hold_its_states_once(server: str, tmp_path: Path) -> None:
+    """Eight visitors asking about one picture at once hold its cross-attention states once
+    (``vlm_picture_states_bytes`` at most 1.5× one picture's), eight distinct pictures of the same tile count eight
+    times (at least 6×), and nothing once they are done."""
+
+    def ask(job: tuple[str, str]) -> str:
+        return Client(server, verbose=False).predict(handle_file(job[0]), job[1], 300, 0.0, 1.0, api_name="/ask")[4]
+
+    def picture(i: int) -> str:
+        return save(solid_image("red", 57, 61, noise=9, seed=300 + i), tmp_path / f"p{i}.png")  # 4 tiles
+
+    one = gauge_peak(server, "vlm_picture_states_bytes", map(ask, [(picture(0), "What colour is this image?")]))
+    same = [(picture(1), q) for q in ("Colour?", "What colour is this image?", "Describe this picture in detail.",
+                                      "what do you see")] * 2  # fmt: skip
+    with ThreadPoolExecutor(8) as pool:
+        shared = gauge_peak(server, "vlm_picture_states_bytes", pool.map(ask, same))
+    with ThreadPoolExecutor(8) as pool:
+        distinct = gauge_peak(
+            server, "vlm_picture_states_bytes", pool.map(ask, [(picture(2 + i), "Colour?") for i in range(8)])
+        )
+    assert one > 0 and shared <= 1.5 * one, (shared, one)
+    assert distinct >= 6 * one, (distinct, one)
+    wait_until(lambda: metric(server, "vlm_picture_states_bytes") == 0, 30, what="the pictures' pages to go")
+
+
 def test_ask_streams_the_four_stages(client: Client, held_out) -> None:
     colour, path, _ = held_out[0]
     # A long answer (~240 tokens: "detail"), so even a fast machine sends several updates while it streams.
