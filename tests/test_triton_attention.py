@@ -104,6 +104,40 @@ def test_a_rows_result_does_not_depend_on_the_other_rows_in_fp32(splits, monkeyp
         assert torch.equal(_attend(kernel, [place], query[r : r + 1], staging)[0], together[r]), r
 
 
+@pytest.mark.parametrize("slots", [8, 2], ids=["one-picture-row", "picture-rows-of-two"])
+@pytest.mark.parametrize("splits", [None, SMALL_SPLITS], ids=["one-split", "splits-merged"])
+def test_rows_showing_one_picture_read_it_once_and_get_their_own_answers(slots, splits, monkeypatch) -> None:
+    """Five rows, three of them on one picture's pages (the page table shares them), one on another picture, one
+    alone: cross-attention over picture rows (the cascade) gives each row the reference's result, and the step counts
+    each picture once per picture row it read."""
+    if splits:
+        monkeypatch.setitem(TritonAttention.PLANS, "cpu", splits)
+    monkeypatch.setattr(TritonAttention, "cascade_slots", slots)
+    shape = shape_of(torch.float32)
+    pool = PagePool(shape, 64, {0: torch.device("cpu"), 1: torch.device("cpu")})
+    pool.buffers["cpu"].normal_(generator=torch.Generator().manual_seed(0))
+    staging = Staging(torch.device("cpu"))
+    shared, other = [11, 12, 13], [20, 21]
+    places = [_Place([3], 4, shared, 3), _Place([5, 6], 20, other, 2), _Place([7], 9, shared, 3),
+              _Place([8], 1, [30], 1), _Place([9, 10], 31, shared, 3)]  # fmt: skip
+    query = torch.randn(len(places), 8, 24, generator=torch.Generator().manual_seed(1))
+    kernel, reference = TritonAttention(pool, 8, 24**-0.5), ReferenceAttention(pool, 8, 24**-0.5)
+    lengths = np.asarray([p.length for p in places], dtype=np.int64)
+    _, layout = kernel.prepare(StepRows(places, len(places), lengths, next(VERSIONS), staging), [])
+    got = kernel.cross_attention(1, query, layout)
+    _, ref_layout = reference.prepare(StepRows(places, len(places), lengths, next(VERSIONS), staging), [])
+    want = reference.cross_attention(1, query, ref_layout)
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=2e-6)
+    picture_rows = 3 if slots == 8 else 4  # the shared picture's three rows in one picture row, or in two
+    tiles = {8: 3 + 2 + 1, 2: 3 + 2 + 3 + 1}[slots]
+    assert layout.read[1] == tiles * shape.patches, "each picture read once per picture row"
+    assert int((layout.picture_lengths > 0).sum()) == picture_rows
+    monkeypatch.setattr(TritonAttention, "cascade_slots", 0)
+    _, per_row = kernel.prepare(StepRows(places, len(places), lengths, next(VERSIONS), staging), [])
+    assert per_row.read[1] == (3 * 3 + 2 + 1) * shape.patches and per_row.slots == 0
+    torch.testing.assert_close(kernel.cross_attention(1, query, per_row), want, atol=2e-6, rtol=2e-6)
+
+
 JOBS = [
     (solid_image("red", 300, 80), "What colour is this image?"),  # two tiles
     (solid_image("blue", 500, 500), "Describe it"),  # four tiles

@@ -138,9 +138,13 @@ def _block_for(preferred: int, shape: PageShape) -> int:
     return block
 
 
+CASCADE_SLOTS = 8  # rows of one picture a program reads its states for: 32 query heads of the 11B model's 4 per KV head
+
+
 class TritonAttention(TableAttention):
     name = "triton"
     PLANS: ClassVar[dict[str, SplitPlan]] = {}  # a device type's plan in place of its own (tests: small splits)
+    cascade_slots = CASCADE_SLOTS
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -148,16 +152,32 @@ class TritonAttention(TableAttention):
         self.plan = self.PLANS.get(device.type) or SplitPlan.for_device(device, self.shape)
 
     def self_attention(self, layer: int, query: torch.Tensor, layout: Tables) -> torch.Tensor:
-        return self._call(layer, query, layout.text_table, layout.text_lengths, layout.max_text, False)
+        out = self._call(layer, query, layout.text_table, layout.text_lengths, layout.max_text, False)
+        return out.reshape(query.shape[0], self.heads * self.shape.head_dim)
 
     def cross_attention(self, layer: int, query: torch.Tensor, layout: Tables) -> torch.Tensor:
-        return self._call(layer, query, layout.image_table, layout.image_lengths, layout.max_image, True)
+        """Over picture rows where the layout has them (:mod:`.tables`): each row's query heads are put in its
+        picture row's slot, so the kernel's "group" of query heads per KV head is every slot's (``slots`` × the
+        model's group) and one program reads a picture's keys once for all its rows; slots no row fills hold zeros,
+        and their outputs are not read."""
+        rows, dim = query.shape[0], self.shape.head_dim
+        if not layout.slots:
+            out = self._call(layer, query, layout.image_table, layout.image_lengths, layout.max_image, True)
+            return out.reshape(rows, self.heads * dim)
+        slots, kv, where = layout.slots, self.shape.kv_heads, layout.picture_slots
+        assert where is not None and layout.picture_table is not None and layout.picture_lengths is not None
+        placed = query.new_zeros((rows * slots, self.heads, dim)).index_copy_(0, where, query)
+        grouped = placed.view(rows, slots, kv, self.group, dim).transpose(1, 2).reshape(rows, -1, dim)
+        out = self._call(layer, grouped, layout.picture_table, layout.picture_lengths, layout.max_image, True)
+        back = out.view(rows, kv, slots, self.group, dim).transpose(1, 2).reshape(rows * slots, self.heads, dim)
+        return back.index_select(0, where).reshape(rows, self.heads * dim)
 
     def _call(self, layer: int, query: torch.Tensor, table: torch.Tensor, lengths: torch.Tensor, bound: int,
               image: bool) -> torch.Tensor:  # fmt: skip
-        """One launch when no row can take two splits, else the splits and their merge; ``bound`` is the tables'
-        width in tokens, a constant under a CUDA graph (so is the launch's split dimension)."""
-        keys, values, rows, plan = self.pool.keys[layer], self.pool.values[layer], query.shape[0], self.plan
+        """``[rows, query heads, dim]``: one launch when no row can take two splits, else the splits and their
+        merge; ``bound`` is the tables' width in tokens, a constant under a CUDA graph (so is the launch's split
+        dimension)."""
+        keys, values, plan = self.pool.keys[layer], self.pool.values[layer], self.plan
         splits = plan.splits(bound, image)
         if splits <= 1:
             out = paged_decode_attention(query, keys, values, table, lengths, self.scale, plan.block)
@@ -166,4 +186,4 @@ class TritonAttention(TableAttention):
             parts, lse = paged_decode_attention_split(query, keys, values, table, lengths, self.scale, plan.block,
                                                       least, splits)  # fmt: skip
             out = merge_decode_splits(parts, lse, lengths, plan.block, least, query.dtype)
-        return out.reshape(rows, self.heads * self.shape.head_dim)
+        return out
