@@ -27,6 +27,11 @@ narrow widths (head dim 8, random weights; the number of operations does not dep
   by: the text decoder's projections but the cross-attention keys/values (cached at prefill), and the LM head.
   Counted on ``meta`` at the 11B model's real shapes in bf16 (``weights_counted_on``), with the kernel ``auto``
   takes on CUDA.
+- ``attention_bytes_per_step``: the bytes of keys/values and picture states one decode step's attention reads, as
+  the engine counts them from the layout its Triton kernel builds (``vlm_attention_read_bytes_total`` adds up the
+  same), at the 11B shapes on the GPU's pages: 1, 32 and 128 rows of 600 text tokens with 4-tile pictures, every
+  row its own picture (``distinct``) or all of them one (``shared``: the page table holds it once and the kernel
+  reads it once per picture row of up to 8 rows), with the cache in bf16 and in fp8 (its scales counted).
 
 Counted at the dispatcher (a ``TorchDispatchMode``): *kernels* are operations that produce a new tensor —
 views and in-place operations (whose outputs alias an input) are not counted, as in the measurement this
@@ -43,12 +48,15 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 REAL_CROSS_LAYERS = (3, 8, 13, 18, 23, 28, 33, 38)
 ROWS = (1, 8)
+ATTENTION_ROWS = (1, 32, 128)
+TEXT_TOKENS = 600  # a question, the template and a long answer so far
 
 
 @dataclass
@@ -279,6 +287,47 @@ def weight_figures(quantize: str, kernel: str) -> dict[str, Any]:
     }
 
 
+def attention_read(rows: int, shared: bool, kv_cache_dtype: str) -> int:
+    """Bytes one decode step's attention reads at ``rows`` rows of ``TEXT_TOKENS`` tokens and 4-tile pictures (one
+    each, or one for all), as the engine counts them from the Triton kernel's layout at the 11B shapes."""
+    from vlm_demo.engine.attention.base import VERSIONS, StepRows
+    from vlm_demo.engine.attention.triton import TritonAttention
+    from vlm_demo.engine.page_table import PageTable
+    from vlm_demo.engine.pages import CUDA_PAGE_TOKENS, PagePool, PageShape
+    from vlm_demo.engine.staging import Staging
+    from vlm_demo.models import realshape
+
+    meta = torch.device("meta")
+    config = realshape.full_config()
+    kv_dtype = torch.float8_e4m3fn if kv_cache_dtype == "fp8" else None
+    shape = PageShape.of(config, torch.bfloat16, CUDA_PAGE_TOKENS, kv_dtype=kv_dtype)
+    tiles = shape.max_tiles
+    pages = rows * shape.row_pages(TEXT_TOKENS + 1, tiles) + 8
+    pool = PagePool(shape, pages, dict.fromkeys(range(config.get_text_config().num_hidden_layers), meta))
+    table = PageTable(pool)
+    pictures = [("one" if shared else f"picture {r}", tiles, tuple(range(tiles))) for r in range(rows)]
+    places = table.allocate([TEXT_TOKENS + 1] * rows, [tiles] * rows, [True] * rows, pictures)
+    assert places is not None
+    for place in places:
+        place.length = TEXT_TOKENS
+    attention = TritonAttention(pool, config.get_text_config().num_attention_heads, shape.head_dim**-0.5)
+    lengths = np.full(rows, TEXT_TOKENS, dtype=np.int64)
+    _, layout = attention.prepare(StepRows(places, rows, lengths, next(VERSIONS), Staging(meta)), [])
+    text, image = layout.read
+    return text * shape.text_bytes_per_token + image * shape.image_bytes_per_token
+
+
+def attention_figures() -> dict[str, Any]:
+    """``attention_bytes_per_step``: bf16 and fp8 caches, distinct and shared pictures, at 1, 32 and 128 rows."""
+    return {
+        label: {
+            sharing: {str(n): attention_read(n, sharing == "shared", kv) for n in ATTENTION_ROWS}
+            for sharing in ("distinct", "shared")
+        }
+        for label, kv in (("bf16", "auto"), ("fp8", "fp8"))
+    }
+
+
 def report(quantize: str = "none") -> dict[str, Any]:
     """The counts as ``bench --count-kernels [--quantize KIND]`` prints them (JSON)."""
     counted = kernel_counts(quantize)
@@ -291,6 +340,9 @@ def report(quantize: str = "none") -> dict[str, Any]:
         "weights_counted_on": "meta, the 11B model's shapes in bf16: its text decoder's projections but the "
         "cross-attention keys/values, and the LM head",
         **counted,
+        "attention_bytes_per_step": attention_figures(),
+        "attention_bytes_counted_on": f"the engine's Triton layout at the 11B shapes on the GPU's pages: rows of "
+        f"{TEXT_TOKENS} text tokens, 4-tile pictures; shared: every row shows one picture",
     }
     if quantize != "none":
         meta_model = narrow_model("meta")
