@@ -97,7 +97,7 @@ VERSION_FILE = "tiny_version.txt"
 # rebuilds it from this module and checks every file but the weights is bit-identical, the weights have the same
 # tensors and the rebuilt model answers alike; after changing the recipe, bump TINY_VERSION and rebuild it:
 # ``python -m vlm_demo.models.tiny vlm_demo/models/tiny_model``.
-SHIPPED_DIR = Path(__file__).resolve().with_name("tiny_model")
+SHIPPED_DIR = Path(__file__).resolve().parent.with_name("tiny_model")
 
 COLOURS: dict[str, tuple[int, int, int]] = {
     "red": (220, 30, 30),
