@@ -1,5 +1,8 @@
-"""``python -m vlm_demo.models.tiny OUT_DIR``."""
+"""``python -m vlm_demo.models.tiny OUT_DIR``: build and train the tiny model into OUT_DIR."""
 
-from vlm_demo.models.tiny.data import main
+from __future__ import annotations
 
-main()
+from vlm_demo.models.tiny.build import main
+
+if __name__ == "__main__":
+    main()
