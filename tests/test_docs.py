@@ -425,3 +425,39 @@ def test_every_python_example_imports_only_what_its_install_brings() -> None:
                         line = text[: block.start()].count("\n") + 1
                         problems.append(f"{page.name}:{line}: imports {module}, which the install it names lacks")
     assert not problems, "\n".join(problems)
+
+
+# ---- the benchmark pages -----------------------------------------------------------------------------------
+
+BENCHMARKS = DOCS / "BENCHMARKS.md"
+
+
+def numbers(text: str) -> list[str]:
+    """The figures in ``text`` as written (``1,430`` as ``1430``)."""
+    return [n.replace(",", "") for n in re.findall(r"(?<![\w.])\d[\d,]*(?:\.\d+)?", text)]
+
+
+def test_benchmarks_is_one_page_of_todays_figures_that_links_the_rest() -> None:
+    """Today's figures on one page a reader gets through; earlier ones and the GPU check's manual elsewhere."""
+    text = BENCHMARKS.read_text(encoding="utf-8")
+    lines = len(text.splitlines())
+    assert lines < 400, f"docs/BENCHMARKS.md has {lines} lines: move superseded figures to benchmarks-history.md"
+    assert "(benchmarks-history.md" in text and "(gpu.md#" in text
+    assert "(BENCHMARKS.md" in (DOCS / "benchmarks-history.md").read_text(encoding="utf-8")
+
+
+def test_the_readmes_figures_are_on_the_benchmarks_page() -> None:
+    """Each figure the README's Benchmarks section puts in bold is one of BENCHMARKS.md's, as rounded there (one
+    said to be approximate, ``~`` or "about", within 2 %)."""
+    readme = section("## Benchmarks", README)
+    measured = [float(n) for n in numbers(BENCHMARKS.read_text(encoding="utf-8"))]
+    missing = []
+    for span in re.findall(r"\*\*(.+?)\*\*", readme, re.S):
+        approximate = "~" in span or "about" in span
+        for figure in numbers(span):
+            value, decimals = float(figure), len(figure.partition(".")[2])
+            if not any(
+                round(m, decimals) == value or (approximate and abs(m - value) <= 0.02 * value) for m in measured
+            ):
+                missing.append(f"{figure} (in **{span}**)")
+    assert not missing, "README's Benchmarks quote figures docs/BENCHMARKS.md does not have: " + "; ".join(missing)

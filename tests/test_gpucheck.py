@@ -1,7 +1,7 @@
 """The device check's CPU-runnable parts: its arithmetic, its checks and benchmark on the tiny model, a clear
 exit without CUDA or with the wrong transformers, a report that survives being stopped part-way, and the
 device runner that carries our wheels to a machine without a registry. (On a GPU it builds the full 11B
-architecture; see docs/BENCHMARKS.md.)"""
+architecture; see docs/gpu.md.)"""
 
 from __future__ import annotations
 

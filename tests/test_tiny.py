@@ -354,13 +354,13 @@ def test_the_shipped_model_is_used_unless_another_folder_is_asked_for(tmp_path: 
     assert (
         load_config([], environ={"VLM_TINY_DIR": mine}).tiny_dir == mine == load_config(["--tiny-dir", mine]).tiny_dir
     )
-    monkeypatch.setattr(tiny, "build_tiny", fake_build)
+    monkeypatch.setattr(tiny.build, "build_tiny", fake_build)  # where ensure_tiny looks it up
     assert resolve_model_path("tiny", mine) == mine and (tmp_path / "mine" / "config.json").is_file()
     stale = tmp_path / "stale"
     stale.mkdir()
     (stale / "config.json").write_text("{}")
     (stale / tiny.VERSION_FILE).write_text("old\n")
-    monkeypatch.setattr(tiny, "SHIPPED_DIR", stale)
+    monkeypatch.setattr(tiny.build, "SHIPPED_DIR", stale)
     assert tiny.default_tiny_dir() == tmp_path / ".cache" / "vlm_demo" / "tiny"
 
 
@@ -377,7 +377,7 @@ def test_ensure_tiny_builds_once_and_rebuilds_a_stale_version(tmp_path: Path, mo
         builds.append(out_dir)
         return fake_build(out_dir, seed)
 
-    monkeypatch.setattr(tiny, "build_tiny", counted)
+    monkeypatch.setattr(tiny.build, "build_tiny", counted)
     path = Path(tiny.ensure_tiny(str(tmp_path / "model")))
     assert path == tmp_path / "model" and len(builds) == 1
     assert (path / tiny.VERSION_FILE).read_text().strip() == tiny.TINY_VERSION
@@ -427,7 +427,7 @@ def test_judge_answer_rule() -> None:
 
 def test_training_judge_pairs_differ_and_put_the_right_colour_on_either_side() -> None:
     rng = random.Random(3)
-    pairs = [tiny._candidate_colours(rng, "red") for _ in range(400)]
+    pairs = [tiny.data._candidate_colours(rng, "red") for _ in range(400)]
     assert all(first != second for first, second in pairs)
     assert 150 < sum(second == "red" for _, second in pairs) < 220
     assert 150 < sum(first == "red" for first, _ in pairs) < 220

@@ -73,7 +73,7 @@ class Timing:
     iterations: int
 
 
-# Sized so that the kernel stages end within ~3 minutes of the start on an H100 (docs/BENCHMARKS.md has the sum).
+# Sized so that the kernel stages end within ~3 minutes of the start on an H100 (docs/gpu.md has the sum).
 CUDA_TIMING = Timing(warmups=3, iterations=20)
 CPU_TIMING = Timing(warmups=0, iterations=1)  # a dry run: every path once, numbers not meant
 

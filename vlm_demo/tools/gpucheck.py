@@ -32,7 +32,7 @@ to the rows that fit; what is skipped is recorded with why. The JSON report is r
 stage, a stage or run that fails is recorded and the rest go on, every request has a 120 s timeout,
 and a watchdog (``--deadline-s``, 360 s) dumps every thread's traceback and writes the report before
 it ends the run. The kernel stages are estimated to end ~2.5-3 minutes after the start on an H100
-(docs/BENCHMARKS.md has the arithmetic). Exit code 0: all required checks that ran passed; 1: a check
+(docs/gpu.md has the arithmetic). Exit code 0: all required checks that ran passed; 1: a check
 failed; 2: no CUDA, or the wrong versions; 3: the watchdog stopped it. ``--device cpu --model tiny`` (or
 ``narrow``) is a dry run of the whole script without the GPU-only stages (the tests run it).
 
@@ -83,7 +83,7 @@ BACKSTOP_S = 15.0  # after the deadline: faulthandler ends the run if the watchd
 # Rough seconds each optional stage takes on an H100, with room to spare: it starts only with that much
 # of the budget (the engine's stages: of their share) left.
 NEED_S = {
-    # the kernel stages (estimated for an H100; docs/BENCHMARKS.md has the sum)
+    # the kernel stages (estimated for an H100; docs/gpu.md, 'The time budget', has the sum)
     "bandwidth": 5.0,
     "kernel: decode attention": 30.0,  # the ops alone; Triton compiles a few variants
     "kernel: weight-only linear": 60.0,  # ~30 Triton compilations: 2 input widths x 3 formats x 5 row tiers

@@ -172,7 +172,7 @@ def settle_heap() -> None:
     """Take everything built before serving (Gradio, FastAPI, the page's components) out of the garbage
     collector's reach. A full collection walks every object it tracks, and the event loop, so every stream and
     every ``/health`` probe, waits until it is done: with the demo's heap that took 0.2-1.4 s while 128 visitors
-    streamed on a busy 2-core box (docs/BENCHMARKS.md). What was built to serve lives as long as the process,
+    streamed on a busy 2-core box (docs/benchmarks-history.md). What was built to serve lives as long as the process,
     so nothing is lost by never looking at it again; the answers' own short-lived objects are collected as
     before, and quickly."""
     gc.collect()
