@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 from PIL import Image
-from support import door, wait_until
+from support import checked, door, wait_until
 
 from vlm_demo.config import Config
 from vlm_demo.engine.base import Engine as BaseEngine
@@ -170,7 +170,7 @@ def test_row_streamer_holds_back_partial_utf8_and_split_tags(worker, native: boo
 
     text = "<SUMMARY>ok</SUMMARY> 🙂 é → <CONCLUSION>red</CONCLUSION> trailing"
     ids = worker.tokenizer.encode(text, add_special_tokens=False)
-    request = Request(image=None, question="q", params=SamplingParams(max_new_tokens=500, temperature=0))
+    request = Request(image=None, question="q", params=checked(SamplingParams(max_new_tokens=500, temperature=0)))
     row = RowStreamer(worker.tokenizer, request, worker.eos_ids)
     if not native:
         row._stream = None

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from transformers import LogitsProcessor
 
-from vlm_demo.request import SamplingParams
+from vlm_demo.request import ValidParams
 
 MASK32 = 0xFFFFFFFF
 REDRAW = 0x5BD1E995  # salts a redraw's draw index, so it never repeats a row's ordinary draws
@@ -84,7 +84,7 @@ class RowSampling:
 
     def __init__(
         self,
-        params: Sequence[SamplingParams],
+        params: Sequence[ValidParams],
         device: torch.device | str,
         draws: torch.Tensor | None = None,
         send: Send | None = None,
@@ -163,7 +163,7 @@ class RowSampler(LogitsProcessor):
     """Dynamic mode: ``generate`` runs greedy and this processor leaves only each sampled row's
     drawn token standing, so the argmax takes it; greedy rows pass through untouched."""
 
-    def __init__(self, params: Sequence[SamplingParams]) -> None:
+    def __init__(self, params: Sequence[ValidParams]) -> None:
         self.params = list(params)
         self.rows: RowSampling | None = None  # built on the first call, on the logits' device
 

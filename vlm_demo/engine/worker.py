@@ -30,7 +30,7 @@ from vlm_demo.engine.structure import StageGrammar, StageTracker
 from vlm_demo.engine.vision import TowerJob, jobs, real_tiles
 from vlm_demo.errors import InvalidRequestError
 from vlm_demo.prompt import Turn, chat_messages
-from vlm_demo.request import SamplingParams
+from vlm_demo.request import ValidParams
 
 # Tensors whose second dimension is the token sequence: these get left padding in a batch.
 SEQUENCE_KEYS = ("input_ids", "attention_mask", "cross_attention_mask")
@@ -140,7 +140,7 @@ class Worker:
             self._grammar = StageGrammar(self.tokenizer, self.eos_ids)
         return self._grammar
 
-    def tracker(self, params: SamplingParams, structured: bool) -> StageTracker | None:
+    def tracker(self, params: ValidParams, structured: bool) -> StageTracker | None:
         """A whole answer's stage tracker, unless structure is off (or a benchmark forces lengths)."""
         return self.grammar.answer(params.max_new_tokens) if structured and not params.ignore_eos else None
 

@@ -186,8 +186,12 @@ def batched_vs_single(worker: Worker, tokens: int) -> Comparison:
     count. A mode whose rows do not all end in ``REQUEST_TIMEOUT_S`` is recorded in ``errors``, not waited for."""
     greedy = SamplingParams(max_new_tokens=tokens, temperature=0.0, ignore_eos=True)
     requests = jobs(greedy)
-    long_first = dataclasses.replace(requests[0], params=dataclasses.replace(greedy, max_new_tokens=4 * tokens))
-    sampled = dataclasses.replace(requests[2], params=dataclasses.replace(SAMPLED, max_new_tokens=tokens))
+    long_first = dataclasses.replace(
+        requests[0], params=dataclasses.replace(greedy, max_new_tokens=4 * tokens).validated(LIMITS.max_new_tokens)
+    )
+    sampled = dataclasses.replace(
+        requests[2], params=dataclasses.replace(SAMPLED, max_new_tokens=tokens).validated(LIMITS.max_new_tokens)
+    )
     alone = {
         "dynamic": _alone(worker, [*requests, sampled], "dynamic"),
         "continuous": _alone(worker, [long_first, *requests[1:], sampled], "continuous"),

@@ -164,7 +164,7 @@ def synthetic_rows(decoder: Any, rows: int, device: torch.device, length: int = 
     assert places is not None, "the pool is too small for these rows"
     for place in places:
         place.length = length
-        request = Request(image=None, question="", params=SamplingParams(8, 0.0))
+        request = Request(image=None, question="", params=SamplingParams(8, 0.0).validated(8))
         running.rows.append(Row(request, None, place=place))  # type: ignore[arg-type]
     running.next_tokens = torch.zeros(rows, dtype=torch.long, device=device)
     return running

@@ -12,7 +12,7 @@ import html
 from vlm_demo.cot import STAGES, Stages, parse_stages
 from vlm_demo.errors import DemoError
 from vlm_demo.prompt import Turn
-from vlm_demo.request import STAGE_BEAM, SamplingParams
+from vlm_demo.request import STAGE_BEAM, ValidParams
 from vlm_demo.results import BeamView, GenerationResult, StageChoice
 from vlm_demo.web.contract import Outputs
 
@@ -132,7 +132,7 @@ def thought_harder(beams: int, batch_size: int, comparisons: int | None = None) 
     return said
 
 
-def searched_beams(params: SamplingParams) -> int:
+def searched_beams(params: ValidParams) -> int:
     """The candidates per stage a request asked for (0: not a stage-beam search), for :func:`render`."""
     return params.beams if params.reasoning == STAGE_BEAM else 0
 
