@@ -38,6 +38,7 @@ class Health:
     error: str | None = None  # why it is not ready
     response_cache_hits: int = 0  # the web process's response cache (backends/cache.py), when it is on
     response_cache_misses: int = 0
+    response_cache_entries: int = 0  # answers it holds
 
     @property
     def weights(self) -> str:
@@ -67,7 +68,11 @@ class Health:
         if self.error:
             out["error"] = self.error
         if self.response_cache_hits or self.response_cache_misses:
-            out.update(response_cache_hits=self.response_cache_hits, response_cache_misses=self.response_cache_misses)
+            out.update(
+                response_cache_hits=self.response_cache_hits,
+                response_cache_misses=self.response_cache_misses,
+                response_cache_entries=self.response_cache_entries,
+            )
         return out
 
 

@@ -146,7 +146,12 @@ class CachingBackend:
 
     def health(self) -> Health:
         health = self.inner.health()
-        return dataclasses.replace(health, response_cache_hits=self.cache.hits, response_cache_misses=self.cache.misses)
+        return dataclasses.replace(
+            health,
+            response_cache_hits=self.cache.hits,
+            response_cache_misses=self.cache.misses,
+            response_cache_entries=len(self.cache),
+        )
 
     def add_listener(self, listener: Listener) -> None:
         self.listeners.add(listener)
