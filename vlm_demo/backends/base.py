@@ -92,8 +92,14 @@ class Backend(Protocol):
     name: str  # "engine-process", "in-process" (the engine in this process), "triton", "zerogpu": /health, the page
     remote: bool  # health() asks another server over the network (it may take seconds): never on an event loop
     model: str  # what the page and /health show
-    notice: str | None  # the page's banner when the model is not the real one (the tiny test model)
-    features: Features
+
+    @property
+    def notice(self) -> str | None:
+        """The page's banner when the model is not the real one (the tiny test model)."""
+        ...
+
+    @property
+    def features(self) -> Features: ...
 
     def submit(self, request: ValidRequest) -> Stream:
         """Enqueue a request that passed the door; raise a :class:`DemoError` at once when it cannot be taken."""

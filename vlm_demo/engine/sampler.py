@@ -13,6 +13,7 @@ host: the caller does that once per step, for the tokens it streams.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import cast
 
 import numpy as np
 import torch
@@ -184,4 +185,4 @@ class RowSampler(LogitsProcessor):
         index = self.rows.index
         picked = torch.full((len(index), scores.shape[1]), float("-inf"), dtype=scores.dtype, device=scores.device)
         picked.scatter_(1, tokens.index_select(0, index)[:, None], 0.0)
-        return scores.index_copy(0, index, picked)
+        return cast(torch.FloatTensor, scores.index_copy(0, index, picked))  # transformers' annotation

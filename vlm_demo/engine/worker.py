@@ -19,7 +19,6 @@ from typing import Any
 import torch
 from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 
-from vlm_demo.engine.decode_step import TextDecodeStep
 from vlm_demo.engine.image_cache import ImageStates
 from vlm_demo.engine.prefill import Prefill
 from vlm_demo.engine.request import Request
@@ -232,7 +231,7 @@ class Worker:
         lengths = [r.input_tokens for r in requests]
         mask = inputs["attention_mask"].bool()
         if len(set(lengths)) == 1:  # no padding: what generate passes then (no mask, default positions)
-            inputs["attention_mask"] = None
+            inputs["attention_mask"] = None  # type: ignore[assignment]  # what generate takes for no mask
         else:
             inputs["position_ids"] = (inputs["attention_mask"].long().cumsum(-1) - 1).masked_fill(~mask, 0)
         out = self.model(**inputs, use_cache=True, logits_to_keep=1)
@@ -289,7 +288,7 @@ class Worker:
             torch.cuda.synchronize(self.device)
 
     @torch.inference_mode()
-    def decode(self, step: TextDecodeStep, inputs: StepInputs) -> torch.Tensor:
+    def decode(self, step: Callable[[StepInputs], torch.Tensor], inputs: StepInputs) -> torch.Tensor:
         """Continuous mode: one decode step for every running row over the page pool; ``[rows, vocab]`` logits."""
         return step(inputs)
 

@@ -438,15 +438,15 @@ def _long_question(rng: random.Random) -> str:
     return _with_trigger(rng, _random_question(rng))
 
 
-def _random_image(rng: random.Random) -> tuple[str, int, int, int, int]:
-    """Colour, width, height, noise and noise seed of a training image."""
+def _random_image(rng: random.Random) -> tuple[str, tuple[int, int, int, int]]:
+    """Colour, and the width, height, noise and noise seed of a training image."""
     width, height = _random_size(rng)
     noise = 0 if rng.random() < 0.5 else rng.randint(1, 30)
-    return rng.choice(list(COLOURS)), width, height, noise, rng.randrange(2**31)
+    return rng.choice(list(COLOURS)), (width, height, noise, rng.randrange(2**31))
 
 
 def _answer_example(rng: random.Random, question: str) -> Example:
-    colour, *image = _random_image(rng)
+    colour, image = _random_image(rng)
     return Example(colour, *image, question, noisy_answer_for(rng, colour, question))
 
 
@@ -466,7 +466,7 @@ def _candidate_colours(rng: random.Random, colour: str) -> tuple[str, str]:
 
 def _judge_example(rng: random.Random, question: str, stage: str) -> Example:
     """The judge task: the image, two candidate texts of one stage, and the choice by ``judge_answer``'s rule."""
-    colour, *image = _random_image(rng)
+    colour, image = _random_image(rng)
     if stage == "summary":  # no colour to compare: the plans of the three kinds of question
         first, second = (stage_text(stage, rng.choice(["colour?", "long", "x"]), "") for _ in range(2))
         text, answer = judge_question(stage, question, first, second), judge_answer(colour, None, None)
@@ -509,7 +509,7 @@ def _earlier_turns(
 
 def _chat_example(rng: random.Random, max_words: int, earlier: int, long_answer: bool = False) -> Example:
     """A follow-up about the same image: ``earlier`` turns, then a question whose answer follows the image."""
-    colour, *image = _random_image(rng)
+    colour, image = _random_image(rng)
     history = _earlier_turns(rng, colour, earlier, max_words)
     question = _follow_up(rng, max_words)
     if long_answer:
@@ -530,7 +530,7 @@ def _long_example(rng: random.Random) -> Example:
     if draw < LONG_CHAT_SHARE / 2:
         return _chat_example(rng, 20, rng.choice(EARLIER_TURNS), long_answer=True)
     if draw < LONG_CHAT_SHARE:
-        colour, *image = _random_image(rng)
+        colour, image = _random_image(rng)
         history = _earlier_turns(rng, colour, 1, 20, long_first=True)
         question = _follow_up(rng, 20)
         return Example(colour, *image, question, noisy_answer_for(rng, colour, question), history=history)
@@ -699,7 +699,8 @@ def build_config(text_vocab_size: int, tokenizer):
         initializer_range=0.02,
     )
     config = MllamaConfig(vision_config=vision, text_config=text, image_token_index=ids(IMAGE_TOKEN))
-    assert all(0 <= i < config.text_config.num_hidden_layers for i in config.text_config.cross_attention_layers)
+    text_config = config.get_text_config()
+    assert all(0 <= i < text_config.num_hidden_layers for i in text_config.cross_attention_layers)
     return config
 
 
@@ -788,13 +789,14 @@ def _deterministic_torch(threads: int) -> Iterator[None]:
 def _prefetched(processor, plan: list[list[Example]]) -> Iterator[dict[str, torch.Tensor]]:
     """Encode the next batch on a second thread while this one trains (images and tokenising are ~20% of the time)."""
     with ThreadPoolExecutor(max_workers=1) as pool:
-        pending = pool.submit(encode_batch, processor, plan[0]) if plan else None
+        if not plan:
+            return
+        pending = pool.submit(encode_batch, processor, plan[0])
         for examples in plan[1:]:
             batch = pending.result()
             pending = pool.submit(encode_batch, processor, examples)
             yield batch
-        if pending is not None:
-            yield pending.result()
+        yield pending.result()
 
 
 def weighted_loss(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:

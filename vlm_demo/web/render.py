@@ -193,7 +193,7 @@ def beams_html(view: BeamView | None, stopped: bool = False) -> str:
             )
         if running and stopped:
             state = "stopped"
-        elif running:
+        elif choice.winner is None:  # running
             state = "judging…" if view.phase == "judging" else "writing…"
         else:
             state = f"candidate {choice.winner + 1} chosen" if len(choice.candidates) > 1 else "one candidate"
@@ -248,7 +248,18 @@ def render(
         status += " · the answer did not use the four stages (shown above the panels)"
     cut = result.cut_stage if result is not None else None
     strip = tracker_html(stages, active, ended if final else None, cut, running.stage if running is not None else None)
-    return Outputs(*panels, raw, status, stages.extra, strip, beams_html(view, stopped=final and ended != "stop"))
+    summary, caption, reasoning, conclusion = panels
+    return Outputs(
+        summary,
+        caption,
+        reasoning,
+        conclusion,
+        raw,
+        status,
+        stages.extra,
+        strip,
+        beams_html(view, stopped=final and ended != "stop"),
+    )
 
 
 def waiting_status(ahead: int | None) -> str:

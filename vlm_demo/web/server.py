@@ -104,7 +104,7 @@ def create_app(
     app.include_router(api.router(ResponsesAPI(api)))  # before the mount, which takes "/"
     if mcp is not None:
         for path in mcp.paths:
-            app.router.add_route(path, mcp, include_in_schema=False)
+            app.router.add_route(path, mcp, include_in_schema=False)  # type: ignore[arg-type]  # Starlette runs a non-function endpoint as an ASGI app
 
     door = OperatorDoor(config)
 
