@@ -125,7 +125,7 @@ def step_weights(model: Any) -> list[torch.Tensor]:
     from vlm_demo.engine.memory import read_by_decode
     from vlm_demo.engine.packed import PackedLinear
 
-    found = []
+    found: list[torch.Tensor] = []
     for name, module in model.named_modules():
         if isinstance(module, (torch.nn.Linear, PackedLinear)) and read_by_decode(f"{name}.weight"):
             if name.startswith("model.language_model.") or name == "lm_head":
