@@ -100,12 +100,12 @@ def test_greedy_batch_rows_equal_single_runs_next_to_sampled_rows(make_engine, s
     handles = submit_all(engine, jobs)
     results = [h.result(timeout=120) for h in handles]
     assert all(r.batch_size == 8 for r in results), [r.batch_size for r in results]
-    greedy = [r for r, job in zip(results, jobs, strict=False) if job[2].greedy]
+    greedy = [r for r, job in zip(results, jobs, strict=False) if job[2].temperature == 0]
     for (colour, w, h, q), result in zip(CASES, greedy, strict=False):
         assert result.text == singles[(colour, w, h, q)], (colour, w, h)
         assert colour in conclusion(result.text)
         assert four_stages(result.text)
-    sampled = [r for r, job in zip(results, jobs, strict=False) if not job[2].greedy]
+    sampled = [r for r, job in zip(results, jobs, strict=False) if job[2].temperature != 0]
     # A sampled row draws from its own seeded random stream: same seed, same text, whatever its neighbours.
     assert [r.text for r in sampled] == [singles[("sampled", 11)], singles[("sampled", 12)]]
 
