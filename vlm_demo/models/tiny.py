@@ -79,7 +79,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import torch
@@ -88,6 +88,9 @@ from PIL import Image
 from vlm_demo.cot import STAGES
 from vlm_demo.judge import judge_question
 from vlm_demo.prompt import Turn, chat_messages
+
+if TYPE_CHECKING:
+    from transformers import MllamaConfig, MllamaForConditionalGeneration, MllamaProcessor, PreTrainedTokenizerFast
 
 log = logging.getLogger(__name__)
 
@@ -372,7 +375,7 @@ class Example:
     def image(self) -> Image.Image:
         return solid_image(self.colour, self.width, self.height, self.noise, self.seed)
 
-    def text(self, processor) -> str:
+    def text(self, processor: MllamaProcessor) -> str:
         """The whole conversation through the chat template, built as the worker builds a prompt
         (``chat_messages``), so training sees exactly what serving sends, follow-ups included."""
         messages = chat_messages(self.question, [Turn(e.question, e.answer) for e in self.history])
@@ -615,7 +618,7 @@ def _tokenizer_corpus(seed: int) -> list[str]:
     return [line.encode("ascii", "ignore").decode() for line in lines]
 
 
-def build_tokenizer(seed: int = 0):
+def build_tokenizer(seed: int = 0) -> PreTrainedTokenizerFast:
     """Byte-level BPE with Llama-3 specials; ``<|image|>`` is added last so its id equals the text vocab size."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
@@ -652,7 +655,7 @@ def build_tokenizer(seed: int = 0):
     )
 
 
-def build_processor(seed: int = 0):
+def build_processor(seed: int = 0) -> MllamaProcessor:
     """Tokenizer + image processor with tiles of the vision ``image_size``."""
     from transformers import MllamaProcessor
     from transformers.models.mllama.image_processing_pil_mllama import MllamaImageProcessorPil
@@ -664,7 +667,7 @@ def build_processor(seed: int = 0):
     )
 
 
-def build_config(text_vocab_size: int, tokenizer):
+def build_config(text_vocab_size: int, tokenizer: PreTrainedTokenizerFast) -> MllamaConfig:
     """~331k parameters; the one cross-attention layer (2) lies inside the 4 text layers, else images are ignored."""
     from transformers import MllamaConfig
 
@@ -681,7 +684,12 @@ def build_config(text_vocab_size: int, tokenizer):
         vision_output_dim=64,  # hidden_size * (1 + len(intermediate_layers_indices))
         initializer_range=0.02,
     )
-    ids = tokenizer.convert_tokens_to_ids
+
+    def ids(token: str) -> int:
+        found = tokenizer.convert_tokens_to_ids(token)  # one token: one id
+        assert isinstance(found, int), token
+        return found
+
     text = dict(
         vocab_size=text_vocab_size,
         hidden_size=64,
@@ -716,7 +724,7 @@ def _open_tanh_gates(model: torch.nn.Module) -> None:
                 param.fill_(1.0)
 
 
-def encode_batch(processor, examples: list[Example]) -> dict[str, torch.Tensor]:
+def encode_batch(processor: MllamaProcessor, examples: list[Example]) -> dict[str, torch.Tensor]:
     """Tokenise conversations through the inference path, with labels on the answers the model writes
     (each with its ``<|eot_id|>``) and their per-token ``weights``."""
     batch = processor(
@@ -749,7 +757,7 @@ def encode_batch(processor, examples: list[Example]) -> dict[str, torch.Tensor]:
     return {**batch, "labels": labels, "weights": weights}
 
 
-def decision_ids(tokenizer) -> torch.Tensor:
+def decision_ids(tokenizer: PreTrainedTokenizerFast) -> torch.Tensor:
     """The tokens a judge's answer turns on: the colours it quotes, then "not" and the choice ("1", "2")."""
     words = [*(f"Ġ{c}" for c in COLOURS), "Ġnot", "1", "2"]
     return torch.tensor(tokenizer.convert_tokens_to_ids(words))
@@ -786,7 +794,7 @@ def _deterministic_torch(threads: int) -> Iterator[None]:
         torch.use_deterministic_algorithms(old_det)
 
 
-def _prefetched(processor, plan: list[list[Example]]) -> Iterator[dict[str, torch.Tensor]]:
+def _prefetched(processor: MllamaProcessor, plan: list[list[Example]]) -> Iterator[dict[str, torch.Tensor]]:
     """Encode the next batch on a second thread while this one trains (images and tokenising are ~20% of the time)."""
     with ThreadPoolExecutor(max_workers=1) as pool:
         if not plan:
@@ -799,7 +807,7 @@ def _prefetched(processor, plan: list[list[Example]]) -> Iterator[dict[str, torc
         yield pending.result()
 
 
-def weighted_loss(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+def weighted_loss(model: MllamaForConditionalGeneration, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """Next-token loss with the per-token weights of ``_weigh``."""
     inputs = {k: v for k, v in batch.items() if k not in ("labels", "weights")}
     logits = model(**inputs).logits[:, :-1]
@@ -808,7 +816,9 @@ def weighted_loss(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     return (per_token * weights).sum() / weights.sum()
 
 
-def train(model, processor, seed: int, steps: int = TRAIN_STEPS) -> None:
+def train(
+    model: MllamaForConditionalGeneration, processor: MllamaProcessor, seed: int, steps: int = TRAIN_STEPS
+) -> None:
     """AdamW with warm-up and linear decay, one thread; 1500 steps take the loss from ~6.7 to ~0.01 in ~5 CPU minutes."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(
