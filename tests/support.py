@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import requests
 
-from vlm_demo.request import Limits, SamplingParams, ValidRequest, validate_request
+from vlm_demo.request import Limits, SamplingParams, ValidParams, ValidRequest, validate_request
 
 ROOT = Path(__file__).resolve().parents[1]
 TEST_LIMITS = Limits(max_new_tokens=10_000)  # long forced answers in the engine tests
@@ -30,6 +30,11 @@ TEST_LIMITS = Limits(max_new_tokens=10_000)  # long forced answers in the engine
 def door(image: Any, question: Any, params: SamplingParams | None = None, history: Any = None) -> ValidRequest:
     """The shared door with generous limits: what every backend's caller does before submitting."""
     return validate_request(image, question, params, TEST_LIMITS, history)
+
+
+def checked(params: SamplingParams) -> ValidParams:
+    """Parameters through the door's validation alone (for an engine ``Request`` a test builds itself)."""
+    return params.validated(TEST_LIMITS.max_new_tokens)
 
 
 def wait_until(

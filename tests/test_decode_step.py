@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from support import join_running
+from support import checked, join_running
 
 from vlm_demo.engine import loader
 from vlm_demo.engine.attention import fewest_bands
@@ -31,7 +31,9 @@ def paged(worker, pages: int = 200) -> tuple[RunningRows, TextDecodeStep]:
 def requests(worker, jobs) -> list[Request]:
     out = []
     for image, question in jobs:
-        request = Request(image=image, question=question, params=SamplingParams(max_new_tokens=50, temperature=0))
+        request = Request(
+            image=image, question=question, params=checked(SamplingParams(max_new_tokens=50, temperature=0))
+        )
         request.inputs = worker.prepare(image, question)
         out.append(request)
     return out

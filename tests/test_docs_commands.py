@@ -47,6 +47,7 @@ NOT_RUN = {  # first word(s) -> why the check does not run it here; the command 
     "hf auth login": "asks for the reader's own Hub token",
     "docker": "no Docker on these machines",
     "bash .ci/run": "it is CI itself",
+    "mypy": "a minute of CPU: CI's .ci/run runs it before the tests",
 }
 
 

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 from PIL import Image
-from support import door, wait_until
+from support import checked, door, wait_until
 
 from vlm_demo.config import Config
 from vlm_demo.engine.base import Engine as BaseEngine
@@ -100,12 +100,12 @@ def test_greedy_batch_rows_equal_single_runs_next_to_sampled_rows(make_engine, s
     handles = submit_all(engine, jobs)
     results = [h.result(timeout=120) for h in handles]
     assert all(r.batch_size == 8 for r in results), [r.batch_size for r in results]
-    greedy = [r for r, job in zip(results, jobs, strict=False) if job[2].greedy]
+    greedy = [r for r, job in zip(results, jobs, strict=False) if job[2].temperature == 0]
     for (colour, w, h, q), result in zip(CASES, greedy, strict=False):
         assert result.text == singles[(colour, w, h, q)], (colour, w, h)
         assert colour in conclusion(result.text)
         assert four_stages(result.text)
-    sampled = [r for r, job in zip(results, jobs, strict=False) if not job[2].greedy]
+    sampled = [r for r, job in zip(results, jobs, strict=False) if job[2].temperature != 0]
     # A sampled row draws from its own seeded random stream: same seed, same text, whatever its neighbours.
     assert [r.text for r in sampled] == [singles[("sampled", 11)], singles[("sampled", 12)]]
 
@@ -170,7 +170,7 @@ def test_row_streamer_holds_back_partial_utf8_and_split_tags(worker, native: boo
 
     text = "<SUMMARY>ok</SUMMARY> 🙂 é → <CONCLUSION>red</CONCLUSION> trailing"
     ids = worker.tokenizer.encode(text, add_special_tokens=False)
-    request = Request(image=None, question="q", params=SamplingParams(max_new_tokens=500, temperature=0))
+    request = Request(image=None, question="q", params=checked(SamplingParams(max_new_tokens=500, temperature=0)))
     row = RowStreamer(worker.tokenizer, request, worker.eos_ids)
     if not native:
         row._stream = None

@@ -9,7 +9,7 @@ import dataclasses
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from support import door, metric, running_app, wait_until
+from support import checked, door, metric, running_app, wait_until
 
 from vlm_demo.config import Config
 from vlm_demo.engine.continuous import ContinuousEngine
@@ -32,14 +32,14 @@ def test_clients_take_turns_in_the_queue() -> None:
     queue = FairQueue()
     for client, n in (("a", 4), ("b", 2), ("", 1)):
         for i in range(n):
-            request = Request(image=None, question=f"{client}{i}", params=SHORT)
+            request = Request(image=None, question=f"{client}{i}", params=checked(SHORT))
             request.client = client
             queue.append(request)
     assert [r.question for r in queue] == ["a0", "b0", "0", "a1", "b1", "a2", "a3"]  # what "N ahead" counts
     assert [queue.popleft().question for _ in range(7)] == ["a0", "b0", "0", "a1", "b1", "a2", "a3"]
-    back = Request(image=None, question="a-back", params=SHORT)
+    back = Request(image=None, question="a-back", params=checked(SHORT))
     back.client = "a"
-    later = Request(image=None, question="b-new", params=SHORT)
+    later = Request(image=None, question="b-new", params=checked(SHORT))
     later.client = "b"
     queue.append(later)
     queue.appendleft(back, first=False)  # a preempted row waits its client's turn

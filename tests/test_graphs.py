@@ -7,7 +7,7 @@ import logging
 
 import pytest
 import torch
-from support import door, join_running
+from support import checked, door, join_running
 
 from vlm_demo.config import Config
 from vlm_demo.engine.continuous import ContinuousEngine
@@ -36,7 +36,9 @@ def test_buckets_are_nano_vllms() -> None:
 def join(worker, rows: RunningRows, jobs) -> None:
     requests = []
     for image, question in jobs:
-        request = Request(image=image, question=question, params=SamplingParams(max_new_tokens=50, temperature=0))
+        request = Request(
+            image=image, question=question, params=checked(SamplingParams(max_new_tokens=50, temperature=0))
+        )
         request.inputs = worker.prepare(image, question)
         requests.append(request)
     join_running(worker, rows, requests)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
+from support import checked
 
 from vlm_demo.engine.ipc import Ended, Step
 from vlm_demo.engine.request import Request
@@ -23,7 +24,7 @@ def samples(metrics: Metrics) -> dict[tuple[str, tuple], float]:
 
 def finished_request(tokens: int, reason: str = "stop") -> EngineStream:
     """A client's handle to an engine request that finished, as the engine's Step delivers it."""
-    request = Request(image=None, question="q", params=SamplingParams())
+    request = Request(image=None, question="q", params=checked(SamplingParams()))
     request.token_ids = list(range(tokens))
     request.push_text("x" * tokens)
     request.finish(reason)

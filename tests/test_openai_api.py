@@ -412,3 +412,26 @@ def test_with_auth_and_no_key_the_api_is_closed_and_says_how_to_open_it(tiny_dir
         assert reply.status_code == 401 and "--api-key" in reply.json()["error"]["message"]
         posted = requests.post(url + "/v1/chat/completions", json=with_(), timeout=10, auth=("alice", "pw"))
         assert posted.status_code == 401 and posted.json()["error"]["code"] == "api_key_required"
+
+
+@pytest.mark.slow
+def test_through_the_app_an_unseeded_sampled_answer_is_never_cached_and_a_seeded_one_is_replayed(tiny_dir: str) -> None:
+    """Issue #50: the door drew a seed and validated again, so every sampled answer counted as seeded: a miss
+    each time and an entry nobody could ask for again. Unseeded sampled twice: no lookup, nothing stored;
+    seeded sampled twice: stored once, then replayed with the same text."""
+    hit, miss = (f'vlm_cache_requests_total{{cache="response",result="{r}"}}' for r in ("hit", "miss"))
+    with running_app("--response-cache-mb", "16") as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+
+        def answer(**sampling) -> str:
+            reply = client.chat.completions.create(model="tiny", messages=ask("Which colour is it?", GREEN), **sampling)
+            return reply.choices[0].message.content
+
+        for _ in range(2):
+            answer(temperature=0.9, max_tokens=120)
+        assert (metric(url, hit), metric(url, miss), metric(url, "vlm_response_cache_entries")) == (0, 0, 0)
+        first = answer(temperature=0.9, max_tokens=120, seed=11)
+        assert answer(temperature=0.9, max_tokens=120, seed=11) == first
+        assert (metric(url, hit), metric(url, miss), metric(url, "vlm_response_cache_entries")) == (1, 1, 1)
+        details = requests.get(url + "/health", timeout=10).json()["details"]
+        assert (details["response_cache_hits"], details["response_cache_entries"]) == (1, 1)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from support import checked
 
 from vlm_demo.engine.page_table import PageTable
 from vlm_demo.engine.pages import PagePool, PageShape
@@ -68,7 +69,7 @@ def test_a_snapshot_keeps_the_first_tokens_without_a_copy(table) -> None:
 
 
 def test_the_image_cache_leaves_room_for_newcomers_and_one_page_per_row(table) -> None:
-    request = Request(image=None, question="", params=SamplingParams())
+    request = Request(image=None, question="", params=checked(SamplingParams()))
     request.inputs = {"input_ids": torch.zeros(1, 7, dtype=torch.long)}
     assert table.newcomer_pages(request) == SHAPE.row_pages(8, 0)  # its prompt and first token; no picture
     assert table.cache_reserve([request, request], running=3) == 2 * SHAPE.row_pages(8, 0) + 3 + 2

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from support import checked
 
 from vlm_demo.engine.request import Request
 from vlm_demo.engine.scheduler import PREEMPT_AFTER, Room, RowState, Scheduler
@@ -19,7 +20,7 @@ def waiting(*clients: str, beams: int = 0) -> Scheduler:
     scheduler = Scheduler(max_batch_size=8, batch_window_s=0.0, max_queue=64)
     for client in clients:
         params = SamplingParams(reasoning=STAGE_BEAM, beams=beams) if beams else SamplingParams()
-        request = Request(image=None, question=client, params=params)
+        request = Request(image=None, question=client, params=checked(params))
         request.client = client
         scheduler.add(request)
     return scheduler

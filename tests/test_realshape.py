@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from support import door, wait_until
+from support import checked, door, wait_until
 
 from vlm_demo.config import Config
 from vlm_demo.cot import parse_stages
@@ -190,7 +190,7 @@ def test_rows_prefilled_together_step_like_single_rows(processor, worker, attent
     def requests(indices):
         out = []
         for i in indices:
-            request = Request(image=cases[i][0], question=cases[i][1], params=GREEDY)
+            request = Request(image=cases[i][0], question=cases[i][1], params=checked(GREEDY))
             request.inputs = worker.prepare(*cases[i])
             out.append(request)
         return out

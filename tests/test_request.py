@@ -23,7 +23,7 @@ from vlm_demo.backends.triton.generate import encode_image
 from vlm_demo.backends.triton.remote import ModelInfo
 from vlm_demo.errors import InvalidRequestError
 from vlm_demo.models.tiny import solid_image
-from vlm_demo.request import DEFAULTS, KNOBS, STAGE_BEAM, Limits, SamplingParams, sampling_from
+from vlm_demo.request import DEFAULTS, KNOBS, STAGE_BEAM, Limits, SamplingParams, ValidParams, sampling_from
 from vlm_demo.triton import contract
 from vlm_demo.triton.handlers import decode_generate_request, decode_infer_request
 from vlm_demo.web import openai_api
@@ -37,8 +37,10 @@ TRITON_TYPES = {"INT32": "TYPE_INT32", "INT64": "TYPE_INT64", "FP32": "TYPE_FP32
 
 
 def test_every_field_a_caller_sets_has_a_knob_and_each_door_lists_exactly_the_knobs_it_should() -> None:
-    fields = [f.name for f in dataclasses.fields(SamplingParams)]
-    assert [name for name in fields if name not in KNOBS] == ["seeded"]  # set by validated(), never a caller
+    assert [f.name for f in dataclasses.fields(SamplingParams)] == list(KNOBS)  # what a caller may set
+    checked = [f.name for f in dataclasses.fields(ValidParams)]
+    assert [name for name in checked if name not in KNOBS] == ["seeded", "proof"]  # set by validated() only
+    assert [name for name in checked if name in KNOBS] == list(KNOBS)
     assert all(knob.help.strip() for knob in KNOBS.values())
     assert INPUTS == ("image", "question", *(name for name, knob in KNOBS.items() if knob.label))
     assert OPTIONAL_INPUTS == ("reasoning", "beams")  # the page's contract: clients of the first five inputs
@@ -133,7 +135,32 @@ def test_the_door_checks_each_field_by_its_knob_with_a_message_naming_it(values:
 def test_left_out_fields_take_their_defaults_within_the_servers_cap() -> None:
     params = sampling_from({"reasoning": None, "beams": ""}, Limits(max_new_tokens=300))
     assert (params.max_new_tokens, params.temperature, params.top_p) == (300, 0.6, 0.9)
-    assert (params.reasoning, params.beams, params.seeded) == ("normal", 2, False)
-    assert sampling_from({"seed": 7, "temperature": "0.5"}, LIMITS).seeded
+    assert (params.reasoning, params.beams, params.seed) == ("normal", 2, None)
+    assert sampling_from({"seed": 7, "temperature": "0.5"}, LIMITS).validated(2048).seeded
     # One candidate per stage is the benchmarks' baseline: validated() takes it, no door does.
     assert SamplingParams(beams=1, reasoning=STAGE_BEAM).validated(2048).beams == 1
+
+
+def test_a_door_validates_once_so_an_unseeded_sampled_answer_is_never_taken_for_a_seeded_one() -> None:
+    """The bug of issue #50: the door drew a seed, then validated again and took that seed for the caller's, so
+    every sampled answer was ``seeded`` and the response cache stored answers nobody could ask for again."""
+    sampled = sampling_from({"temperature": 0.8}, LIMITS)
+    assert sampled.seed is None  # still loose: the door's checks draw no seed
+    request = door(solid_image("red", 16, 12), "What colour?", sampled)
+    assert isinstance(request.params, ValidParams) and request.params.seed is not None
+    assert not request.params.seeded and not request.params.repeatable
+    assert cache_key("m", request) is None  # never stored, never counted
+    chosen = door(solid_image("red", 16, 12), "What colour?", sampling_from({"temperature": 0.8, "seed": 3}, LIMITS))
+    assert chosen.params.seeded and chosen.params.seed == 3 and cache_key("m", chosen) is not None
+    greedy = door(solid_image("red", 16, 12), "What colour?", sampling_from({"temperature": 0}, LIMITS))
+    assert not greedy.params.seeded and greedy.params.repeatable and cache_key("m", greedy) is not None
+
+
+def test_checked_parameters_come_only_from_validation_and_keep_their_proof_across_processes() -> None:
+    import pickle
+
+    with pytest.raises(TypeError, match="only from SamplingParams.validated"):
+        ValidParams(10, 0.5, 0.9, False, 1, "normal", 2, True, proof=object())  # type: ignore[arg-type]
+    params = SamplingParams(10, 0.5).validated(2048)
+    again = pickle.loads(pickle.dumps(params))  # the engine process receives them
+    assert again == params and dataclasses.replace(again, max_new_tokens=5).max_new_tokens == 5

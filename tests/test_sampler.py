@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from support import checked
 
 from vlm_demo.engine.sampler import RowSampler, RowSampling, draw, hash32, uniforms
 from vlm_demo.request import SamplingParams
@@ -51,14 +52,16 @@ def test_draws_follow_temperature_and_top_p() -> None:
 
 
 def seeded(seed: int) -> SamplingParams:
-    return SamplingParams(max_new_tokens=50, temperature=0.9, top_p=0.95, seed=seed)
+    return checked(SamplingParams(max_new_tokens=50, temperature=0.9, top_p=0.95, seed=seed))
 
 
 def test_a_seeded_row_draws_the_same_tokens_whatever_its_neighbours() -> None:
     torch.manual_seed(0)
     steps = [torch.randn(4, 300) for _ in range(20)]  # row 2 is the row under test
     alone = RowSampling([seeded(42)], "cpu")
-    crowd = RowSampling([seeded(1), SamplingParams(50, 0.0), seeded(42), SamplingParams(50, 1.3, 0.5, seed=9)], "cpu")
+    crowd = RowSampling(
+        [seeded(1), checked(SamplingParams(50, 0.0)), seeded(42), checked(SamplingParams(50, 1.3, 0.5, seed=9))], "cpu"
+    )
     got_alone, got_crowd = [], []
     for logits in steps:
         got_alone.append(int(alone.sample(logits[2:3])[0]))
@@ -74,16 +77,20 @@ def test_a_seeded_row_draws_the_same_tokens_whatever_its_neighbours() -> None:
 def test_greedy_rows_take_the_argmax() -> None:
     torch.manual_seed(1)
     logits = torch.randn(5, 1000)
-    rows = RowSampling([SamplingParams(10, 0.0), seeded(3), SamplingParams(10, 0.0), seeded(4), seeded(5)], "cpu")
+    rows = RowSampling(
+        [checked(SamplingParams(10, 0.0)), seeded(3), checked(SamplingParams(10, 0.0)), seeded(4), seeded(5)], "cpu"
+    )
     tokens = rows.sample(logits)
     assert tokens[[0, 2]].tolist() == logits.argmax(-1)[[0, 2]].tolist()
-    assert RowSampling([SamplingParams(10, 0.0)] * 5, "cpu").sample(logits).tolist() == logits.argmax(-1).tolist()
+    assert (
+        RowSampling([checked(SamplingParams(10, 0.0))] * 5, "cpu").sample(logits).tolist() == logits.argmax(-1).tolist()
+    )
 
 
 def test_sampling_runs_on_the_logits_device_and_reads_nothing_back() -> None:
     """On the meta device every host read (``tolist``, ``int``, ``item``) raises: sampling a mixed
     batch there proves it stays on whatever device the logits are on, with no per-row sync."""
-    params = [SamplingParams(10, 0.0), seeded(3), SamplingParams(10, 0.7, 0.9, seed=4)]
+    params = [checked(SamplingParams(10, 0.0)), seeded(3), checked(SamplingParams(10, 0.7, 0.9, seed=4))]
     rows = RowSampling(params, "meta")
     tokens = rows.sample(torch.empty(3, 128256, device="meta"))
     assert tokens.device.type == "meta" and tokens.shape == (3,)
@@ -94,7 +101,7 @@ def test_sampling_runs_on_the_logits_device_and_reads_nothing_back() -> None:
 def test_row_sampler_one_hots_sampled_rows_and_leaves_greedy_rows() -> None:
     torch.manual_seed(2)
     scores = torch.randn(3, 50)
-    sampler = RowSampler([SamplingParams(10, 0.0), seeded(8), SamplingParams(10, 0.0)])
+    sampler = RowSampler([checked(SamplingParams(10, 0.0)), seeded(8), checked(SamplingParams(10, 0.0))])
     out = sampler(torch.zeros(3, 1, dtype=torch.long), scores.clone())
     assert torch.equal(out[[0, 2]], scores[[0, 2]])
     assert int((out[1] == 0).sum()) == 1 and int(torch.isinf(out[1]).sum()) == 49

@@ -6,6 +6,7 @@ import threading
 import time
 
 import pytest
+from support import checked
 
 from vlm_demo.engine.request import Request
 from vlm_demo.engine.scheduler import Scheduler
@@ -14,7 +15,7 @@ from vlm_demo.request import SamplingParams
 
 
 def make() -> Request:
-    return Request(image=None, question="q", params=SamplingParams())
+    return Request(image=None, question="q", params=checked(SamplingParams()))
 
 
 def test_lone_request_waits_for_the_window_then_runs_alone() -> None:

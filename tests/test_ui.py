@@ -418,10 +418,10 @@ def test_a_think_harder_answer_through_a_remote_engine_says_its_rows_are_the_vis
 
     answer = "<SUMMARY>s</SUMMARY><CAPTION>c</CAPTION><REASONING>r</REASONING><CONCLUSION>red</CONCLUSION>"
     result = GenerationResult(answer, "stop", 2, 10, 61, 0.0, 0.1, 0.6)
-    beams = searched_beams(SamplingParams(reasoning="stage-beam", beams=2))
+    beams = searched_beams(SamplingParams(reasoning="stage-beam", beams=2).validated(2048))
     status = render(answer, final=True, result=result, beams=beams).status
     assert status.startswith("Done · Thought harder: 2 candidates per stage, written side by side · 61 tokens"), status
-    assert searched_beams(SamplingParams(beams=2)) == 0
+    assert searched_beams(SamplingParams(beams=2).validated(2048)) == 0
     assert render(answer, final=True, result=result).status.startswith("Done · batch of 2 · ")
 
 

@@ -144,7 +144,9 @@ def test_an_error_in_the_worker_reaches_the_visitor_and_the_warm_worker_answers_
     assert colour_of(conclusion) == "blue" and summary and caption and reasoning
     call = zerogpu.scheduler.schedules[before]
     assert call["token"] == zerogpu.token, "the Gradio request reached spaces: ZeroGPU bills the visitor who asked"
-    assert int(call["durationSeconds"]) == call_seconds([SamplingParams(max_new_tokens=200)], TOKENS_PER_S, START_S)
+    assert int(call["durationSeconds"]) == call_seconds(
+        [SamplingParams(max_new_tokens=200).validated(2048)], TOKENS_PER_S, START_S
+    )
     assert zerogpu.scheduler.lent[before]["idle"], "the scheduler lent the warm worker's GPU"
     assert len(zerogpu.workers()) == 1, "both calls ran in one worker"
 
@@ -319,9 +321,17 @@ def test_a_step_that_raises_ends_the_calls_answers_and_the_engine(side: GpuSide)
 
 
 def test_a_calls_duration_counts_its_tokens_think_harders_candidates_and_its_batch() -> None:
-    normal = SamplingParams(max_new_tokens=1000)
+    normal = SamplingParams(max_new_tokens=1000).validated(2048)
     assert call_seconds([normal], 25.0, 30.0) == 70  # 30 s to start, 1000 tokens at 25 a second
-    assert call_seconds([SamplingParams(max_new_tokens=1000, reasoning=STAGE_BEAM, beams=2)], 25.0, 30.0) == 80
-    assert call_seconds([SamplingParams(max_new_tokens=1000, reasoning=STAGE_BEAM, beams=4)], 25.0, 30.0) == 100
+    assert (
+        call_seconds([SamplingParams(max_new_tokens=1000, reasoning=STAGE_BEAM, beams=2).validated(2048)], 25.0, 30.0)
+        == 80
+    )
+    assert (
+        call_seconds([SamplingParams(max_new_tokens=1000, reasoning=STAGE_BEAM, beams=4).validated(2048)], 25.0, 30.0)
+        == 100
+    )
     assert call_seconds([normal] * 33, 25.0, 30.0) == 110  # 33 rows: each step about twice one row's
-    assert call_seconds([SamplingParams(max_new_tokens=100), normal], 25.0, 0.0) == 42  # the longest, batched
+    assert (
+        call_seconds([SamplingParams(max_new_tokens=100).validated(2048), normal], 25.0, 0.0) == 42
+    )  # the longest, batched

@@ -387,7 +387,7 @@ def check_value(f: dataclasses.Field, value: Any) -> None:
 
 def parse_value(f: dataclasses.Field, raw: str) -> Any:
     """One setting from text (a flag or an environment variable), checked; ``ValueError`` says why not."""
-    kind = type(f.default)
+    kind: type = type(f.default)
     if kind is bool:
         word = raw.strip().lower()
         if word in TRUE_WORDS + FALSE_WORDS:

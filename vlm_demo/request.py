@@ -4,7 +4,8 @@ Torch-free on purpose: the web process validates requests before they cross to t
 remote Triton), and importing the page must not load a deep-learning framework. There is one set of rules
 and messages for all entry points: :func:`validate_request` turns loose input (an upload payload or a
 picture, a question, raw numbers from an API client) into a :class:`ValidRequest`, and the engine and every
-backend accept nothing else.
+backend accept nothing else. Its sampling parameters are :class:`ValidParams`, which only validation makes:
+loose :class:`SamplingParams` are checked, and an unset seed drawn, once.
 
 Each sampling field is declared once, on :class:`SamplingParams`, with a :class:`Knob` in its metadata (as
 :class:`~vlm_demo.config.Config` declares each option): its range, default and help, the page control that
@@ -74,7 +75,8 @@ def knob(default: Any, **meta: Any) -> Any:
 
 @dataclass
 class SamplingParams:
-    """How one request is decoded. ``temperature == 0`` means greedy."""
+    """How a caller asks one request to be decoded (loose: unchecked, and ``seed`` may be left out);
+    :meth:`validated` turns it into :class:`ValidParams`. ``temperature == 0`` means greedy."""
 
     max_new_tokens: int = knob(
         1024,  # LLaVA-CoT answers run ~300-1000 tokens
@@ -146,30 +148,59 @@ class SamplingParams:
         triton="INT32",
         vllm="beams",
     )
-    seeded: bool = False  # the caller chose the seed (set by ``validated``): a sampled answer is then repeatable
+
+    def validated(self, max_new_tokens_cap: int) -> ValidParams:
+        """Check every field against its knob, with messages a person can act on, and draw the seed the caller
+        left out: the only maker of :class:`ValidParams`. One candidate per stage passes here (benchmarks
+        compare it); callers' doors ask for two."""
+        values = {name: getattr(self, name) for name in KNOBS}
+        checked = {name: _check(name, value, max_new_tokens_cap, door=False) for name, value in values.items()}
+        _check_together(checked)
+        seed = checked.pop("seed")
+        seeded = seed is not None
+        return ValidParams(**checked, seed=seed if seeded else random.getrandbits(63), seeded=seeded, proof=_CHECKED)
+
+
+class _Checked:
+    """Proof that :meth:`SamplingParams.validated` made a :class:`ValidParams` (kept across pickling: the engine
+    process receives them, and a search derives its candidates' with ``dataclasses.replace``)."""
+
+    def __reduce__(self) -> str:
+        return "_CHECKED"
+
+
+_CHECKED = _Checked()
+
+
+@dataclass(frozen=True)
+class ValidParams:
+    """Checked sampling parameters, with the seed drawn once (TGI's ``ValidParameters``): only
+    :meth:`SamplingParams.validated` makes them, and the engine, the backends and the response cache take
+    nothing else, so no code validates twice (which would take the drawn seed for the caller's)."""
+
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    ignore_eos: bool
+    seed: int  # the caller's, or drawn at the door
+    reasoning: str
+    beams: int
+    seeded: bool  # the caller chose the seed: a sampled answer is then repeatable
+    proof: _Checked = field(repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.proof is not _CHECKED:
+            raise TypeError("ValidParams come only from SamplingParams.validated (the door checks them once).")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
 
     @property
-    def deterministic(self) -> bool:
-        """The same request always gets the same answer (greedy, or sampled with a seed the caller chose)."""
-        return self.greedy or self.seeded
-
-    def validated(self, max_new_tokens_cap: int) -> SamplingParams:
-        """Check every field against its knob, with messages a person can act on; returns a copy with a seed
-        set. One candidate per stage passes here (benchmarks compare it); callers' doors ask for two."""
-        values = self._values().items()
-        checked = {name: _check(name, value, max_new_tokens_cap, door=False) for name, value in values}
-        if checked["top_p"] == 0 and checked["temperature"] != 0:
-            raise InvalidRequestError("top_p must be above 0 when sampling (temperature > 0).", "top_p")
-        seed = checked["seed"]
-        checked["seed"] = seed if seed is not None else random.getrandbits(63)
-        return SamplingParams(**checked, seeded=self.seeded or seed is not None)
-
-    def _values(self) -> dict[str, Any]:
-        return {name: getattr(self, name) for name in KNOBS}
+    def repeatable(self) -> bool:
+        """The same request always gets the same answer: sampled with a seed the caller chose, or greedy in the
+        normal mode (Think harder's candidates always sample, with seeds from this one)."""
+        return self.seeded or (self.greedy and self.reasoning == NORMAL)
 
 
 KNOBS: dict[str, Knob] = {f.name: f.metadata["knob"] for f in dataclasses.fields(SamplingParams) if f.metadata}
@@ -206,6 +237,12 @@ def _check(name: str, value: Any, cap: int, door: bool) -> Any:
     return int(value) if spec.whole else float(value)
 
 
+def _check_together(values: Mapping[str, Any]) -> None:
+    """The rule no one field's knob can say."""
+    if values.get("top_p", DEFAULT_TOP_P) == 0 and values.get("temperature", DEFAULT_TEMPERATURE) != 0:
+        raise InvalidRequestError("top_p must be above 0 when sampling (temperature > 0).", "top_p")
+
+
 def number(name: str, value: Any) -> float:
     """Accept numbers (or numeric strings from loose API clients); reject bool, None, NaN, inf."""
     if isinstance(value, str):
@@ -234,8 +271,9 @@ def choice(name: str, value: Any) -> str:
 
 def sampling_from(values: Mapping[str, Any], limits: Limits) -> SamplingParams:
     """Sampling parameters from a door's loose inputs by field name (sliders, JSON numbers, numeric strings),
-    checked against the knobs: a field left out takes its default (within the server's cap), and so does
-    ``None`` for an optional one."""
+    converted and checked against the knobs at the door's ranges: a field left out takes its default (within
+    the server's cap), and so does ``None`` for an optional one. Still loose (the seed is not drawn):
+    :func:`validate_request` validates it, once."""
     given: dict[str, Any] = {}
     for name, value in values.items():
         spec = KNOBS[name]
@@ -251,7 +289,8 @@ def sampling_from(values: Mapping[str, Any], limits: Limits) -> SamplingParams:
     for name, spec in KNOBS.items():
         if name not in given and spec.low is not None and spec.high is None:  # the default, within the cap
             given[name] = min(DEFAULTS[name], limits.max_new_tokens)
-    return SamplingParams(**given).validated(limits.max_new_tokens)
+    _check_together(given)
+    return SamplingParams(**given)
 
 
 class ClientSlots:
@@ -305,7 +344,7 @@ class ValidRequest:
 
     image: Image.Image
     question: str
-    params: SamplingParams
+    params: ValidParams
     image_key: str = ""  # a digest of the picture's pixels: the image-state and response caches key on it
     client: str = ""  # who asks (an address, an API key): fair share and the per-client cap count by it
     history: tuple[Turn, ...] = ()
@@ -389,6 +428,6 @@ def validate_request(
         raise InvalidRequestError("Please upload an image first.")
     question = validate_question(question, limits.max_question_chars)
     turns = validate_history(history, limits.max_question_chars)
-    params = (params or SamplingParams()).validated(limits.max_new_tokens)
+    checked = (params or SamplingParams()).validated(limits.max_new_tokens)
     picture = load_image(image, max_pixels=limits.max_image_pixels, max_bytes=limits.max_image_bytes)
-    return ValidRequest(picture, question, params, image_digest(picture), history=turns)
+    return ValidRequest(picture, question, checked, image_digest(picture), history=turns)

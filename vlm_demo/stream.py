@@ -1,9 +1,10 @@
 """The handle every backend returns: text deltas from a producer thread, then one result or one error.
 
 :class:`Stream` is the contract the web layer, the metrics and the benchmark read: iterate ``stream()``
-(or poll ``drain()``), then ``result()``, and ``cancel()`` from any thread at any time. The local
-engine's ``Request``, the engine process's ``RemoteStream`` and the Triton backend's ``TritonStream``
-all build on :class:`OutputStream`, which implements it once.
+(or poll ``drain()``), then ``result()``, and ``cancel()`` from any thread at any time. The engine's
+``EngineStream`` (in this process or the engine process's, :mod:`vlm_demo.engine.streams`), the Triton
+backend's ``TritonStream`` and the response cache's ``Replay`` all build on :class:`OutputStream`, which
+implements it once.
 """
 
 from __future__ import annotations

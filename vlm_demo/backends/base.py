@@ -38,6 +38,7 @@ class Health:
     error: str | None = None  # why it is not ready
     response_cache_hits: int = 0  # the web process's response cache (backends/cache.py), when it is on
     response_cache_misses: int = 0
+    response_cache_entries: int = 0  # answers it holds
 
     @property
     def weights(self) -> str:
@@ -67,7 +68,11 @@ class Health:
         if self.error:
             out["error"] = self.error
         if self.response_cache_hits or self.response_cache_misses:
-            out.update(response_cache_hits=self.response_cache_hits, response_cache_misses=self.response_cache_misses)
+            out.update(
+                response_cache_hits=self.response_cache_hits,
+                response_cache_misses=self.response_cache_misses,
+                response_cache_entries=self.response_cache_entries,
+            )
         return out
 
 
@@ -87,8 +92,14 @@ class Backend(Protocol):
     name: str  # "engine-process", "in-process" (the engine in this process), "triton", "zerogpu": /health, the page
     remote: bool  # health() asks another server over the network (it may take seconds): never on an event loop
     model: str  # what the page and /health show
-    notice: str | None  # the page's banner when the model is not the real one (the tiny test model)
-    features: Features
+
+    @property
+    def notice(self) -> str | None:
+        """The page's banner when the model is not the real one (the tiny test model)."""
+        ...
+
+    @property
+    def features(self) -> Features: ...
 
     def submit(self, request: ValidRequest) -> Stream:
         """Enqueue a request that passed the door; raise a :class:`DemoError` at once when it cannot be taken."""

@@ -31,8 +31,7 @@ Key = tuple[object, ...]
 def cache_key(model: str, request: ValidRequest) -> Key | None:
     """What decides the answer, or ``None`` when it is not repeatable (or the picture has no digest)."""
     p = request.params
-    repeatable = p.seeded or (p.greedy and p.reasoning == NORMAL)
-    if not repeatable or not request.image_key:
+    if not p.repeatable or not request.image_key:
         return None
     seed = None if p.greedy and p.reasoning == NORMAL else p.seed
     fields = tuple(seed if name == "seed" else getattr(p, name) for name in KNOBS)  # every sampling field
@@ -147,7 +146,12 @@ class CachingBackend:
 
     def health(self) -> Health:
         health = self.inner.health()
-        return dataclasses.replace(health, response_cache_hits=self.cache.hits, response_cache_misses=self.cache.misses)
+        return dataclasses.replace(
+            health,
+            response_cache_hits=self.cache.hits,
+            response_cache_misses=self.cache.misses,
+            response_cache_entries=len(self.cache),
+        )
 
     def add_listener(self, listener: Listener) -> None:
         self.listeners.add(listener)

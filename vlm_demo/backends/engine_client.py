@@ -190,7 +190,7 @@ class EngineProcessBackend:
 
     def pids(self) -> dict[str, int]:
         """The engine process (benchmarks account its CPU time)."""
-        return {"engine": self._proc.pid} if self._proc is not None else {}
+        return {"engine": self._proc.pid} if self._proc is not None and self._proc.pid is not None else {}
 
     @property
     def pid(self) -> int | None:

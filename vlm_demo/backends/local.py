@@ -8,7 +8,7 @@ from vlm_demo.backends.base import Features, Health
 from vlm_demo.config import Config
 from vlm_demo.engine import make_engine
 from vlm_demo.engine.base import Engine
-from vlm_demo.engine.request import Request
+from vlm_demo.engine.streams import EngineStream
 from vlm_demo.errors import DemoError
 from vlm_demo.request import ValidRequest
 from vlm_demo.results import GenerationResult, LoadProgress
@@ -33,7 +33,7 @@ class LocalBackend:
     ) -> LocalBackend:
         return cls(make_engine(config, progress=progress), config.model, notice)
 
-    def submit(self, request: ValidRequest) -> Request:
+    def submit(self, request: ValidRequest) -> EngineStream:
         return self.engine.submit(request)
 
     def run_batch(self, items: list[ValidRequest]) -> list[GenerationResult | DemoError]:

@@ -44,11 +44,12 @@ from vlm_demo.engine.structure import GAP, conclusion_reserve
 from vlm_demo.engine.worker import Worker
 from vlm_demo.errors import DemoError
 from vlm_demo.judge import CHOICE, judge_question, parse_choice
-from vlm_demo.request import SamplingParams
+from vlm_demo.request import SamplingParams, ValidParams
 from vlm_demo.results import BeamView, StageChoice
 
 PAPER_TEMPERATURE, PAPER_TOP_P = 0.6, 0.9  # candidates of a greedy request sample as the paper's do
 JUDGE_MAX_NEW_TOKENS = 96  # "Since [reason], I choose response [1/2]." with room for a reason
+JUDGE_PARAMS = SamplingParams(JUDGE_MAX_NEW_TOKENS, 0.0, 1.0, seed=0).validated(JUDGE_MAX_NEW_TOKENS)  # greedy
 MAX_STAGE_RETRIES = 2  # an out-of-memory step restarts the running stage at most this often
 STRAGGLER_FACTOR, STRAGGLER_SLACK = 2, 16  # a candidate's stage may take 2x the quorum's length + 16 tokens
 
@@ -178,7 +179,7 @@ class StageBeam:
             return 1 if all(c.finished for c in self.candidates) else 0
         return self.params.beams - self.started
 
-    def fork(self, rows: int) -> tuple[Snapshot, list[Row], list[SamplingParams], bool]:
+    def fork(self, rows: int) -> tuple[Snapshot, list[Row], list[ValidParams], bool]:
         """``rows`` new candidates from the stage's start (while speculating: the next stage's, from the
         likelier winner): the snapshot they continue from (the engine shares its pages with them), their rows
         and sampling parameters, and whether their first tokens are still to be drawn (after a prefill: from
@@ -417,7 +418,7 @@ class StageBeam:
         self.request.finish(reason)
 
 
-def candidate_params(p: SamplingParams, stage_index: int, index: int, written: int) -> SamplingParams:
+def candidate_params(p: ValidParams, stage_index: int, index: int, written: int) -> ValidParams:
     """Candidate ``index`` of stage ``stage_index``, after ``written`` answer tokens: its own seed, and the
     paper's sampling when the visitor asked for greedy answers."""
     return replace(
@@ -425,7 +426,7 @@ def candidate_params(p: SamplingParams, stage_index: int, index: int, written: i
         max_new_tokens=max(1, p.max_new_tokens - written),
         temperature=p.temperature if p.temperature > 0 else PAPER_TEMPERATURE,
         top_p=p.top_p if p.temperature > 0 else PAPER_TOP_P,
-        seed=candidate_seed(p.seed or 0, stage_index, index),
+        seed=candidate_seed(p.seed, stage_index, index),
         reasoning="normal",
     )
 
@@ -460,7 +461,7 @@ def contenders(candidates: list[Candidate]) -> list[Candidate]:
 def judge_request(worker: Worker, request: Request, stage: str, first: Candidate, second: Candidate) -> JudgeRequest:
     """The judge call comparing two candidates' ``stage``, over the visitor's picture (its states come cached)."""
     text = judge_question(stage, request.question, first.inner(stage), second.inner(stage))
-    judge = JudgeRequest(image=None, question=text, params=SamplingParams(JUDGE_MAX_NEW_TOKENS, 0.0, 1.0, seed=0))
+    judge = JudgeRequest(image=None, question=text, params=JUDGE_PARAMS)
     judge.client, judge.image_key = request.client, request.image_key
     judge.inputs = worker.prepare_with(request.inputs, text)
     return judge

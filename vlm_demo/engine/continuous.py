@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from typing import Any
 
 from vlm_demo.config import Config
 from vlm_demo.engine.attention import choose
@@ -91,8 +92,8 @@ class ContinuousEngine(Engine):
         searches = len(self.beams)
         graphs = {"decode_attention": self.decoder.attention.kernel, "cuda_graphs": len(self.graphs.graphs),
                   "graph_pool_bytes": self.graphs.pool_bytes}  # fmt: skip
-        return dataclasses.replace(super().stats(), **self.rows.stats(), **images, **counts, **graphs,
-                                   row_limit=self.rows_allowed, beam_searches=searches)  # fmt: skip
+        changes: dict[str, Any] = {**self.rows.stats(), **images, **counts, **graphs}
+        return dataclasses.replace(super().stats(), **changes, row_limit=self.rows_allowed, beam_searches=searches)
 
     # ---- one step ----------------------------------------------------------------------------
     def step(self) -> Step:
@@ -301,7 +302,7 @@ class ContinuousEngine(Engine):
         for request in requests:
             request.resume = None
         for beam in searches:  # a search writes its running stage again
-            beam.restart_stage(error_for(exc))  # type: ignore[union-attr]
+            beam.restart_stage(error_for(exc))
         if len(requests) + len(searches) > 1:
             log.warning("step with %d rows failed (%s); requeueing with a lower row limit", len(requests), exc)
             self.row_limit = max(1, len(requests) // 2)

@@ -65,7 +65,7 @@ def merge(linears: list[torch.nn.Module]) -> torch.Tensor | PackedWeight | None:
     tensors of one dtype and device nor packed alike."""
     if any(isinstance(linear, PackedLinear) for linear in linears):
         return merge_packed(linears)
-    weights = [linear.weight for linear in linears]
+    weights: list[Any] = [linear.weight for linear in linears]
     if any(linear.bias is not None for linear in linears) or any(type(w.data) is not torch.Tensor for w in weights):
         return None
     if len({(w.dtype, w.device) for w in weights}) != 1:

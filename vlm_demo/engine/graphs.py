@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import cast
 
 import torch
 
@@ -100,7 +101,7 @@ class StaticInputs:
         layout = inputs.layout
         if layout.rows > self.rows:
             return False
-        return self.tables is None or self.tables.fits(layout)
+        return self.tables is None or self.tables.fits(cast(Tables, layout))  # tables: a kernel with Tables layouts
 
     def view(self, rows: int, like: StepInputs | None = None) -> StepInputs:
         """The first ``rows`` rows of every buffer, as the step's inputs: the block tables from the buffers (with
@@ -110,7 +111,7 @@ class StaticInputs:
             assert like is not None, "a kernel with ragged inputs is never captured"
             layout = like.layout
         else:
-            layout = self.tables.view(rows, like.layout if like is not None else None)
+            layout = self.tables.view(rows, cast(Tables, like.layout) if like is not None else None)
         return StepInputs(
             self.input_ids[:rows],
             self.positions[:rows],
@@ -126,7 +127,7 @@ class StaticInputs:
         for name in ("input_ids", "positions", "write_pages", "write_offsets", "row_mask"):
             getattr(self, name)[:n].copy_(getattr(inputs, name), non_blocking=True)
         if self.tables is not None:
-            self.tables.load(layout)
+            self.tables.load(cast(Tables, layout))
 
 
 class DecodeGraphs:

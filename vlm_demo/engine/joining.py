@@ -106,7 +106,7 @@ class Joiner:
         for i in resumes:
             values[i] = rows[i].request.token_ids[-1]
         if resumes:
-            draws = [resumes[i].draws if i in resumes else 1 for i in range(len(rows))]  # type: ignore[union-attr]
+            draws = [resumes[i].draws if i in resumes else 1 for i in range(len(rows))]
             (sampling.draws,) = self.send([np.asarray(draws)])
         if values == sampled:
             return tokens

@@ -288,7 +288,7 @@ def load(
     if cuda:
         placement.check_on_gpus(net)
     else:
-        net.to(dev)
+        net.to(dev)  # type: ignore[arg-type]  # transformers' typing of its wrapped to() takes no device
     quantization.pack(net, kind, cuda)  # the language model's layers into the layout its decode step reads
     net.eval()
     places = sorted({str(p.device) for p in net.parameters()})

@@ -125,6 +125,8 @@ class PackedLinear(torch.nn.Module):
     """A bias-free projection stored as :class:`PackedWeight`'s parts: ``weight`` (the values), ``scale`` and
     ``zero`` are parameters, so everything that counts or places a model's parameters sees their real bytes."""
 
+    zero: torch.nn.Parameter | None
+
     def __init__(self, values: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, in_features: int) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, values.shape[0]
@@ -180,7 +182,8 @@ def from_torchao(linear: torch.nn.Linear, int4_group: int | None) -> PackedLinea
     """A torchao-quantized ``linear`` re-packed: int8 and fp8 take torchao's values and row scales as they are;
     int4 (``int4_group``) reads its weights back through the layer (``I @ Wᵀ``, ``CHUNK`` inputs at a time:
     exactly its values) and packs them again on the same grid."""
-    weight, width = linear.weight, linear.in_features
+    weight: Any = linear.weight  # torchao's tensor subclass: qdata, scale (and zero_point)
+    width = linear.in_features
     if int4_group is None:
         values, scale = weight.qdata.contiguous(), weight.scale.reshape(-1).float()  # the kernel walks rows
         zero_point = getattr(weight, "zero_point", None)
@@ -202,9 +205,10 @@ def merge(modules: Sequence[torch.nn.Module]) -> PackedWeight | None:
     """One packed weight for several projections of the same input (their rows one after another, with their
     scales), the modules' parameters becoming views of it; ``None`` unless all are :class:`PackedLinear` of one
     format, group, dtype and device."""
-    if not modules or not all(isinstance(m, PackedLinear) for m in modules):
+    packs = [m for m in modules if isinstance(m, PackedLinear)]
+    if not modules or len(packs) != len(modules):
         return None
-    parts = [m.packed() for m in modules]  # type: ignore[union-attr]
+    parts = [m.packed() for m in packs]
     kinds = {(p.values.dtype, p.values.device, p.values.shape[1], p.scale.dtype, p.scale.shape[1:]) for p in parts}
     if len(kinds) != 1 or len({p.zero is None for p in parts}) != 1:
         return None
@@ -213,7 +217,7 @@ def merge(modules: Sequence[torch.nn.Module]) -> PackedWeight | None:
         scale, zero = torch.cat([p.scale for p in parts]), None
     else:  # int4: concatenated group-major, so the modules' rows stay views of it
         scale = torch.cat([p.scale.t() for p in parts], dim=1).t()
-        zero = torch.cat([p.zero.t() for p in parts], dim=1).t()  # type: ignore[union-attr]
+        zero = torch.cat([p.zero.t() for p in parts], dim=1).t()  # type: ignore[union-attr]  # int4 has zeros
     start = 0
     for module, part in zip(modules, parts, strict=True):
         end = start + part.values.shape[0]

@@ -194,7 +194,8 @@ def weight_bytes(
             chosen = layer_format(kind, name, module.in_features, cuda)
             if chosen is not None:
                 count = packed_bytes if name.startswith(TEXT) else linear_bytes  # ours, or torchao's (vision)
-                quantized[f"{name}.weight"] = count(chosen[0], *module.weight.shape, dtype, chosen[1])
+                out_features, in_features = module.weight.shape
+                quantized[f"{name}.weight"] = count(chosen[0], out_features, in_features, dtype, chosen[1])
     total = 0
     for name, param in model.named_parameters():
         if include is None or include(name):

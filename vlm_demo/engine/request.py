@@ -19,7 +19,7 @@ from typing import Any, ClassVar, Protocol, TypeVar
 
 from vlm_demo.errors import DemoError, RequestCancelledError
 from vlm_demo.prompt import Turn
-from vlm_demo.request import STAGE_BEAM, SamplingParams, ValidRequest
+from vlm_demo.request import STAGE_BEAM, ValidParams, ValidRequest
 from vlm_demo.results import BeamView, GenerationResult
 
 _ids = itertools.count(1)
@@ -58,7 +58,7 @@ class Request:
 
     image: Any  # PIL.Image.Image, RGB
     question: str
-    params: SamplingParams
+    params: ValidParams
     request_id: int = field(default_factory=lambda: next(_ids))
     inputs: dict[str, Any] = field(default_factory=dict)  # processor output for this one request
     arrival: float = field(default_factory=time.monotonic)

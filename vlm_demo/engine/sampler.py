@@ -13,12 +13,13 @@ host: the caller does that once per step, for the tokens it streams.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import cast
 
 import numpy as np
 import torch
 from transformers import LogitsProcessor
 
-from vlm_demo.request import SamplingParams
+from vlm_demo.request import ValidParams
 
 MASK32 = 0xFFFFFFFF
 REDRAW = 0x5BD1E995  # salts a redraw's draw index, so it never repeats a row's ordinary draws
@@ -84,7 +85,7 @@ class RowSampling:
 
     def __init__(
         self,
-        params: Sequence[SamplingParams],
+        params: Sequence[ValidParams],
         device: torch.device | str,
         draws: torch.Tensor | None = None,
         send: Send | None = None,
@@ -163,7 +164,7 @@ class RowSampler(LogitsProcessor):
     """Dynamic mode: ``generate`` runs greedy and this processor leaves only each sampled row's
     drawn token standing, so the argmax takes it; greedy rows pass through untouched."""
 
-    def __init__(self, params: Sequence[SamplingParams]) -> None:
+    def __init__(self, params: Sequence[ValidParams]) -> None:
         self.params = list(params)
         self.rows: RowSampling | None = None  # built on the first call, on the logits' device
 
@@ -184,4 +185,4 @@ class RowSampler(LogitsProcessor):
         index = self.rows.index
         picked = torch.full((len(index), scores.shape[1]), float("-inf"), dtype=scores.dtype, device=scores.device)
         picked.scatter_(1, tokens.index_select(0, index)[:, None], 0.0)
-        return scores.index_copy(0, index, picked)
+        return cast(torch.FloatTensor, scores.index_copy(0, index, picked))  # transformers' annotation

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from tokenizers.decoders import DecodeStream
@@ -69,7 +69,7 @@ class RowStreamer:
 
     def _next_text(self, count: int) -> str:
         """The text token ``count - 1`` completes, after the ones before it ("" while a character is partial)."""
-        if self._stream is not None:
+        if self._stream is not None and self._backend is not None:
             return self._stream.step(self._backend, self.ids[count - 1]) or ""
         prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
         window = self._decode(self.ids[self.prefix_offset : count])
@@ -204,7 +204,7 @@ class BatchStreamer(StoppingCriteria):
         flags = [row.feed(token) for row, token in zip(self.rows, committed, strict=False)]
         if self.on_step is not None and self.on_step():
             flags = [True] * len(flags)
-        return torch.tensor(flags, dtype=torch.bool, device=input_ids.device)
+        return cast(torch.BoolTensor, torch.tensor(flags, dtype=torch.bool, device=input_ids.device))
 
     def finish_all(self) -> None:
         """After ``generate`` returns, end rows it stopped for its own reasons (overall length)."""

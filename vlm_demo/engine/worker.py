@@ -19,7 +19,6 @@ from typing import Any
 import torch
 from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 
-from vlm_demo.engine.decode_step import TextDecodeStep
 from vlm_demo.engine.image_cache import ImageStates
 from vlm_demo.engine.prefill import Prefill
 from vlm_demo.engine.request import Request
@@ -30,7 +29,7 @@ from vlm_demo.engine.structure import StageGrammar, StageTracker
 from vlm_demo.engine.vision import TowerJob, jobs, real_tiles
 from vlm_demo.errors import InvalidRequestError
 from vlm_demo.prompt import Turn, chat_messages
-from vlm_demo.request import SamplingParams
+from vlm_demo.request import ValidParams
 
 # Tensors whose second dimension is the token sequence: these get left padding in a batch.
 SEQUENCE_KEYS = ("input_ids", "attention_mask", "cross_attention_mask")
@@ -140,7 +139,7 @@ class Worker:
             self._grammar = StageGrammar(self.tokenizer, self.eos_ids)
         return self._grammar
 
-    def tracker(self, params: SamplingParams, structured: bool) -> StageTracker | None:
+    def tracker(self, params: ValidParams, structured: bool) -> StageTracker | None:
         """A whole answer's stage tracker, unless structure is off (or a benchmark forces lengths)."""
         return self.grammar.answer(params.max_new_tokens) if structured and not params.ignore_eos else None
 
@@ -232,7 +231,7 @@ class Worker:
         lengths = [r.input_tokens for r in requests]
         mask = inputs["attention_mask"].bool()
         if len(set(lengths)) == 1:  # no padding: what generate passes then (no mask, default positions)
-            inputs["attention_mask"] = None
+            inputs["attention_mask"] = None  # type: ignore[assignment]  # what generate takes for no mask
         else:
             inputs["position_ids"] = (inputs["attention_mask"].long().cumsum(-1) - 1).masked_fill(~mask, 0)
         out = self.model(**inputs, use_cache=True, logits_to_keep=1)
@@ -290,7 +289,7 @@ class Worker:
             torch.cuda.synchronize(self.device)
 
     @torch.inference_mode()
-    def decode(self, step: TextDecodeStep, inputs: StepInputs) -> torch.Tensor:
+    def decode(self, step: Callable[[StepInputs], torch.Tensor], inputs: StepInputs) -> torch.Tensor:
         """Continuous mode: one decode step for every running row over the page pool; ``[rows, vocab]`` logits."""
         return step(inputs)
 

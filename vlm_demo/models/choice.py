@@ -30,7 +30,7 @@ REAL_MODEL_HINT = (
 def looks_like_path(model: str) -> bool:
     """A filesystem path, never a hub id: starts with ``/``, ``.`` or ``~``, has a path separator
     other than the one ``/`` of ``org/name``, or names an existing folder."""
-    separators = {os.sep, os.altsep} - {None, "/"}
+    separators = {sep for sep in (os.sep, os.altsep) if sep and sep != "/"}
     return (
         model.startswith(("/", ".", "~"))
         or model.count("/") > 1

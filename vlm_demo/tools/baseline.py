@@ -40,11 +40,11 @@ class StaticBatcher:
 
     async def answer(self, valid: Any) -> Any:
         """Queue one request; resolves to its :class:`~vlm_demo.results.GenerationResult`."""
-        from vlm_demo.engine.request import make_request
+        from vlm_demo.engine.request import Request, make_request
 
         loop = asyncio.get_running_loop()
         future = loop.create_future()
-        request = await loop.run_in_executor(None, make_request, valid, self.worker)
+        request: Request = await loop.run_in_executor(None, make_request, valid, self.worker)
         self.waiting.put((request, loop, future))
         return await future
 

@@ -143,7 +143,7 @@ def names_colour(expected: list[str]) -> Callable[[int, str], bool]:
 
     def check(index: int, text: str) -> bool:
         match = re.search(r"<CONCLUSION>(.*?)(</CONCLUSION>|$)", text, re.S)
-        return bool(match) and expected[index] in match.group(1).lower()
+        return match is not None and expected[index] in match.group(1).lower()
 
     return check
 
@@ -521,7 +521,7 @@ def backend_factories(args: argparse.Namespace) -> dict[str, tuple[int, Callable
                 triton_protocol=args.triton_protocol,
                 max_new_tokens=100_000,
             )
-            factories[mode] = (0, lambda config=config: make_backend(config))
+            factories[mode] = (0, lambda config=config: make_backend(config))  # type: ignore[misc]  # default binds it
         else:
             raise SystemExit(f"unknown mode {mode!r}")
     return factories

@@ -23,8 +23,9 @@ import json
 import logging
 import statistics
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, cast
 
 import requests
 
@@ -89,12 +90,12 @@ def ask_over_http(url: str, image_png: bytes, question: str, tokens: int, addres
     with requests.Session() as session:
         files = {"files": ("image.png", image_png, "image/png")}
         path = session.post(f"{url}/gradio_api/upload", files=files, headers=headers, timeout=60).json()[0]
-        data = [{"path": path, "meta": {"_type": "gradio.FileData"}}, question, tokens, 0.0, 1.0]
+        data: list[Any] = [{"path": path, "meta": {"_type": "gradio.FileData"}}, question, tokens, 0.0, 1.0]
         call = session.post(f"{url}/gradio_api/call/ask", json={"data": data}, headers=headers, timeout=60)
         event = call.json()["event_id"]
         kind, payload = "", ""
         with session.get(f"{url}/gradio_api/call/ask/{event}", headers=headers, stream=True, timeout=600) as stream:
-            for line in stream.iter_lines(decode_unicode=True):
+            for line in cast(Iterator[str], stream.iter_lines(decode_unicode=True)):  # an event stream: text
                 if line.startswith("event:"):
                     kind = line.split(":", 1)[1].strip()
                 elif line.startswith("data:") and kind in ("complete", "error"):

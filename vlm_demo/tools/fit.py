@@ -160,7 +160,11 @@ def fit_report(
         read = quantize.weight_bytes(model, DTYPE, kind, cuda=True, include=read_by_decode) + context
         names = packed_weights(model, kind)
         packed = quantize.weight_bytes(
-            model, DTYPE, kind, cuda=True, include=lambda n, names=names: n in names and read_by_decode(n)
+            model,
+            DTYPE,
+            kind,
+            cuda=True,
+            include=lambda n, names=names: n in names and read_by_decode(n),  # type: ignore[misc]
         )
         results[kind] = evaluate(kind, weights, (read, packed), kv, memory, capability, bandwidth, max_new_tokens,
                                  cores)  # fmt: skip

@@ -256,7 +256,7 @@ def attention_op(shape: PageShape, heads: int, device: torch.device, geometry: A
         kernel = KERNELS[name](pool, heads, shape.head_dim**-0.5)
         mine = geometry
         if name == "triton" and device.type != "cuda":  # its interpreter takes seconds a call: one row, one tile
-            mine = AttentionGeometry(fitting[:1], geometry.tiles[:1], geometry.text_tokens, geometry.timing)
+            mine = AttentionGeometry(tuple(fitting[:1]), geometry.tiles[:1], geometry.text_tokens, geometry.timing)
         figures: dict[str, Any] = {}
         try:
             for rows in (r for r in fitting if r in mine.rows):
@@ -363,7 +363,7 @@ def packed_weight(fmt: str, weight: torch.Tensor, dtype: torch.dtype) -> tuple[t
     return values, scale.float(), None
 
 
-def stored(values: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None) -> int:
+def stored(values: torch.Tensor, scale: torch.Tensor | None, zero: torch.Tensor | None) -> int:
     return sum(t.numel() * t.element_size() for t in (values, scale, zero) if t is not None)
 
 

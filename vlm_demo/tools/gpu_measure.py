@@ -48,7 +48,7 @@ from vlm_demo.engine.decode_step import TextDecodeStep, page_shape
 from vlm_demo.engine.loader import load
 from vlm_demo.engine.memory import KVShape, activation_reserve, plan_for, read_by_decode
 from vlm_demo.engine.quantize import quantize_model, stored_bytes, weights_label
-from vlm_demo.engine.request import make_request
+from vlm_demo.engine.request import Request, make_request
 from vlm_demo.engine.rows import Row, RunningRows
 from vlm_demo.engine.sampler import RowSampling
 from vlm_demo.engine.worker import Worker
@@ -186,8 +186,12 @@ def batched_vs_single(worker: Worker, tokens: int) -> Comparison:
     count. A mode whose rows do not all end in ``REQUEST_TIMEOUT_S`` is recorded in ``errors``, not waited for."""
     greedy = SamplingParams(max_new_tokens=tokens, temperature=0.0, ignore_eos=True)
     requests = jobs(greedy)
-    long_first = dataclasses.replace(requests[0], params=dataclasses.replace(greedy, max_new_tokens=4 * tokens))
-    sampled = dataclasses.replace(requests[2], params=dataclasses.replace(SAMPLED, max_new_tokens=tokens))
+    long_first = dataclasses.replace(
+        requests[0], params=dataclasses.replace(greedy, max_new_tokens=4 * tokens).validated(LIMITS.max_new_tokens)
+    )
+    sampled = dataclasses.replace(
+        requests[2], params=dataclasses.replace(SAMPLED, max_new_tokens=tokens).validated(LIMITS.max_new_tokens)
+    )
     alone = {
         "dynamic": _alone(worker, [*requests, sampled], "dynamic"),
         "continuous": _alone(worker, [long_first, *requests[1:], sampled], "continuous"),
@@ -240,7 +244,9 @@ def step_vs_stock(worker: Worker, steps: int = 4) -> dict[str, float | bool | st
 
 
 def _step_vs_stock(worker: Worker, steps: int) -> dict[str, float | bool | str]:
-    requests = [make_request(valid, worker) for valid in jobs(SamplingParams(max_new_tokens=steps + 1, temperature=0))]
+    requests: list[Request] = [
+        make_request(valid, worker) for valid in jobs(SamplingParams(max_new_tokens=steps + 1, temperature=0))
+    ]
     shape = page_shape(worker.model, worker.dtype)
     pages = sum(shape.row_pages(r.prompt_tokens + steps + 1, shape.max_tiles) for r in requests)
     decoder = TextDecodeStep.over_pool(worker.model, worker.dtype, pages)
@@ -607,7 +613,7 @@ def slower_than_bf16(formats: dict[str, dict[str, Any] | None]) -> list[str]:
     return slower
 
 
-def packed_kernel_error(model: torch.nn.Module, rows: tuple[int, ...] = (1, 8, 300)) -> float:
+def packed_kernel_error(model: Any, rows: tuple[int, ...] = (1, 8, 300)) -> float:
     """The device's packed product (on CUDA the Triton kernel up to ``TRITON_ROWS`` rows) against the same product
     in torch operations, over the first text layer's packed projections with a residual: the largest difference
     relative to the product's largest value."""

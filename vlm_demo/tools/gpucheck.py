@@ -261,7 +261,9 @@ class Watchdog:
 
     def start(self) -> Watchdog:
         self._timer.start()
-        faulthandler.dump_traceback_later(self._timer.interval + BACKSTOP_S, exit=True, file=sys.__stderr__)
+        faulthandler.dump_traceback_later(
+            self._timer.interval + BACKSTOP_S, exit=True, file=sys.__stderr__ or sys.stderr
+        )
         return self
 
     def cancel(self) -> None:

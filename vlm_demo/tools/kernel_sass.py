@@ -92,7 +92,7 @@ def recording(module: Any, *names: str) -> Iterator[list[Launch]]:
 
         def __getitem__(self, grid: Any) -> Any:
             def launch(*args: Any, **kwargs: Any) -> None:
-                options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
+                options: dict[str, int] = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
                 launches.append(
                     Launch(self.fn, {**dict(zip(self.fn.arg_names, args, strict=False)), **kwargs}, options)
                 )
@@ -358,7 +358,7 @@ def report(targets: tuple[str, ...] = tuple(TARGETS), kernels: tuple[str, ...] =
     os.environ.pop("TRITON_INTERPRET", None)  # compiled, never interpreted
     out: list[dict[str, Any]] = []
     attention = attention_launches() if any(k in ATTENTION for k in kernels) else {}
-    compiled: dict[tuple[str, str, tuple[Any, ...]], dict[str, Any]] = {}
+    compiled: dict[tuple[Any, ...], dict[str, Any]] = {}  # (kernel, target, tile, stages, words)
     for target in targets:
         for name in kernels:
             if name in ATTENTION:

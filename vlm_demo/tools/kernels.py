@@ -133,7 +133,7 @@ def step_weights(model: Any) -> list[torch.Tensor]:
     from vlm_demo.engine.memory import read_by_decode
     from vlm_demo.engine.packed import PackedLinear
 
-    found = []
+    found: list[torch.Tensor] = []
     for name, module in model.named_modules():
         if isinstance(module, (torch.nn.Linear, PackedLinear)) and read_by_decode(f"{name}.weight"):
             if name.startswith("model.language_model.") or name == "lm_head":
@@ -172,7 +172,7 @@ def synthetic_rows(decoder: Any, rows: int, device: torch.device, length: int = 
     assert places is not None, "the pool is too small for these rows"
     for place in places:
         place.length = length
-        request = Request(image=None, question="", params=SamplingParams(8, 0.0))
+        request = Request(image=None, question="", params=SamplingParams(8, 0.0).validated(8))
         running.rows.append(Row(request, None, place=place))  # type: ignore[arg-type]
     running.next_tokens = torch.zeros(rows, dtype=torch.long, device=device)
     return running

@@ -20,7 +20,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import requests
 
@@ -223,7 +223,7 @@ class _SSEJob:
     def stream(self, timeout: float | None = None) -> Iterator[str]:
         event = None
         with self._response:
-            for line in self._response.iter_lines(decode_unicode=True):
+            for line in cast(Iterator[str], self._response.iter_lines(decode_unicode=True)):  # an event stream: text
                 if line.startswith("event:"):
                     event = line[len("event:") :].strip()
                 elif line.startswith("data:"):
@@ -268,7 +268,7 @@ class SSEClient(_WebApp):
         session, url, p = self._session(), self.server.url, valid.params
         with open(self.files.path(valid), "rb") as fh:  # a new visitor uploads their picture
             uploaded = session.post(f"{url}/gradio_api/upload", files={"files": fh}, timeout=60).json()[0]
-        data = [{"path": uploaded, "meta": {"_type": "gradio.FileData"}}, valid.question]
+        data: list[Any] = [{"path": uploaded, "meta": {"_type": "gradio.FileData"}}, valid.question]
         data += [p.max_new_tokens, p.temperature, p.top_p]
         event = session.post(f"{url}/gradio_api/call/ask", json={"data": data}, timeout=60).json()["event_id"]
         return _SSEJob(session.get(f"{url}/gradio_api/call/ask/{event}", stream=True, timeout=600))
@@ -371,7 +371,7 @@ class StaticClient:
         return Health(True, max_batch_size=0)  # the static batcher's batch size is its own flag
 
     def submit(self, valid: ValidRequest) -> _Done:
-        body = {
+        body: dict[str, Any] = {
             "image": base64.b64encode(self.files.data(valid)).decode("ascii"),
             "question": valid.question,
             "max_new_tokens": valid.params.max_new_tokens,

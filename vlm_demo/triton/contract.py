@@ -29,7 +29,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from vlm_demo.errors import DemoError, by_code
-from vlm_demo.request import KNOBS, STAGE_BEAM, SamplingParams
+from vlm_demo.request import KNOBS, STAGE_BEAM, ValidParams
 
 ENSEMBLE_MODEL = "llama_3_2v_11b_cot_ensemble"
 GENERATE_MODEL = "vllm_model"
@@ -87,14 +87,14 @@ GENERATE_OUTPUTS = tuple(GENERATE_OUTPUT_TYPES)
 SAMPLING_KEYS: dict[str, str] = {knob.vllm: name for name, knob in KNOBS.items() if knob.vllm}
 
 
-def sampling_parameters(params: SamplingParams) -> dict[str, object]:
+def sampling_parameters(params: ValidParams) -> dict[str, object]:
     """The ``sampling_parameters`` JSON for ``params``: vLLM's keys as vLLM takes them; the seed only when
     sampling, ``ignore_eos`` only when set, and our reasoning keys only in stage-beam mode (a stock vLLM
     model refuses keys it does not know)."""
     sent: dict[str, object] = {}
     for key, name in SAMPLING_KEYS.items():
         value = getattr(params, name)
-        if name == "seed" and (params.greedy or value is None):
+        if name == "seed" and params.greedy:
             continue
         if name == "ignore_eos" and not value:
             continue

@@ -17,7 +17,7 @@ import dataclasses
 import json
 import logging
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -110,17 +110,27 @@ def infer_outputs(results: Sequence[GenerationResult | DemoError]) -> dict[str, 
     """The outputs for a request's rows, each ``[rows, 1]``; failed rows get an empty ANSWER and an ERROR."""
     columns: dict[str, list[Any]] = {name: [] for name in contract.INFER_OUTPUTS}
     for result in results:
-        failed = isinstance(result, DemoError)
-        batch, queue_s, decode_s = (0, 0.0, 0.0) if failed else run_stats(result)
+        if isinstance(result, DemoError):
+            answer, reason, prompt, completion, error = "", result.code, 0, 0, error_text(result)
+            batch, queue_s, decode_s = 0, 0.0, 0.0
+        else:
+            answer, reason, prompt, completion, error = (
+                result.text,
+                result.finish_reason,
+                result.prompt_tokens,
+                result.completion_tokens,
+                "",
+            )
+            batch, queue_s, decode_s = run_stats(result)
         row = {
-            contract.ANSWER: b"" if failed else result.text.encode("utf-8"),
-            "FINISH_REASON": (result.code if failed else result.finish_reason).encode(),
-            "PROMPT_TOKENS": 0 if failed else result.prompt_tokens,
-            "COMPLETION_TOKENS": 0 if failed else result.completion_tokens,
+            contract.ANSWER: answer.encode("utf-8"),
+            "FINISH_REASON": reason.encode(),
+            "PROMPT_TOKENS": prompt,
+            "COMPLETION_TOKENS": completion,
             "BATCH_SIZE": batch,
             "QUEUE_S": queue_s,
             "DECODE_S": decode_s,
-            contract.ERROR: error_text(result).encode("utf-8") if failed else b"",
+            contract.ERROR: error.encode("utf-8"),
         }
         for name, value in row.items():
             columns[name].append(value)
@@ -235,7 +245,7 @@ def _text_output(text: str) -> dict[str, np.ndarray]:
     return {contract.TEXT_OUTPUT: np.array([text.encode("utf-8")], dtype=np.object_)}
 
 
-def generate_responses(engine: Engine, call: GenerateCall) -> Iterator[dict[str, np.ndarray]]:
+def generate_responses(engine: Engine, call: GenerateCall) -> Generator[dict[str, np.ndarray], None, None]:
     """The responses for one generate request: text pieces when streaming, else one full text; then counts.
 
     Closing the iterator early (client gone) cancels the engine request so its batch row is freed.
@@ -287,7 +297,7 @@ def config_from_model_config(model_config: dict[str, Any], environ: dict[str, st
             raise ValueError(f"config.pbtxt parameter {key!r} is not a setting; known: {sorted(fields)}")
         if raw == "" or environ.get("VLM_" + key.upper()):
             continue
-        kind = type(fields[key].default)
+        kind: type = type(fields[key].default)
         setattr(namespace, key, raw.strip().lower() in {"1", "true", "yes"} if kind is bool else kind(raw))
     batch = int(model_config.get("max_batch_size") or 0)
     if batch > 0 and not environ.get("VLM_MAX_BATCH_SIZE"):

@@ -28,7 +28,7 @@ import sys
 import sysconfig
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -100,7 +100,7 @@ class _GenerateModel:
         def put(kind: str, payload: Any) -> None:
             loop.call_soon_threadsafe(pieces.put_nowait, (kind, payload))
 
-        responses: Iterator[dict[str, np.ndarray]] | None = None
+        responses: Generator[dict[str, np.ndarray], None, None] | None = None
         try:
             call = decode_generate_request(dict(request), request.parameters, self.limits, self.default_max_tokens)
             responses = generate_responses(self.engine, call)

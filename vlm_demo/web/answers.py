@@ -31,7 +31,7 @@ import ipaddress
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
 
 from vlm_demo.backends.base import Backend
@@ -228,7 +228,7 @@ class Answers:
         pacing: Pacing,
         session: str | None = None,
         gone: Callable[[], Awaitable[bool]] | None = None,
-    ) -> AsyncIterator[Moment]:
+    ) -> AsyncGenerator[Moment, None]:
         """Look at ``stream`` as ``pacing`` says until it ends: each look is a :class:`Moment` (its new text may be
         empty). It raises the stream's typed error (:class:`~vlm_demo.errors.RequestCancelledError` once
         cancelled), or :class:`~vlm_demo.errors.BackendTimeoutError` after :data:`TOKEN_TIMEOUT_S` of silence.

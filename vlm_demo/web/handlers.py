@@ -28,7 +28,7 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 import gradio as gr
@@ -144,7 +144,7 @@ class Handlers:
         reasoning: Any = NORMAL,
         beams: Any = DEFAULT_BEAMS,
         request: gr.Request = None,  # type: ignore[assignment]  # Gradio injects it
-    ) -> AsyncIterator[Outputs]:
+    ) -> AsyncGenerator[Outputs, None]:
         """Stream the four stages of one answer as tokens arrive; bad input raises an error naming the problem."""
         inputs = (image, question, max_new_tokens, temperature, top_p, reasoning, beams)
         async with contextlib.aclosing(self._ask(inputs, request)) as updates:
@@ -204,7 +204,7 @@ class Handlers:
 
     async def _ask(
         self, inputs: tuple[Any, ...], request: gr.Request | None, seen: Seen | None = None
-    ) -> AsyncIterator[Outputs]:
+    ) -> AsyncGenerator[Outputs, None]:
         admitted: list[ValidRequest] = []
 
         def admit() -> ValidRequest:  # on a worker thread: decoding an upload takes up to ~0.1 s
@@ -305,6 +305,6 @@ class Handlers:
                 if isinstance(result, DemoError):
                     rows[i] = list(render("", error_status(self.for_visitor(result)), final=True))
                 else:
-                    beams = searched_beams(valid.params)
-                    rows[i] = list(render(result.text, final=True, result=result, view=result.beam, beams=beams))
+                    searched = searched_beams(valid.params)
+                    rows[i] = list(render(result.text, final=True, result=result, view=result.beam, beams=searched))
         return tuple(list(column) for column in zip(*rows, strict=True))

@@ -38,6 +38,7 @@ class CacheCounts:
 
     response_hits: int = 0
     response_misses: int = 0
+    response_entries: int = 0
     image_hits: int = 0
     image_misses: int = 0
     vision_encodes: int = 0
@@ -67,8 +68,9 @@ TRAFFIC: dict[str, tuple[Callable[[CacheCounts], int], str]] = {  # counter (exp
 
 
 class _CacheCollector:
-    """``vlm_cache_requests_total{cache,result}``, ``vlm_vision_encodes_total``, ``vlm_vision_tiles_total``, the key/value
-    traffic counters (:data:`TRAFFIC`) and the ``vlm_picture_states_bytes`` gauge, from counts kept elsewhere (the response cache in this process, the
+    """``vlm_cache_requests_total{cache,result}``, ``vlm_response_cache_entries``, ``vlm_vision_encodes_total``,
+    ``vlm_vision_tiles_total``, the key/value traffic counters (:data:`TRAFFIC`) and the ``vlm_picture_states_bytes``
+    gauge, from counts kept elsewhere (the response cache in this process, the
     image-state cache and the page pool in the engine's)."""
 
     def __init__(self, read: Callable[[], CacheCounts]) -> None:
@@ -88,6 +90,9 @@ class _CacheCollector:
         cache.add_metric(["image", "hit"], counts.image_hits)
         cache.add_metric(["image", "miss"], counts.image_misses)
         yield cache
+        yield GaugeMetricFamily(
+            "vlm_response_cache_entries", "Answers the response cache holds.", value=counts.response_entries
+        )
         yield CounterMetricFamily(
             "vlm_vision_encodes", "Images run through the vision tower.", value=counts.vision_encodes
         )

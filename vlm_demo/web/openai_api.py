@@ -34,7 +34,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
@@ -503,7 +503,7 @@ class OpenAIAPI:
         return err.response()
 
     # ---- answering ---------------------------------------------------------------------------------
-    async def texts(self, stream: Stream, request: Request) -> AsyncIterator[str]:
+    async def texts(self, stream: Stream, request: Request) -> AsyncGenerator[str, None]:
         """The answer's text as each piece arrives (the answer service's loop, woken by new text); cancelled
         when the client goes away, so its model row is freed."""
         async with contextlib.aclosing(self.answers.follow(stream, API, gone=request.is_disconnected)) as moments:

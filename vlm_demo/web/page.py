@@ -128,7 +128,7 @@ def control(name: str, cap: int, **layout: Any) -> gr.Slider | gr.Radio:
     low, high = knob.bounds(cap)  # type: ignore[misc]  # every slider's knob has a range
     low = knob.page_low if knob.page_low is not None else low
     default = min(DEFAULTS[name], high)
-    precision = {"precision": 0} if knob.whole else {}  # the API page then types it as an integer
+    precision: dict[str, Any] = {"precision": 0} if knob.whole else {}  # the API page then types it as an integer
     return gr.Slider(low, high, default, step=knob.step, label=knob.label, elem_id=name, **precision, **layout)
 
 

@@ -74,7 +74,7 @@ def _checked_address(host: str, port: int, allowed: Callable[[Address], bool]) -
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except (socket.gaierror, UnicodeError):
         raise InvalidRequestError(f"The image URL's host {host!r} could not be resolved.") from None
-    addresses = [ipaddress.ip_address(info[4][0].split("%", 1)[0]) for info in infos]
+    addresses = [ipaddress.ip_address(str(info[4][0]).split("%", 1)[0]) for info in infos]
     refused = [str(a) for a in addresses if not allowed(a)]
     if not addresses or refused:
         raise InvalidRequestError(
@@ -130,7 +130,8 @@ def _read(response: http.client.HTTPResponse, connection: _PinnedHTTP, max_bytes
     declared = response.getheader("Content-Length")
     if declared and declared.isdigit() and int(declared) > max_bytes:
         raise InvalidRequestError(too_big)
-    pieces, size = [], 0
+    pieces: list[bytes] = []
+    size = 0
     while True:
         left = deadline - time.monotonic()
         if left <= 0:

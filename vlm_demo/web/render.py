@@ -12,7 +12,7 @@ import html
 from vlm_demo.cot import STAGES, Stages, parse_stages
 from vlm_demo.errors import DemoError
 from vlm_demo.prompt import Turn
-from vlm_demo.request import STAGE_BEAM, SamplingParams
+from vlm_demo.request import STAGE_BEAM, ValidParams
 from vlm_demo.results import BeamView, GenerationResult, StageChoice
 from vlm_demo.web.contract import Outputs
 
@@ -132,7 +132,7 @@ def thought_harder(beams: int, batch_size: int, comparisons: int | None = None) 
     return said
 
 
-def searched_beams(params: SamplingParams) -> int:
+def searched_beams(params: ValidParams) -> int:
     """The candidates per stage a request asked for (0: not a stage-beam search), for :func:`render`."""
     return params.beams if params.reasoning == STAGE_BEAM else 0
 
@@ -193,7 +193,7 @@ def beams_html(view: BeamView | None, stopped: bool = False) -> str:
             )
         if running and stopped:
             state = "stopped"
-        elif running:
+        elif choice.winner is None:  # running
             state = "judging…" if view.phase == "judging" else "writing…"
         else:
             state = f"candidate {choice.winner + 1} chosen" if len(choice.candidates) > 1 else "one candidate"
@@ -248,7 +248,18 @@ def render(
         status += " · the answer did not use the four stages (shown above the panels)"
     cut = result.cut_stage if result is not None else None
     strip = tracker_html(stages, active, ended if final else None, cut, running.stage if running is not None else None)
-    return Outputs(*panels, raw, status, stages.extra, strip, beams_html(view, stopped=final and ended != "stop"))
+    summary, caption, reasoning, conclusion = panels
+    return Outputs(
+        summary,
+        caption,
+        reasoning,
+        conclusion,
+        raw,
+        status,
+        stages.extra,
+        strip,
+        beams_html(view, stopped=final and ended != "stop"),
+    )
 
 
 def waiting_status(ahead: int | None) -> str:

@@ -104,7 +104,7 @@ def create_app(
     app.include_router(api.router(ResponsesAPI(api)))  # before the mount, which takes "/"
     if mcp is not None:
         for path in mcp.paths:
-            app.router.add_route(path, mcp, include_in_schema=False)
+            app.router.add_route(path, mcp, include_in_schema=False)  # type: ignore[arg-type]  # Starlette runs a non-function endpoint as an ASGI app
 
     door = OperatorDoor(config)
 
@@ -187,6 +187,7 @@ def cache_counts(backend: Backend) -> CacheCounts:
     return CacheCounts(
         response_hits=health.response_cache_hits,
         response_misses=health.response_cache_misses,
+        response_entries=health.response_cache_entries,
         image_hits=engine.image_cache_hits if engine is not None else 0,
         image_misses=engine.image_cache_misses if engine is not None else 0,
         vision_encodes=engine.vision_encodes if engine is not None else 0,

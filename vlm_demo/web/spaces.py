@@ -29,7 +29,7 @@ def start_zerogpu() -> None:
     import spaces.zero
 
     hooked = gr.Blocks.launch
-    spaces.zero.startup()  # type: ignore[attr-defined]  # defined only on ZeroGPU
+    spaces.zero.startup()  # defined only on ZeroGPU
     gr.Blocks.launch = hooked.__wrapped__  # type: ignore[attr-defined, method-assign]  # functools.wraps kept it
 
 

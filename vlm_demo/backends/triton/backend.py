@@ -46,7 +46,7 @@ from vlm_demo.errors import (
 from vlm_demo.models.choice import remote_notice
 from vlm_demo.request import ValidRequest
 from vlm_demo.results import GenerationResult, LoadProgress
-from vlm_demo.stream import Listener, Listeners, run_all
+from vlm_demo.stream import Listener, Listeners, Stream, run_all
 from vlm_demo.triton import contract
 
 log = logging.getLogger(__name__)
@@ -189,13 +189,12 @@ class TritonBackend:
         """One request on the loop, within the deadline; every failure reaches the stream as a typed error."""
         timeout = self.config.triton_timeout
         try:
-            async with asyncio.timeout(timeout):
-                await send(stream, self._connected())
+            await asyncio.wait_for(send(stream, self._connected()), timeout)  # asyncio.timeout is 3.11's
             stream.finish(stream.remote_reason or "stop")  # no-op when the response already ended it
         except asyncio.CancelledError:
             stream.fail(RequestCancelledError("Request cancelled."))  # no-op after cancel(): it ended it
             raise
-        except TimeoutError:
+        except (TimeoutError, asyncio.TimeoutError):  # one class from 3.11 on
             if stream.fail(BackendTimeoutError(f"Triton did not finish the answer within {timeout:g} s.")):
                 log.warning("Triton request timed out after %.1f s", timeout)
         except BaseException as exc:  # noqa: BLE001 - every failure must reach the caller as a typed error
@@ -208,7 +207,7 @@ class TritonBackend:
             self._transport = connect(self.endpoint, self.config.triton_timeout, self.config.max_queue)
         return self._transport
 
-    def _request_done(self, stream: TritonStream) -> None:
+    def _request_done(self, stream: Stream) -> None:
         with self._lock:
             self._in_flight -= 1
         self.listeners.on_request_done(stream)

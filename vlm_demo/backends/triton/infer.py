@@ -50,7 +50,7 @@ def _wire_value(request: ValidRequest, name: str) -> Any:
     Triton's response cache sees one key for it)."""
     value = getattr(request.params, name)
     if name == "seed":
-        return 0 if request.params.greedy or value is None else value
+        return 0 if request.params.greedy else value
     return value.encode("utf-8") if isinstance(value, str) else value
 
 

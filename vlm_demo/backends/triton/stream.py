@@ -13,7 +13,7 @@ import numpy as np
 
 from vlm_demo.errors import RequestCancelledError
 from vlm_demo.results import GenerationResult
-from vlm_demo.stream import OutputStream
+from vlm_demo.stream import OutputStream, Stream
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +26,7 @@ class TritonStream(OutputStream):
     with :class:`~vlm_demo.errors.BackendTimeoutError`.
     """
 
-    def __init__(self, on_done: Callable[[TritonStream], None]) -> None:
+    def __init__(self, on_done: Callable[[Stream], None]) -> None:
         super().__init__()
         self.submitted = time.monotonic()
         self.first_token: float | None = None
@@ -38,7 +38,7 @@ class TritonStream(OutputStream):
         self.queue_s = 0.0
         self.decode_s = 0.0  # its decoding seconds after the first token: the span of an honest tokens/s
         self.remote_reason: str | None = None  # the finish reason the remote reported, once it did
-        self._abort: Callable[[], None] | None = None
+        self._abort: Callable[[], object] | None = None
         self.add_done_callback(on_done)
 
     def cancel(self) -> None:
@@ -47,7 +47,7 @@ class TritonStream(OutputStream):
             self._run_abort()
 
     # ---- transport side ----
-    def set_abort(self, abort: Callable[[], None]) -> None:
+    def set_abort(self, abort: Callable[[], object]) -> None:
         """Register how to stop the remote call; runs at once if the request already ended."""
         with self._lock:
             self._abort = abort

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from vlm_demo.request import STAGE_BEAM, SamplingParams
+from vlm_demo.request import STAGE_BEAM, ValidParams
 
 # Think harder with K candidates a stage takes 1 + 0.25 (K - 1) times a normal answer: measured 1.26x at K=2 and
 # 1.77x at K=4 (docs/BENCHMARKS.md, Think harder), the candidates written as rows of one batch, the judges' too.
@@ -22,13 +22,13 @@ PER_CANDIDATE = 0.25
 ROWS_PER_DOUBLING = 32
 
 
-def answer_seconds(params: SamplingParams, tokens_per_s: float) -> float:
+def answer_seconds(params: ValidParams, tokens_per_s: float) -> float:
     """One answer alone: its longest possible length at ``tokens_per_s``, Think harder's candidates counted."""
     candidates = 1 + PER_CANDIDATE * (params.beams - 1) if params.reasoning == STAGE_BEAM else 1.0
     return params.max_new_tokens / tokens_per_s * candidates
 
 
-def call_seconds(answers: Sequence[SamplingParams], tokens_per_s: float, start_s: float) -> int:
+def call_seconds(answers: Sequence[ValidParams], tokens_per_s: float, start_s: float) -> int:
     """Whole seconds one GPU call asks for to write ``answers`` together (one, or a Gradio batch)."""
     longest = max(answer_seconds(params, tokens_per_s) for params in answers)
     return math.ceil(start_s + longest * (1 + (len(answers) - 1) / ROWS_PER_DOUBLING))

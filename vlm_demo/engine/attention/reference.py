@@ -308,15 +308,15 @@ class ReferenceAttention(PagedAttention):
         if held is None:
             return
         if held.epoch is not None and held.epoch == layout.text_epoch:
-            held.keys.index_put_((layout.write_slots, offsets), keys)  # type: ignore[arg-type]
-            held.values.index_put_((layout.write_slots, offsets), values)  # type: ignore[arg-type]
+            held.keys.index_put_((layout.write_slots, offsets), keys)
+            held.values.index_put_((layout.write_slots, offsets), values)
         else:  # a step that does not use them: they miss this token from now on
             held.epoch = None
 
     def self_attention(self, layer: int, query: torch.Tensor, layout: ReferenceLayout) -> torch.Tensor:
         """``[rows, heads, dim]`` queries over each row's text tokens -> ``[rows, heads × dim]``."""
         keys, values = self.pool.keys[layer], self.pool.values[layer]
-        pages = layout.text_pages
+        pages: torch.Tensor = layout.text_pages  # type: ignore[assignment]  # set for every step with text rows
         if layout.text_bands is not None:
             lines = self._lines(layer, layout.text_epoch, layout.text_slots, layout.text_bands, keys.shape[1],  # type: ignore[arg-type]
                                 lambda: (keys.index_select(0, pages), values.index_select(0, pages)))  # fmt: skip
@@ -325,7 +325,7 @@ class ReferenceAttention(PagedAttention):
             keys.transpose(1, 2).index_select(0, pages),
             values.transpose(1, 2).index_select(0, pages),
         )
-        return self._reference(query, gathered_k, gathered_v, layout.text_rows, layout.text_valid, layout.rows)
+        return self._reference(query, gathered_k, gathered_v, layout.text_rows, layout.text_valid, layout.rows)  # type: ignore[arg-type]
 
     def cross_attention(self, layer: int, query: torch.Tensor, layout: ReferenceLayout) -> torch.Tensor:
         """``[rows, heads, dim]`` queries over each row's image-state tokens -> ``[rows, heads × dim]``."""
@@ -337,7 +337,7 @@ class ReferenceAttention(PagedAttention):
             return self._dense(query, lines, layout.image_masks, layout.image_bands)  # type: ignore[arg-type]
         tiles = self._tiles.get(layer)
         if tiles is None or layout.image_epoch is None or tiles.epoch != layout.image_epoch:  # kept while rows stay
-            tiles = _Lines(*(t[where].transpose(1, 2).contiguous() for t in (keys, values)), layout.image_epoch)
+            tiles = _Lines(*(t[where].transpose(1, 2).contiguous() for t in (keys, values)), layout.image_epoch)  # type: ignore[call-arg, arg-type]
             self._tiles.pop(layer, None)
             if layout.image_epoch is not None and self._kept_bytes() + 2 * tiles.keys.nbytes <= HELD_BYTES:
                 self._tiles[layer] = tiles
@@ -354,7 +354,7 @@ class ReferenceAttention(PagedAttention):
         for band, mask in zip(bands, masks, strict=True):
             count = band.stop - band.start
             where = (band.base, count, band.room)
-            k, v = lines.views.get(where) or lines.views.setdefault(where, tuple(  # type: ignore[assignment]
+            k, v = lines.views.get(where) or lines.views.setdefault(where, tuple(  # type: ignore[arg-type]
                 t[band.base : band.base + band.blocks].view(count, -1, heads, dim).transpose(1, 2)
                 for t in (lines.keys, lines.values)
             ))  # fmt: skip
