@@ -89,10 +89,15 @@ class Tables:
         self.image_table[:n, : step.image_table.shape[1]].copy_(step.image_table, non_blocking=True)
         self.image_lengths[:n].copy_(step.image_lengths, non_blocking=True)
         if self.slots:
-            assert self.picture_table is not None and step.picture_table is not None
-            self.picture_table[:n, : step.picture_table.shape[1]].copy_(step.picture_table, non_blocking=True)
-            self.picture_lengths[:n].copy_(step.picture_lengths, non_blocking=True)  # type: ignore[union-attr,arg-type]
-            self.picture_slots[:n].copy_(step.picture_slots, non_blocking=True)  # type: ignore[union-attr,arg-type]
+            mine, theirs = self.pictures(), step.pictures()
+            mine[0][:n, : theirs[0].shape[1]].copy_(theirs[0], non_blocking=True)
+            for buffer, tensor in zip(mine[1:], theirs[1:], strict=True):
+                buffer[:n].copy_(tensor, non_blocking=True)
+
+    def pictures(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The cascade's table, lengths and row slots (the layout has them: ``slots`` > 0)."""
+        assert self.picture_table is not None and self.picture_lengths is not None and self.picture_slots is not None
+        return self.picture_table, self.picture_lengths, self.picture_slots
 
     def point_at(self, null: list[int]) -> None:
         """Every row at the pool's null pages (a text page, then a tile's image pages), one token each: what a graph

@@ -164,11 +164,11 @@ class TritonAttention(TableAttention):
         if not layout.slots:
             out = self._call(layer, query, layout.image_table, layout.image_lengths, layout.max_image, True)
             return out.reshape(rows, self.heads * dim)
-        slots, kv, where = layout.slots, self.shape.kv_heads, layout.picture_slots
-        assert where is not None and layout.picture_table is not None and layout.picture_lengths is not None
+        slots, kv = layout.slots, self.shape.kv_heads
+        table, lengths, where = layout.pictures()
         placed = query.new_zeros((rows * slots, self.heads, dim)).index_copy_(0, where, query)
         grouped = placed.view(rows, slots, kv, self.group, dim).transpose(1, 2).reshape(rows, -1, dim)
-        out = self._call(layer, grouped, layout.picture_table, layout.picture_lengths, layout.max_image, True)
+        out = self._call(layer, grouped, table, lengths, layout.max_image, True)
         back = out.view(rows, kv, slots, self.group, dim).transpose(1, 2).reshape(rows * slots, self.heads, dim)
         return back.index_select(0, where).reshape(rows, self.heads * dim)
 
