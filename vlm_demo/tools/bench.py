@@ -413,6 +413,13 @@ def build_parser() -> argparse.ArgumentParser:
         "(unbatched, dynamic, continuous, engine) the format the model loads in",
     )
     p.add_argument(
+        "--kv-closeness",
+        action="store_true",
+        help="instead of the closed loop: how close an fp8 key/value cache keeps the model (--kv-cache-dtype fp8), as "
+        "JSON: teacher-forced logits against the bf16 cache on the real-shape model, and the tiny model's held-out "
+        "answers with each cache (vlm_demo.tools.kv_closeness)",
+    )
+    p.add_argument(
         "--prefill-stall",
         action="store_true",
         help="instead of the closed loop: 8 rows decoding while 8 newcomers with 4-tile pictures join at once, "
@@ -541,10 +548,12 @@ def main(argv: list[str] | None = None) -> list[RunResult]:
             max_batch_size=Config().max_batch_size,  # the app's default (0: the engine sizes it)
         )
         args = parser.parse_args(argv)
-    if args.count_kernels or args.prefill_stall or args.kernel_sass:
-        from vlm_demo.tools import kernel_sass, kernels, prefill_stall
+    if args.count_kernels or args.prefill_stall or args.kernel_sass or args.kv_closeness:
+        from vlm_demo.tools import kernel_sass, kernels, kv_closeness, prefill_stall
 
-        if args.kernel_sass:
+        if args.kv_closeness:
+            counted = kv_closeness.report()
+        elif args.kernel_sass:
             counted = kernel_sass.report(*kernel_sass.chosen(args.sass_targets, args.sass_kernels))
         elif args.count_kernels:
             counted = kernels.report(args.quantize)

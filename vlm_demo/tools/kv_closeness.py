@@ -1,0 +1,166 @@
+"""How close an fp8 key/value cache keeps the model: ``python -m vlm_demo.tools.bench --kv-closeness``.
+
+Two measurements, both on this CPU:
+
+- **Logits, teacher-forced, on the real-shape model** (:func:`~vlm_demo.models.realshape.narrow_config` at the real
+  hidden width 4,096 and head dim 128, 5 layers of which 2 cross-attention, random bf16 weights): rows with
+  560-px pictures are prefilled once, placed in two page pools — the model's dtype (bf16) and fp8 — and decoded
+  step by step through the engine's own decode step, both fed the same tokens (the bf16 cache's greedy choice), so
+  every step compares the same position. Per step: the largest and mean absolute logit difference, the same over
+  the bf16 logits' spread (their standard deviation), the KL divergence of the fp8 softmax from the bf16 one, and
+  whether the greedy token agrees. Random weights make near ties everywhere, so argmax agreement here is a lower
+  bound of what a trained model's would be; the logit differences are the figure to read.
+- **Answers on the tiny trained model** (fp32, 1,024 vocabulary): held-out pictures through the continuous
+  engine, greedy, with each cache: whether each answer is four-staged, names the picture's colour, and is the
+  same text as the default cache's.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from typing import Any
+
+import torch
+
+from vlm_demo.config import Config
+
+STEPS = 300
+ROWS = 2
+HIDDEN = 4096  # the 11B model's width: head dim 128, its cache's real geometry
+HELD_OUT = 24
+
+
+def _decoders(model: Any, dtype: torch.dtype, pages: int) -> dict[str, Any]:
+    from vlm_demo.engine.decode_step import TextDecodeStep
+    from vlm_demo.engine.pages import kv_dtype_for
+
+    return {
+        kind: TextDecodeStep.over_pool(model, dtype, pages, "reference", kv_dtype_for(kind, dtype))
+        for kind in ("auto", "fp8")
+    }
+
+
+def logit_closeness(steps: int = STEPS, rows: int = ROWS, hidden: int = HIDDEN, seed: int = 0) -> dict[str, Any]:
+    """The teacher-forced comparison on the real-shape model (see the module's docstring)."""
+    from vlm_demo.engine.request import Request
+    from vlm_demo.engine.rows import Row, RunningRows
+    from vlm_demo.engine.worker import Worker
+    from vlm_demo.images import image_digest
+    from vlm_demo.models import realshape
+    from vlm_demo.models.tiny import solid_image
+    from vlm_demo.request import SamplingParams
+
+    dtype = torch.bfloat16
+    model = realshape.build_model(realshape.narrow_config(hidden=hidden), dtype, "cpu", seed=seed)
+    worker = Worker(model, realshape.real_processor(), "realshape")
+    params = SamplingParams(max_new_tokens=steps, temperature=0.0).validated(steps)
+    colours = ("red", "blue", "green", "yellow")
+    requests = []
+    for r in range(rows):
+        image = solid_image(colours[r % 4], 560 + 300 * r, 560, noise=40, seed=seed + r)
+        question = "Describe this picture in detail, please."
+        requests.append(Request(image, question, params, inputs=worker.prepare(image, question),
+                                image_key=image_digest(image)))  # fmt: skip
+    with torch.inference_mode():
+        prefill = worker.prefill(requests)
+        shape = _decoders(model, dtype, 1)["auto"].pool.shape
+        pages = rows * shape.row_pages(max(r.input_tokens for r in requests) + steps + 1, shape.max_tiles) + 8
+        decoders = _decoders(model, dtype, pages)
+        running = {}
+        first = prefill.logits.argmax(-1)
+        for kind, decoder in decoders.items():
+            rows_of = RunningRows(decoder.pool, decoder.attention, worker.device, dtype)
+            places = rows_of.place(prefill, list(range(rows)))
+            assert places is not None
+            rows_of.rows = [Row(r, None, place=p) for r, p in zip(requests, places, strict=True)]  # type: ignore[arg-type]
+            rows_of.next_tokens = first.clone()
+            running[kind] = (decoder, rows_of)
+        most, mean, spread_most, spread_mean, kl, agree = [], [], [], [], [], 0
+        for _ in range(steps):
+            logits = {kind: decoder(rows_of.step_inputs()) for kind, (decoder, rows_of) in running.items()}
+            base, fp8 = logits["auto"], logits["fp8"]
+            diff = (fp8 - base).abs()
+            spread = base.std(dim=-1, keepdim=True)
+            most.append(float(diff.max()))
+            mean.append(float(diff.mean()))
+            spread_most.append(float((diff / spread).max()))
+            spread_mean.append(float((diff / spread).mean()))
+            kl.append(float(torch.nn.functional.kl_div(fp8.log_softmax(-1), base.log_softmax(-1), log_target=True,
+                                                       reduction="batchmean")))  # fmt: skip
+            forced = base.argmax(-1)
+            agree += int((fp8.argmax(-1) == forced).sum())
+            for _, rows_of in running.values():
+                rows_of.advance(forced)
+    return {
+        "model": f"realshape narrow_config(hidden={hidden}, layers=5, cross layers 1 and 3), random bf16 weights",
+        "rows": rows,
+        "steps": steps,
+        "prompt_tokens": [r.input_tokens for r in requests],
+        "max_abs_logit_difference": max(most),
+        "mean_abs_logit_difference": statistics.fmean(mean),
+        "max_difference_over_logit_std": max(spread_most),
+        "mean_difference_over_logit_std": statistics.fmean(spread_mean),
+        "mean_kl_divergence": statistics.fmean(kl),
+        "max_kl_divergence": max(kl),
+        "argmax_agreement": agree / (rows * steps),
+        "pool_bytes_per_token": {
+            kind: decoder.pool.shape.text_bytes_per_token for kind, (decoder, _) in running.items()
+        },
+    }
+
+
+def tiny_answers(worker: Any, count: int = HELD_OUT) -> dict[str, Any]:
+    """Held-out pictures on the tiny model with each cache, greedy (see the module's docstring)."""
+    from vlm_demo.cot import STAGES, parse_stages
+    from vlm_demo.engine.continuous import ContinuousEngine
+    from vlm_demo.models.tiny import COLOURS, solid_image
+    from vlm_demo.request import SamplingParams, validate_request
+
+    sizes = [(37, 23), (300, 80), (64, 64), (90, 500), (700, 60), (57, 61)]
+    wordings = ["What colour is this picture?", "Which colour do you see?", "Describe this image.", "colour?"]
+    colours = list(COLOURS)
+    jobs = []
+    for i in range(count):
+        colour, (w, h) = colours[i % len(colours)], sizes[(i // len(colours)) % len(sizes)]
+        picture = solid_image(colour, w, h, noise=7, seed=900 + i)
+        jobs.append((colour, validate_request(picture, wordings[i % 4], SamplingParams(400, 0.0))))
+    texts: dict[str, list[str]] = {}
+    for kind in ("auto", "fp8"):
+        config = Config(batching="continuous", max_batch_size=8, batch_window_ms=0.0, kv_cache_dtype=kind)
+        engine = ContinuousEngine(worker, config).start()
+        try:
+            texts[kind] = [r.text for r in engine.run_batch([valid for _, valid in jobs])]
+        finally:
+            engine.shutdown()
+
+    def staged(text: str) -> bool:
+        stages = parse_stages(text, final=True)
+        return all(stages.as_tuple()) and stages.seen == STAGES and "</CONCLUSION>" in text
+
+    def right(colour: str, text: str) -> bool:
+        conclusion = parse_stages(text, final=True).conclusion
+        return colour in conclusion and all(c not in conclusion for c in colours if c != colour)
+
+    return {
+        "pictures": count,
+        **{
+            kind: {
+                "four_staged": sum(staged(t) for t in texts[kind]),
+                "right_colour": sum(right(c, t) for (c, _), t in zip(jobs, texts[kind], strict=True)),
+            }
+            for kind in texts
+        },
+        "fp8_same_text_as_auto": sum(a == b for a, b in zip(texts["auto"], texts["fp8"], strict=True)),
+    }
+
+
+def report(steps: int = STEPS) -> dict[str, Any]:
+    """``bench --kv-closeness``'s JSON."""
+    from vlm_demo.engine.loader import load
+    from vlm_demo.models.tiny import ensure_tiny
+
+    tiny = load(ensure_tiny(None), device="cpu")
+    out = {"realshape_logits": logit_closeness(steps), "tiny_answers": tiny_answers(tiny)}
+    assert not math.isnan(out["realshape_logits"]["mean_abs_logit_difference"])
+    return out
