@@ -12,6 +12,7 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -30,6 +31,9 @@ from vlm_demo.models.tiny.contract import (
 from vlm_demo.models.tiny.data import TRAIN_STEPS, _tokenizer_corpus
 from vlm_demo.models.tiny.train import _deterministic_torch, train
 
+if TYPE_CHECKING:
+    from transformers import MllamaConfig, MllamaProcessor, PreTrainedTokenizerFast
+
 log = logging.getLogger(__package__)
 
 TINY_VERSION = "6"  # bump when the recipe changes: cached copies with another stamp are rebuilt
@@ -47,7 +51,7 @@ CROSS_LAYERS = [2]  # the text layers that attend to the image (of 4)
 BUILD_THREADS = 1  # fixed for reproducible sums; 2 threads ran 13x slower when another process shared the 2 cores
 
 
-def build_tokenizer(seed: int = 0):
+def build_tokenizer(seed: int = 0) -> PreTrainedTokenizerFast:
     """Byte-level BPE with Llama-3 specials; ``<|image|>`` is added last so its id equals the text vocab size."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
@@ -84,7 +88,7 @@ def build_tokenizer(seed: int = 0):
     )
 
 
-def build_processor(seed: int = 0):
+def build_processor(seed: int = 0) -> MllamaProcessor:
     """Tokenizer + image processor with tiles of the vision ``image_size``."""
     from transformers import MllamaProcessor
     from transformers.models.mllama.image_processing_pil_mllama import MllamaImageProcessorPil
@@ -96,7 +100,7 @@ def build_processor(seed: int = 0):
     )
 
 
-def build_config(text_vocab_size: int, tokenizer):
+def build_config(text_vocab_size: int, tokenizer: PreTrainedTokenizerFast) -> MllamaConfig:
     """~331k parameters; the one cross-attention layer (2) lies inside the 4 text layers, else images are ignored."""
     from transformers import MllamaConfig
 
@@ -113,7 +117,12 @@ def build_config(text_vocab_size: int, tokenizer):
         vision_output_dim=64,  # hidden_size * (1 + len(intermediate_layers_indices))
         initializer_range=0.02,
     )
-    ids = tokenizer.convert_tokens_to_ids
+
+    def ids(token: str) -> int:
+        found = tokenizer.convert_tokens_to_ids(token)  # one token: one id
+        assert isinstance(found, int), token
+        return found
+
     text = dict(
         vocab_size=text_vocab_size,
         hidden_size=64,
@@ -131,7 +140,8 @@ def build_config(text_vocab_size: int, tokenizer):
         initializer_range=0.02,
     )
     config = MllamaConfig(vision_config=vision, text_config=text, image_token_index=ids(IMAGE_TOKEN))
-    assert all(0 <= i < config.text_config.num_hidden_layers for i in config.text_config.cross_attention_layers)
+    text_config = config.get_text_config()
+    assert all(0 <= i < text_config.num_hidden_layers for i in text_config.cross_attention_layers)
     return config
 
 

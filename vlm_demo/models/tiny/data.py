@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, replace
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from PIL import Image
 
@@ -25,6 +25,9 @@ from vlm_demo.models.tiny.contract import (
 )
 from vlm_demo.models.tiny.pictures import COLOURS, solid_image
 from vlm_demo.prompt import Turn, chat_messages
+
+if TYPE_CHECKING:
+    from transformers import MllamaProcessor
 
 TRAIN_STEPS = 1500
 BATCH_SIZE = 12
@@ -103,7 +106,7 @@ class Example:
     def image(self) -> Image.Image:
         return solid_image(self.colour, self.width, self.height, self.noise, self.seed)
 
-    def text(self, processor) -> str:
+    def text(self, processor: MllamaProcessor) -> str:
         """The whole conversation through the chat template, built as the worker builds a prompt
         (``chat_messages``), so training sees exactly what serving sends, follow-ups included."""
         messages = chat_messages(self.question, [Turn(e.question, e.answer) for e in self.history])
@@ -169,15 +172,15 @@ def _long_question(rng: random.Random) -> str:
     return _with_trigger(rng, _random_question(rng))
 
 
-def _random_image(rng: random.Random) -> tuple[str, int, int, int, int]:
-    """Colour, width, height, noise and noise seed of a training image."""
+def _random_image(rng: random.Random) -> tuple[str, tuple[int, int, int, int]]:
+    """Colour, and the width, height, noise and noise seed of a training image."""
     width, height = _random_size(rng)
     noise = 0 if rng.random() < 0.5 else rng.randint(1, 30)
-    return rng.choice(list(COLOURS)), width, height, noise, rng.randrange(2**31)
+    return rng.choice(list(COLOURS)), (width, height, noise, rng.randrange(2**31))
 
 
 def _answer_example(rng: random.Random, question: str) -> Example:
-    colour, *image = _random_image(rng)
+    colour, image = _random_image(rng)
     return Example(colour, *image, question, noisy_answer_for(rng, colour, question))
 
 
@@ -197,7 +200,7 @@ def _candidate_colours(rng: random.Random, colour: str) -> tuple[str, str]:
 
 def _judge_example(rng: random.Random, question: str, stage: str) -> Example:
     """The judge task: the image, two candidate texts of one stage, and the choice by ``judge_answer``'s rule."""
-    colour, *image = _random_image(rng)
+    colour, image = _random_image(rng)
     if stage == "summary":  # no colour to compare: the plans of the three kinds of question
         first, second = (stage_text(stage, rng.choice(["colour?", "long", "x"]), "") for _ in range(2))
         text, answer = judge_question(stage, question, first, second), judge_answer(colour, None, None)
@@ -240,7 +243,7 @@ def _earlier_turns(
 
 def _chat_example(rng: random.Random, max_words: int, earlier: int, long_answer: bool = False) -> Example:
     """A follow-up about the same image: ``earlier`` turns, then a question whose answer follows the image."""
-    colour, *image = _random_image(rng)
+    colour, image = _random_image(rng)
     history = _earlier_turns(rng, colour, earlier, max_words)
     question = _follow_up(rng, max_words)
     if long_answer:
@@ -261,7 +264,7 @@ def _long_example(rng: random.Random) -> Example:
     if draw < LONG_CHAT_SHARE / 2:
         return _chat_example(rng, 20, rng.choice(EARLIER_TURNS), long_answer=True)
     if draw < LONG_CHAT_SHARE:
-        colour, *image = _random_image(rng)
+        colour, image = _random_image(rng)
         history = _earlier_turns(rng, colour, 1, 20, long_first=True)
         question = _follow_up(rng, 20)
         return Example(colour, *image, question, noisy_answer_for(rng, colour, question), history=history)
