@@ -130,7 +130,7 @@ def tiny_answers(worker: Any, count: int = HELD_OUT) -> dict[str, Any]:
         config = Config(batching="continuous", max_batch_size=8, batch_window_ms=0.0, kv_cache_dtype=kind)
         engine = ContinuousEngine(worker, config).start()
         try:
-            texts[kind] = [r.text for r in engine.run_batch([valid for _, valid in jobs])]
+            texts[kind] = [getattr(r, "text", f"error: {r}") for r in engine.run_batch([valid for _, valid in jobs])]
         finally:
             engine.shutdown()
 
