@@ -53,9 +53,9 @@ def check(name: str, shape: PageShape, heads: int, device: torch.device,
     if name == "reference":
         return None, None
     if name == "flash":
-        missing = flash_missing(device, shape.dtype)
+        missing = flash_missing(device, shape.dtype, shape.kv_dtype)
     else:
-        missing = triton_missing(device)
+        missing = triton_missing(device, shape.kv_dtype)
         if missing is None and device.type != "cuda" and not asked:
             missing = "on a CPU only its interpreter runs it (--decode-attention triton with TRITON_INTERPRET=1)"
     if missing is not None:
