@@ -92,9 +92,7 @@ class EngineStats:
     kv_page_bytes: int = 0
     kv_bytes_per_tile: int = 0  # one tile's image states (a picture holds only the tiles it shows)
     decode_attention: str = ""  # continuous mode: "flash", "triton" or "reference" (engine/attention)
-    kv_cache_dtype: str = (
-        ""  # continuous mode: how the page pool stores keys/values: "auto" (the model's dtype) or "fp8"
-    )
+    kv_cache_dtype: str = ""  # continuous mode: how the pool stores keys/values: "auto" (the model's) or "fp8"
     cuda_graphs: int = 0  # decode graphs captured (0: the step runs eagerly)
     graph_pool_bytes: int = 0  # GPU memory the captured graphs hold
     # Running totals (the Prometheus counters of the same names, with ``vlm_`` and ``_total``).

@@ -23,6 +23,12 @@ loop it would leave alone. Where a page holds a whole number of blocks (the GPU'
 image pages) a block reads one page number; else each key looks its page up. Keys and values are loaded as stored
 (both issued before the first product) and multiplied in their own precision with float32 accumulation: bf16
 products on tensor cores on a GPU, float32 products (``ieee``) for float32 caches such as the CPU tests'.
+
+**An fp8 pool** (``SCALED``, a constant: the 16-bit kernel is compiled as before) passes its scale arenas (one
+float32 per token per KV head, keys and values apart): each block's fp8 keys and values are widened in registers to
+the queries' dtype, the key scales multiply the block's scores (``q·k × kscale[token]``) and the value scales its
+weights before the product with the values (``p × vscale[token]``); the softmax's totals take the weights
+unscaled. No 16-bit copy of the pool is made.
 """
 
 from __future__ import annotations
@@ -64,18 +70,33 @@ def _load_block(k_head, v_head, pages, s, hi, stride_kp, stride_kt, stride_vp, s
 
 
 @triton.jit
+def _load_scales(ks_head, vs_head, pages, s, hi, stride_sp, stride_st, PAGE: tl.constexpr,
+                 BLOCK_N: tl.constexpr):  # fmt: skip
+    """The key and value scales (float32, one per token of this KV head) of keys ``s … s + BLOCK_N``; 0 past ``hi``."""
+    n = tl.arange(0, BLOCK_N)
+    t = s + n
+    live = t < hi
+    if PAGE % BLOCK_N == 0:
+        at = tl.load(pages + s // PAGE).to(tl.int64) * stride_sp + (s % PAGE + n) * stride_st
+    else:
+        at = tl.load(pages + t // PAGE, mask=live, other=0).to(tl.int64) * stride_sp + (t % PAGE) * stride_st
+    return tl.load(ks_head + at, mask=live, other=0.0), tl.load(vs_head + at, mask=live, other=0.0)
+
+
+@triton.jit
 def _split_attention(
-    Q, K, V, TABLE, LENGTHS, OUT, LSE,
+    Q, K, V, TABLE, LENGTHS, OUT, LSE, KS, VS,
     stride_qr, stride_qh,
     stride_kp, stride_kt, stride_kh,
     stride_vp, stride_vt, stride_vh,
     stride_tr,
     stride_or, stride_oh, stride_os,
     stride_lr, stride_lh,
+    stride_sp, stride_st, stride_sh,
     scale, max_splits,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
     MIN_BLOCKS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, PARTS: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, SCALED: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -103,13 +124,22 @@ def _split_attention(
         for s in range(lo, hi, BLOCK_N):
             k, v, live = _load_block(k_head, v_head, pages, s, hi, stride_kp, stride_kt, stride_vp, stride_vt,
                                      HEAD_DIM, PAGE, BLOCK_N, BLOCK_D)  # fmt: skip
-            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [BLOCK_G, BLOCK_N], base 2
+            if SCALED:  # fp8 pages: widened here, their scales folded into the scores and the weights
+                k_scale, v_scale = _load_scales(KS + kv_head * stride_sh, VS + kv_head * stride_sh, pages, s, hi,
+                                                stride_sp, stride_st, PAGE, BLOCK_N)  # fmt: skip
+                k = k.to(q.dtype)
+                v = v.to(q.dtype)
+                scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * (k_scale * qk_scale)[None, :]
+            else:
+                scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [BLOCK_G, BLOCK_N], base 2
             scores = tl.where(live[None, :], scores, float("-inf"))
             new_top = tl.maximum(top, tl.max(scores, 1))
             shift = tl.where(new_top == float("-inf"), 0.0, new_top)
             keep = tl.exp2(top - shift)
             weights = tl.exp2(scores - shift[:, None])
             total = total * keep + tl.sum(weights, 1)
+            if SCALED:
+                weights = weights * v_scale[None, :]
             acc = acc * keep[:, None] + tl.dot(weights.to(v.dtype), v, input_precision=PRECISION)
             top = new_top
         safe = tl.where(total > 0.0, total, 1.0)
@@ -155,27 +185,37 @@ def _blocks(query: torch.Tensor, group: int) -> tuple[int, int]:
 
 def split_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, table: torch.Tensor,
                     lengths: torch.Tensor, scale: float, block: int, min_blocks: int, max_splits: int,
-                    out: torch.Tensor, lse: torch.Tensor | None) -> None:  # fmt: skip
+                    out: torch.Tensor, lse: torch.Tensor | None, key_scales: torch.Tensor | None = None,
+                    value_scales: torch.Tensor | None = None) -> None:  # fmt: skip
     """Launch the split kernel: ``out`` takes ``[rows, heads, max_splits, dim]`` parts and ``lse`` their logs, or,
-    with ``max_splits`` 1 and no ``lse``, the ``[rows, heads, dim]`` output."""
+    with ``max_splits`` 1 and no ``lse``, the ``[rows, heads, dim]`` output. fp8 ``keys``/``values`` come with
+    their ``key_scales``/``value_scales`` (``[pages, tokens per page, kv heads]`` float32, strided alike)."""
     rows, heads, dim = query.shape
     kv_heads = keys.shape[2]
     group = heads // kv_heads
     block_g, block_d = _blocks(query, group)
     out_split = out.stride(2) if lse is not None else 0
     lse_strides = (lse.stride(0), lse.stride(1)) if lse is not None else (0, 0)
+    scaled = key_scales is not None and value_scales is not None
+    if scaled:
+        assert key_scales.stride() == value_scales.stride(), "key and value scales are carved alike"  # type: ignore[union-attr]
+        scale_strides = key_scales.stride()  # type: ignore[union-attr]
+    else:
+        scale_strides = (0, 0, 0)
     _split_attention[(rows, kv_heads, max_splits)](
         query, keys, values, table, lengths, out, lse if lse is not None else out,
+        key_scales if scaled else lengths, value_scales if scaled else lengths,
         query.stride(0), query.stride(1),
         keys.stride(0), keys.stride(1), keys.stride(2),
         values.stride(0), values.stride(1), values.stride(2),
         table.stride(0),
         out.stride(0), out.stride(1), out_split,
         *lse_strides,
+        *scale_strides,
         scale, max_splits,
         GROUP=group, HEAD_DIM=dim, PAGE=keys.shape[1], BLOCK_N=block, MIN_BLOCKS=min_blocks, BLOCK_G=block_g,
         BLOCK_D=block_d, PARTS=lse is not None, PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-        num_warps=4,
+        SCALED=scaled, num_warps=4,
     )  # fmt: skip
 
 
