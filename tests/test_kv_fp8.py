@@ -214,6 +214,7 @@ def test_the_engine_with_an_fp8_cache_answers_in_four_stages_like_the_default_ca
             results = engine.run_batch([door(*job, SamplingParams(80, 0.0)) for job in JOBS])
             again = engine.run_batch([door(*JOBS[0], SamplingParams(80, 0.0))])[0]
             stats[cache] = engine.stats()
+            assert next(iter(engine.decoder.pool.keys.values())).dtype == (FP8 if cache == "fp8" else torch.float32)
         finally:
             engine.shutdown()
         answers[cache] = [r.text for r in results]
