@@ -177,7 +177,7 @@ def test_the_references_kept_lines_take_the_new_token_as_the_pool_holds_it() -> 
 
 
 @pytest.mark.parametrize("splits", [None, SMALL_SPLITS], ids=["one-split", "splits-merged"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
 def test_the_triton_kernel_reads_fp8_pages_as_the_reference_does(dtype, splits, monkeypatch) -> None:
     """The probe's random steps over fp8 pages (text and image, tiles across pages), the interpreted kernel against
     the reference reading the same pages: as close as over 16-bit pages."""
