@@ -11,13 +11,12 @@ from support import door
 from test_engine import four_stages
 from test_triton_attention import JOBS, SMALL_SPLITS
 
-from vlm_demo.config import Config, load_config
+from vlm_demo.config import load_config
 from vlm_demo.engine.attention import VERSIONS, StepRows, decide, probe
 from vlm_demo.engine.attention.flash import flash_missing
 from vlm_demo.engine.attention.probe import _Place, fill
 from vlm_demo.engine.attention.reference import ReferenceAttention
-from vlm_demo.engine.attention.triton import TritonAttention
-from vlm_demo.engine.continuous import ContinuousEngine
+from vlm_demo.engine.attention.triton import TritonAttention, triton_missing
 from vlm_demo.engine.memory import KVShape
 from vlm_demo.engine.pages import FP8, PagePool, PageShape, dequantize, kv_dtype_for
 from vlm_demo.errors import ModelLoadError
@@ -202,21 +201,16 @@ def test_the_triton_kernel_over_fp8_pages_gives_a_row_the_same_bits_alone_or_bat
 # ---- the engine --------------------------------------------------------------------------------------------------
 
 
-def test_the_engine_with_an_fp8_cache_answers_in_four_stages_like_the_default_cache(worker) -> None:
+def test_the_engine_with_an_fp8_cache_answers_in_four_stages_like_the_default_cache(engines) -> None:
     """The tiny model in fp32, greedy, four rows of 1-4 tiles together (the reference on a CPU), then the first
     picture again (its vision states from the image-state cache, kept as bytes in the fp8 pool's pages)."""
     answers, stats = {}, {}
     for cache in ("auto", "fp8"):
-        engine = ContinuousEngine(worker, Config(batching="continuous", max_batch_size=4, batch_window_ms=0.0,
-                                                 kv_cache_dtype=cache))  # fmt: skip
-        engine.start()
-        try:
-            results = engine.run_batch([door(*job, SamplingParams(80, 0.0)) for job in JOBS])
-            again = engine.run_batch([door(*JOBS[0], SamplingParams(80, 0.0))])[0]
-            stats[cache] = engine.stats()
-            assert next(iter(engine.decoder.pool.keys.values())).dtype == (FP8 if cache == "fp8" else torch.float32)
-        finally:
-            engine.shutdown()
+        engine = engines(kv_cache_dtype=cache)
+        results = engine.run_batch([door(*job, SamplingParams(80, 0.0)) for job in JOBS])
+        again = engine.run_batch([door(*JOBS[0], SamplingParams(80, 0.0))])[0]
+        stats[cache] = engine.stats()
+        assert next(iter(engine.decoder.pool.keys.values())).dtype == (FP8 if cache == "fp8" else torch.float32)
         answers[cache] = [r.text for r in results]
         assert again.text == answers[cache][0] and stats[cache].image_cache_hits >= 1
     assert all(four_stages(text) for text in answers["fp8"]), answers["fp8"]
@@ -248,3 +242,13 @@ def test_flash_cannot_read_fp8_pages_and_asking_for_it_stops_the_start() -> None
         decide(shape_of(torch.bfloat16), 8, cuda, "flash")
     kernel, passed_over = decide(shape_of(torch.float32), 8, CPU)  # a CPU: the reference, which reads fp8
     assert kernel is ReferenceAttention and passed_over[0] == "flash: needs CUDA"
+
+
+def test_triton_reads_fp8_pages_from_compute_capability_8_9(monkeypatch) -> None:
+    """Triton's e4m3 type needs sm_89+ (an A100 runs the reference over fp8 pages); said without a GPU."""
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    assert "compute capability 8.9" in triton_missing(cuda, FP8)  # type: ignore[operator]
+    assert triton_missing(cuda, torch.bfloat16) is None
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert triton_missing(cuda, FP8) is None
