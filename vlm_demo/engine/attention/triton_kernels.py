@@ -74,9 +74,19 @@ def _load_block(k_head, v_head, pages, s, hi, stride_kp, stride_kt, stride_vp, s
 
 
 @triton.jit
-def _load_scales(ks_head, vs_head, pages, s, hi, stride_sp, stride_st, PAGE: tl.constexpr,
-                 BLOCK_N: tl.constexpr):  # fmt: skip
-    """The key and value scales (float32, one per token of this KV head) of keys ``s … s + BLOCK_N``; 0 past ``hi``."""
+def _split_bounds(split, blocks, splits, length, BLOCK_N: tl.constexpr):
+    """The keys ``lo … hi`` of one of a row's splits (the first ``blocks % splits`` take one block more)."""
+    each = blocks // splits
+    more = blocks % splits
+    first = split * each + tl.minimum(split, more)
+    return first * BLOCK_N, tl.minimum((first + each + (split < more).to(tl.int32)) * BLOCK_N, length)
+
+
+@triton.jit
+def _widened(k, v, ks_head, vs_head, pages, s, hi, stride_sp, stride_st, WIDE: tl.constexpr, LEFT: tl.constexpr,
+             PAGE: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+    """An fp8 block's keys and values placed in ``WIDE``, and the factors its scores and weights take: the key and
+    value scales (float32, one per token of this KV head; 0 past ``hi``) × ``LEFT``."""
     n = tl.arange(0, BLOCK_N)
     t = s + n
     live = t < hi
@@ -84,7 +94,8 @@ def _load_scales(ks_head, vs_head, pages, s, hi, stride_sp, stride_st, PAGE: tl.
         at = tl.load(pages + s // PAGE).to(tl.int64) * stride_sp + (s % PAGE + n) * stride_st
     else:
         at = tl.load(pages + t // PAGE, mask=live, other=0).to(tl.int64) * stride_sp + (t % PAGE) * stride_st
-    return tl.load(ks_head + at, mask=live, other=0.0), tl.load(vs_head + at, mask=live, other=0.0)
+    k_scale, v_scale = tl.load(ks_head + at, mask=live, other=0.0), tl.load(vs_head + at, mask=live, other=0.0)
+    return _placed(k, WIDE), _placed(v, WIDE), k_scale * LEFT, v_scale * LEFT
 
 
 @triton.jit
@@ -106,13 +117,9 @@ def _placed(x, WIDE: tl.constexpr):
 @triton.jit
 def _split_attention(
     Q, K, V, TABLE, LENGTHS, OUT, LSE, KS, VS,
-    stride_qr, stride_qh,
-    stride_kp, stride_kt, stride_kh,
-    stride_vp, stride_vt, stride_vh,
-    stride_tr,
-    stride_or, stride_oh, stride_os,
-    stride_lr, stride_lh,
-    stride_sp, stride_st, stride_sh,
+    stride_qr, stride_qh, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
+    stride_tr, stride_or, stride_oh, stride_os,
+    stride_lr, stride_lh, stride_sp, stride_st, stride_sh,
     scale, max_splits,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
     MIN_BLOCKS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, PARTS: tl.constexpr,
@@ -124,13 +131,8 @@ def _split_attention(
     length = tl.load(LENGTHS + row)
     blocks, splits = _row_splits(length, max_splits, BLOCK_N, MIN_BLOCKS)
     if split < splits:
-        each = blocks // splits
-        more = blocks % splits  # the first ``more`` splits take one block more
-        first = split * each + tl.minimum(split, more)
-        lo = first * BLOCK_N
-        hi = tl.minimum((first + each + (split < more).to(tl.int32)) * BLOCK_N, length)
-        g = tl.arange(0, BLOCK_G)
-        d = tl.arange(0, BLOCK_D)
+        lo, hi = _split_bounds(split, blocks, splits, length, BLOCK_N)
+        g, d = tl.arange(0, BLOCK_G), tl.arange(0, BLOCK_D)
         heads = kv_head * GROUP + g
         head_mask = (g < GROUP)[:, None] & (d < HEAD_DIM)[None, :]
         q = tl.load(Q + row * stride_qr + heads[:, None] * stride_qh + d[None, :], mask=head_mask, other=0.0)
@@ -147,11 +149,9 @@ def _split_attention(
             k, v, live = _load_block(k_head, v_head, pages, s, hi, stride_kp, stride_kt, stride_vp, stride_vt,
                                      HEAD_DIM, PAGE, BLOCK_N, BLOCK_D)  # fmt: skip
             if SCALED:  # fp8 pages: widened here, their scales folded into the scores and the weights
-                k_scale, v_scale = _load_scales(KS + kv_head * stride_sh, VS + kv_head * stride_sh, pages, s, hi,
-                                                stride_sp, stride_st, PAGE, BLOCK_N)  # fmt: skip
-                k = _placed(k, q.dtype)
-                v = _placed(v, q.dtype)
-                scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * (k_scale * (qk_scale * LEFT))[None, :]
+                k, v, k_fold, v_fold = _widened(k, v, KS + kv_head * stride_sh, VS + kv_head * stride_sh, pages, s, hi,
+                                                stride_sp, stride_st, q.dtype, LEFT, PAGE, BLOCK_N)  # fmt: skip
+                scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * (k_fold * qk_scale)[None, :]
             else:
                 scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [BLOCK_G, BLOCK_N], base 2
             scores = tl.where(live[None, :], scores, float("-inf"))
@@ -161,7 +161,7 @@ def _split_attention(
             weights = tl.exp2(scores - shift[:, None])
             total = total * keep + tl.sum(weights, 1)
             if SCALED:
-                weights = weights * (v_scale * LEFT)[None, :]
+                weights = weights * v_fold[None, :]
             acc = acc * keep[:, None] + tl.dot(weights.to(v.dtype), v, input_precision=PRECISION)
             top = new_top
         safe = tl.where(total > 0.0, total, 1.0)
