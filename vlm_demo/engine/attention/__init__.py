@@ -55,7 +55,7 @@ def check(name: str, shape: PageShape, heads: int, device: torch.device,
     if name == "flash":
         missing = flash_missing(device, shape.dtype, shape.kv_dtype)
     else:
-        missing = triton_missing(device, shape.kv_dtype)
+        missing = triton_missing(device)
         if missing is None and device.type != "cuda" and not asked:
             missing = "on a CPU only its interpreter runs it (--decode-attention triton with TRITON_INTERPRET=1)"
     if missing is not None:

@@ -22,21 +22,19 @@ from typing import Any, ClassVar
 import torch
 
 from vlm_demo.engine.attention.tables import TableAttention, Tables
-from vlm_demo.engine.pages import FP8, PageShape
+from vlm_demo.engine.pages import PageShape
 
 
 def interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def triton_missing(device: torch.device, kv_dtype: torch.dtype | None = None) -> str | None:
-    """Why the Triton kernel cannot run here (``None``: it can); ``kv_dtype``: how the pool stores keys/values."""
+def triton_missing(device: torch.device) -> str | None:
+    """Why the Triton kernel cannot run here (``None``: it can; fp8 pages too, on every GPU: read as bytes)."""
     if importlib.util.find_spec("triton") is None:
         return "the triton package is not installed (CUDA torch wheels bring it; else pip install triton)"
     if device.type != "cuda" and not interpreted():
         return f"on {device.type} it runs only under Triton's interpreter: set TRITON_INTERPRET=1 (for tests)"
-    if kv_dtype == FP8 and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
-        return "Triton reads fp8 e4m3 pages only on compute capability 8.9 and later (--kv-cache-dtype fp8)"
     return None
 
 

@@ -28,11 +28,12 @@ products on tensor cores on a GPU, float32 products (``ieee``) for float32 cache
 float32 per token per KV head, keys and values apart): each block's fp8 keys and values are widened in registers to
 the queries' dtype, the key scales multiply the block's scores (``q·k × kscale[token]``) and the value scales its
 weights before the product with the values (``p × vscale[token]``); the softmax's totals take the weights
-unscaled. No 16-bit copy of the pool is made. The widening places each e4m3 byte's bits in a bf16 (or fp32)
-pattern, which is its value × 2^-120 (subnormals too; fp16: × 2^-8) — integer operations, where a conversion
-instruction runs at a quarter of their rate (``.to(bf16)`` compiled to ~3 conversions per 2 values on sm_90 and
-made the loop conversion-bound). The power of two is given back exactly: 2^64 on the queries (once per program),
-2^56 in the scales, and the output's 2^-64 at the end.
+unscaled. No 16-bit copy of the pool is made. The pages are read as bytes and widened by placing each e4m3
+byte's bits in a bf16 (or fp32) pattern, which is its value × 2^-120 (subnormals too; fp16: × 2^-8): integer
+operations, where a conversion instruction runs at a quarter of their rate (``.to(bf16)`` compiled to ~3
+conversions per 2 values on sm_90 and made the loop conversion-bound), and no e4m3 type, so Ampere (sm_80)
+compiles it too. The power of two is given back exactly: 2^64 on the queries (once per program), 2^56 in the
+scales, and the output's 2^-64 at the end.
 """
 
 from __future__ import annotations
@@ -221,9 +222,10 @@ def split_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     out_split = out.stride(2) if lse is not None else 0
     lse_strides = (lse.stride(0), lse.stride(1)) if lse is not None else (0, 0)
     scaled = key_scales is not None and value_scales is not None
-    if scaled:
+    if scaled:  # read as bytes (no e4m3 type in the kernel: every GPU compiles it, sm_80 too) and placed
         assert key_scales.stride() == value_scales.stride(), "key and value scales are carved alike"  # type: ignore[union-attr]
         scale_strides = key_scales.stride()  # type: ignore[union-attr]
+        keys, values = keys.view(torch.uint8), values.view(torch.uint8)
     else:
         scale_strides = (0, 0, 0)
     _split_attention[(rows, kv_heads, max_splits)](
