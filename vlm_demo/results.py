@@ -94,6 +94,7 @@ class EngineStats:
     picture_states_bytes: int = 0  # pages holding pictures' cross-attention states (a shared picture once)
     pictures_shared: int = 0  # newcomers whose picture's states other rows already held (no pages, no writes)
     decode_attention: str = ""  # continuous mode: "flash", "triton" or "reference" (engine/attention)
+    kv_cache_dtype: str = ""  # continuous mode: how the pool stores keys/values: "auto" (the model's) or "fp8"
     cuda_graphs: int = 0  # decode graphs captured (0: the step runs eagerly)
     graph_pool_bytes: int = 0  # GPU memory the captured graphs hold
     # Running totals (the Prometheus counters of the same names, with ``vlm_`` and ``_total``).

@@ -41,6 +41,7 @@ from vlm_demo.engine.joining import Joiner
 from vlm_demo.engine.lookahead import Lookahead
 from vlm_demo.engine.memory import PROMPT_TOKENS
 from vlm_demo.engine.pacing import Pacer
+from vlm_demo.engine.pages import kv_dtype_for
 from vlm_demo.engine.request import Request, Resume
 from vlm_demo.engine.rows import Row, RunningRows
 from vlm_demo.engine.worker import Worker
@@ -58,12 +59,13 @@ class ContinuousEngine(Engine):
 
     def __init__(self, worker: Worker, config: Config | None = None) -> None:
         config = config or Config(batching=self.batching)
-        shape, heads, device = attention_geometry(worker.model, worker.dtype)
+        kv_dtype = kv_dtype_for(config.kv_cache_dtype, worker.dtype)
+        shape, heads, device = attention_geometry(worker.model, worker.dtype, kv_dtype)
         kernel = choose(shape, heads, device, config.decode_attention)  # before the plan: it reserves its memory
         row = config.max_new_tokens + PROMPT_TOKENS
         super().__init__(worker, config, kernel.working_bytes(shape, heads, 1, shape.max_tiles, row))
         pages = self.memory.pool_pages(shape)
-        self.decoder = TextDecodeStep.over_pool(worker.model, worker.dtype, pages, kernel)
+        self.decoder = TextDecodeStep.over_pool(worker.model, worker.dtype, pages, kernel, kv_dtype)
         self.rows = RunningRows(self.decoder.pool, self.decoder.attention, worker.device, worker.dtype)
         self.graphs = decode_graphs(self.decoder, self.max_batch_size, self.config, worker)
         self.joiner = Joiner(worker, self.rows, self.config.structured_stages)
@@ -91,7 +93,7 @@ class ContinuousEngine(Engine):
         counts = {"steps_run": self.steps_run, "prefills_run": self.prefills_run, "preemptions": self.preemptions}
         searches = len(self.beams)
         graphs = {"decode_attention": self.decoder.attention.kernel, "cuda_graphs": len(self.graphs.graphs),
-                  "graph_pool_bytes": self.graphs.pool_bytes}  # fmt: skip
+                  "graph_pool_bytes": self.graphs.pool_bytes, "kv_cache_dtype": self.config.kv_cache_dtype}  # fmt: skip
         changes: dict[str, Any] = {**self.rows.stats(), **images, **counts, **graphs}
         return dataclasses.replace(super().stats(), **changes, row_limit=self.rows_allowed, beam_searches=searches)
 

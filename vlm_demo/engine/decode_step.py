@@ -47,15 +47,17 @@ def pageable(model: Any) -> bool:
     return all(d.type != "meta" for d in layer_devices(model).values())
 
 
-def page_shape(model: Any, dtype: torch.dtype) -> PageShape:
-    """The pages this model's cache takes, on the device its text model runs on."""
-    return PageShape.of(model.config, dtype, page_tokens_for(next(iter(layer_devices(model).values()))))
+def page_shape(model: Any, dtype: torch.dtype, kv_dtype: torch.dtype | None = None) -> PageShape:
+    """The pages this model's cache takes, on the device its text model runs on (``kv_dtype``: how the pool
+    stores keys/values; ``None``: in ``dtype``)."""
+    return PageShape.of(model.config, dtype, page_tokens_for(next(iter(layer_devices(model).values()))), kv_dtype)
 
 
-def attention_geometry(model: Any, dtype: torch.dtype) -> tuple[PageShape, int, torch.device]:
+def attention_geometry(model: Any, dtype: torch.dtype,
+                       kv_dtype: torch.dtype | None = None) -> tuple[PageShape, int, torch.device]:  # fmt: skip
     """What choosing a decode attention takes: the pages, the query heads, the device of the first text layer."""
     heads = model.config.get_text_config().num_attention_heads
-    return page_shape(model, dtype), heads, next(iter(layer_devices(model).values()))
+    return page_shape(model, dtype, kv_dtype), heads, next(iter(layer_devices(model).values()))
 
 
 def merge(linears: list[torch.nn.Module]) -> torch.Tensor | PackedWeight | None:
@@ -142,11 +144,12 @@ def _apply(weight: Projection, x: torch.Tensor) -> torch.Tensor:
 
 class TextDecodeStep:
     @classmethod
-    def over_pool(cls, model: Any, dtype: torch.dtype, pages: int,
-                  kernel: str | type[PagedAttention] = "auto") -> TextDecodeStep:  # fmt: skip
+    def over_pool(cls, model: Any, dtype: torch.dtype, pages: int, kernel: str | type[PagedAttention] = "auto",
+                  kv_dtype: torch.dtype | None = None) -> TextDecodeStep:  # fmt: skip
         """A step over a pool of ``pages`` pages allocated now (``kernel``: the decode attention, or a
-        ``--decode-attention`` choice to make now)."""
-        shape, heads, device = attention_geometry(model, dtype)
+        ``--decode-attention`` choice to make now; ``kv_dtype``: how the pool stores keys/values, ``None``: in
+        ``dtype``)."""
+        shape, heads, device = attention_geometry(model, dtype, kv_dtype)
         if isinstance(kernel, str):
             kernel = choose(shape, heads, device, kernel)
         pool = PagePool(shape, pages, layer_devices(model))

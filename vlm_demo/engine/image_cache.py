@@ -12,7 +12,6 @@ share one budget: it takes only free pages, and the scheduler's plan has it give
 
 from __future__ import annotations
 
-import math
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -29,6 +28,7 @@ class Entry:
     device: torch.device
     size: int  # bytes
     tensor: torch.Tensor | None = None  # when the pool has no arena on its device
+    dtype: torch.dtype | None = None  # the states' dtype (the pool keeps their bytes, whatever it stores)
 
 
 class ImageStates:
@@ -76,7 +76,7 @@ class ImageStates:
         if entry.tensor is not None:
             return entry.tensor
         assert self.pool is not None
-        return self.pool.load(entry.pages, entry.shape, entry.device)
+        return self.pool.load(entry.pages, entry.shape, entry.device, entry.dtype)
 
     def put(self, key: str, states: torch.Tensor, reserve: int = 0) -> None:
         """Keep ``states`` (a copy) if they fit under the cap, in free pages only: never the ``reserve`` pages
@@ -85,18 +85,18 @@ class ImageStates:
         if not key or size > self.max_bytes or key in self._entries:
             return
         pool = self.pool
-        on_pool = pool is not None and pool.holds(states.device) and states.dtype == pool.shape.dtype
+        on_pool = pool is not None and pool.holds(states.device)  # its bytes, in an fp8 pool too
         with self._lock:
             while self._entries and self.bytes + size > self.max_bytes:
                 self._drop_oldest()
         if on_pool:
             assert pool is not None
-            count = math.ceil(states.numel() / pool.page_elements(states.device))
+            count = pool.pages_for(states)
             pages = pool.take(count) if pool.free_pages - count >= reserve else None
             if pages is None:
                 return  # the rows hold or need the pages: not remembered
             pool.store(pages, states)
-            entry = Entry(pages, states.shape, states.device, size)
+            entry = Entry(pages, states.shape, states.device, size, dtype=states.dtype)
         else:
             entry = Entry([], states.shape, states.device, size, states)
         with self._lock:

@@ -24,6 +24,7 @@ import vlm_demo.engine.placement as placement
 import vlm_demo.engine.quantize as quantization
 from vlm_demo.config import Config
 from vlm_demo.engine.memory import AUTO_ROWS, AUTO_TOKENS, KVShape, most_precise_that_fits
+from vlm_demo.engine.pages import kv_dtype_for
 from vlm_demo.engine.worker import Worker
 from vlm_demo.errors import ModelLoadError
 from vlm_demo.models.choice import folder_problem, looks_like_path
@@ -113,9 +114,11 @@ LOAD_TIMES = os.path.join(os.path.expanduser("~"), ".cache", "vlm_demo", "load_s
 
 def load_worker(config: Config, progress: Progress | None = None) -> Worker:
     """The worker for ``config``'s model, device and dtype (``--model tiny`` builds the test model)."""
+    paged = config.batching == "continuous"  # the dynamic engine keeps the stock cache, in the model's dtype
     return load(
-        config.model, config.device, config.dtype, config.tiny_dir, config.cpu_threads, progress, config.quantize
-    )
+        config.model, config.device, config.dtype, config.tiny_dir, config.cpu_threads, progress, config.quantize,
+        config.kv_cache_dtype if paged else "auto",
+    )  # fmt: skip
 
 
 def target_gpus(device: str) -> list[placement.Gpu]:
@@ -140,7 +143,8 @@ def check_quantize(kind: str, device: str, gpus: list[placement.Gpu], dtype: tor
             raise ModelLoadError(problem)
 
 
-def choose_quantize(kind: str, config: Any, device: str, gpus: list[placement.Gpu], dtype: torch.dtype) -> str:
+def choose_quantize(kind: str, config: Any, device: str, gpus: list[placement.Gpu], dtype: torch.dtype,
+                    kv_dtype: torch.dtype | None = None) -> str:  # fmt: skip
     """``auto``: none on CPU (no memory to save); on CUDA the most precise format the GPU runs that leaves room
     for ``AUTO_ROWS`` rows of ``AUTO_TOKENS`` tokens on the GPU with the most free memory."""
     if kind != "auto":
@@ -151,7 +155,7 @@ def choose_quantize(kind: str, config: Any, device: str, gpus: list[placement.Gp
     kinds = quantization.usable(True, gpu.capability, dtype)
     meta = placement.meta_model(config)
     weights = {k: quantization.weight_bytes(meta, dtype, k, cuda=True) for k in kinds}
-    chosen, rows = most_precise_that_fits(weights, KVShape.of(config, dtype), gpu.free, gpu.total)
+    chosen, rows = most_precise_that_fits(weights, KVShape.of(config, dtype, kv_dtype), gpu.free, gpu.total)
     if rows == 0:
         smallest = min(weights.values())
         raise ModelLoadError(
@@ -247,10 +251,12 @@ def load(
     cpu_threads: int = 1,
     progress: Progress | None = None,
     quantize: str = "none",
+    kv_cache_dtype: str = "auto",
 ) -> Worker:
     """Load weights and processor from a hub id or folder (``tiny`` builds the test model), the language
     model's linear layers quantized as ``quantize`` says and packed for its decode step
-    (:mod:`~vlm_demo.engine.quantize`).
+    (:mod:`~vlm_demo.engine.quantize`; ``--quantize auto`` sizes the rows it leaves room for by
+    ``kv_cache_dtype``'s pages).
 
     Raises :class:`ModelLoadError` (one sentence, no traceback needed) for ``--device cuda`` without CUDA,
     a format the GPU cannot run, a missing folder, an unreachable hub id, a checkpoint that is not Mllama,
@@ -266,7 +272,7 @@ def load(
         progress(LoadProgress(phase, model=model))  # the loading page names the model chosen
     path = resolve_model_path(model, tiny_dir)
     config = load_model_config(path, model)
-    kind = choose_quantize(quantize, config, dev, gpus, torch_dtype)
+    kind = choose_quantize(quantize, config, dev, gpus, torch_dtype, kv_dtype_for(kv_cache_dtype, torch_dtype))
     if dev == "cpu" and cpu_threads > 0:
         # Small matmuls gain nothing from threads, and OpenMP threads that spin-wait for a
         # descheduled sibling make every step many times slower on a shared machine.

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from vlm_demo.config import Config
-from vlm_demo.engine.pages import CPU_PAGE_TOKENS, PageShape
+from vlm_demo.engine.pages import CPU_PAGE_TOKENS, PageShape, kv_dtype_for
 from vlm_demo.engine.placement import LOAD_MARGIN
 from vlm_demo.engine.worker import Worker
 from vlm_demo.errors import ModelLoadError
@@ -50,9 +50,10 @@ class KVShape:
     bytes_per_tile: int = 0
 
     @classmethod
-    def of(cls, config: Any, dtype: torch.dtype) -> KVShape:
-        """From the model's config, by the page pool's own geometry (:class:`~vlm_demo.engine.pages.PageShape`)."""
-        shape = PageShape.of(config, dtype, CPU_PAGE_TOKENS)  # the page size does not change a token's bytes
+    def of(cls, config: Any, dtype: torch.dtype, kv_dtype: torch.dtype | None = None) -> KVShape:
+        """From the model's config, by the page pool's own geometry (:class:`~vlm_demo.engine.pages.PageShape`;
+        ``kv_dtype``: how the pool stores keys/values, fp8's scales counted)."""
+        shape = PageShape.of(config, dtype, CPU_PAGE_TOKENS, kv_dtype)  # the page size does not change a token's bytes
         tile = shape.image_bytes_per_token * shape.patches
         return cls(shape.text_bytes_per_token, tile * shape.max_tiles, tile)
 
@@ -211,7 +212,9 @@ def plan(
 
 def plan_for(worker: Worker, config: Config, working_per_row: int = 0) -> MemoryPlan:
     """The plan for a loaded worker (the engine process calls this once, after loading)."""
-    kv = KVShape.of(worker.model.config, worker.dtype)
+    paged = config.batching == "continuous"  # the dynamic engine keeps the stock cache, in the model's dtype
+    kv_dtype = kv_dtype_for(config.kv_cache_dtype, worker.dtype) if paged else None
+    kv = KVShape.of(worker.model.config, worker.dtype, kv_dtype)
     device = torch.device(worker.device)
     if device.type != "cuda":
         return plan(kv, config, cuda=False)

@@ -430,7 +430,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--kernel-sass",
         action="store_true",
         help="instead of the closed loop: compile every decode kernel (attention_text, attention_image, merge, "
-        "packed_int8, packed_fp8, packed_int4) at the 11B shapes for sm_80, sm_89, sm_90 and sm_120 with a launch's "
+        "attention_text_fp8, attention_image_fp8 (over --kv-cache-dtype fp8 pages), packed_int8, packed_fp8, packed_int4) at the 11B shapes for sm_80, sm_89, sm_90 and sm_120 with a launch's "
         "specialisation, read the machine code, and print per kernel and target its registers, spills, main loop "
         "and ceiling as JSON (vlm_demo.tools.kernel_sass; no GPU needed)",
     )

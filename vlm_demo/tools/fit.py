@@ -148,11 +148,13 @@ def fit_report(
     bandwidth: float | None = None,
     gpu: str = "",
     cores: tuple[int, float] | None = None,
+    kv_dtype: torch.dtype | None = None,
 ) -> dict[str, Any]:
-    """Everything ``fit`` says about one GPU, as the JSON it prints (``cores``: its SMs and clock, if known)."""
+    """Everything ``fit`` says about one GPU, as the JSON it prints (``cores``: its SMs and clock, if known;
+    ``kv_dtype``: how the page pool stores keys/values, ``--kv-cache-dtype``: ``None`` in the model's dtype)."""
     config = realshape.full_config()
     model = meta_model(config)
-    kv = KVShape.of(config, DTYPE)
+    kv = KVShape.of(config, DTYPE, kv_dtype)
     context = CONTEXT_TOKENS * kv.bytes_per_token + kv.bytes_per_row
     results = {}
     for kind in kinds:

@@ -58,7 +58,7 @@ TARGETS: dict[str, Target] = {
     "sm_90": Target(90, "H100 SXM", 132, 1.83, 3.35),  # the H200: the same SMs and clock, 4.8 TB/s
     "sm_120": Target(120, "RTX Pro 6000 Blackwell", 188, 2.6, 1.79),
 }
-ATTENTION = ("attention_text", "attention_image", "merge")
+ATTENTION = ("attention_text", "attention_image", "merge", "attention_text_fp8", "attention_image_fp8")
 PACKED = ("packed_int8", "packed_fp8", "packed_int4")
 KERNELS = ATTENTION + PACKED
 PACKED_ROWS = (1, 16, 32, 64, 128, 256)
@@ -255,13 +255,23 @@ def ceiling_tb_s(sass: Sass, bytes_per_iteration: float, target: Target) -> floa
 
 def attention_launches() -> dict[str, Launch]:
     """The decode attention's launches for one 600-token text row and one 4-tile picture, as the launcher makes
-    them with an H100's split plan (the code compiled does not depend on the SM count or the rows)."""
+    them with an H100's split plan (the code compiled does not depend on the SM count or the rows); ``…_fp8``: the
+    same over fp8 pages with their scales (``--kv-cache-dtype fp8``)."""
+    launches: dict[str, Launch] = {}
+    for suffix, kv_dtype in (("", None), ("_fp8", torch.float8_e4m3fn)):
+        launches.update({name + suffix: launch for name, launch in _attention_launches(kv_dtype).items()})
+    launches.pop("merge_fp8")  # the merge reads float32 parts either way
+    return launches
+
+
+def _attention_launches(kv_dtype: torch.dtype | None) -> dict[str, Launch]:
     from vlm_demo.engine.attention import triton_kernels
     from vlm_demo.engine.attention.triton import SplitPlan
     from vlm_demo.engine.pages import PagePool, PageShape
 
     meta = torch.device("meta")
-    shape = PageShape(256, 1024, tuple(range(32)), tuple(range(32, 40)), KV_HEADS, HEAD_DIM, 1601, 4, torch.bfloat16)
+    shape = PageShape(256, 1024, tuple(range(32)), tuple(range(32, 40)), KV_HEADS, HEAD_DIM, 1601, 4, torch.bfloat16,
+                      kv_dtype)  # fmt: skip
     pool = PagePool(shape, 4096, dict.fromkeys(range(40), meta))
     plan = SplitPlan.for_device(meta, shape)
     query = torch.empty(1, HEADS, HEAD_DIM, dtype=torch.bfloat16, device=meta)
@@ -276,7 +286,8 @@ def attention_launches() -> dict[str, Launch]:
         lse = torch.empty(1, HEADS, splits, dtype=torch.float32, device=meta)
         with recording(triton_kernels, "_split_attention", "_merge") as made:
             triton_kernels.split_attention(query, pool.keys[layer], pool.values[layer], table, lengths,
-                                           HEAD_DIM**-0.5, plan.block, least, splits, parts, lse)  # fmt: skip
+                                           HEAD_DIM**-0.5, plan.block, least, splits, parts, lse,
+                                           pool.key_scales.get(layer), pool.value_scales.get(layer))  # fmt: skip
             if name == "attention_image":
                 out = torch.empty(1, HEADS, HEAD_DIM, dtype=torch.bfloat16, device=meta)
                 triton_kernels.merge(parts, lse, lengths, plan.block, least, out)
@@ -339,7 +350,7 @@ def entry(name: str, launch: Launch, target_name: str, rows: int) -> dict[str, A
                loop_instructions=sass.loop_instructions, async_copy=sass.async_copy, ldg128=sass.ldg128,
                slow_conversions=sass.slow_conversions, mma_per_iteration=sass.mma)  # fmt: skip
     if moved is not None:
-        kv_bytes = 2 * HEAD_DIM * 2  # a key and a value of one head, bf16
+        kv_bytes = 2 * (HEAD_DIM + 4) if name.endswith("_fp8") else 2 * HEAD_DIM * 2  # a key and a value of a head
         per_iteration = moved[1] * kv_bytes if name.startswith("attention") else moved[1]
         row["ceiling_tb_s"] = ceiling_tb_s(sass, per_iteration, target)
         if name.startswith("attention") and sass.loop_instructions is not None:

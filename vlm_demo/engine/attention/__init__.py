@@ -53,7 +53,7 @@ def check(name: str, shape: PageShape, heads: int, device: torch.device,
     if name == "reference":
         return None, None
     if name == "flash":
-        missing = flash_missing(device, shape.dtype)
+        missing = flash_missing(device, shape.dtype, shape.kv_dtype)
     else:
         missing = triton_missing(device)
         if missing is None and device.type != "cuda" and not asked:

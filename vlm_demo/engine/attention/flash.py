@@ -29,10 +29,14 @@ def paged_call_missing() -> str | None:
     return None
 
 
-def flash_missing(device: torch.device, dtype: torch.dtype) -> str | None:
-    """Why this torch cannot run the paged call here (``None``: it can)."""
+def flash_missing(device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype | None = None) -> str | None:
+    """Why this torch cannot run the paged call here (``None``: it can); ``kv_dtype``: how the pool stores
+    keys/values (the call reads them in the queries' dtype: no fp8 pages, no scales)."""
     if device.type != "cuda":
         return "needs CUDA"
+    if kv_dtype is not None and kv_dtype != dtype:
+        stored = str(kv_dtype).removeprefix("torch.")
+        return f"cannot read {stored} pages (--kv-cache-dtype fp8): its paged call takes 16-bit keys/values"
     if dtype not in (torch.float16, torch.bfloat16):
         return f"needs 16-bit floats (the model runs in {str(dtype).removeprefix('torch.')})"
     return paged_call_missing()

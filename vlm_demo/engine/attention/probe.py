@@ -3,7 +3,9 @@
 A one-call check cannot see a fault that strikes one step in a hundred (FA2's automatic key splits gave NaNs
 about that often), so the probe runs a few hundred steps of random rows — a few to many rows, lengths across
 page boundaries, one to four tiles, pages scattered over a scratch pool of the engine's shape (the engine's own
-pool is not touched) — and compares self- and cross-attention with the reference's on every one.
+pool is not touched) — and compares self- and cross-attention with the reference's on every one. The scratch pool
+stores keys/values as the engine's does (``--kv-cache-dtype``): an fp8 kernel is compared with the reference
+reading the same fp8 pages.
 """
 
 from __future__ import annotations
@@ -69,8 +71,7 @@ def probe(kind: type[PagedAttention], shape: PageShape, heads: int, device: torc
         layers[shape.cross_layers[0]] = device
     pool = PagePool(shape, MOST_ROWS * row_pages, layers)
     generator = torch.Generator(device=device).manual_seed(seed)
-    for buffer in pool.buffers.values():
-        buffer.normal_(generator=generator)
+    fill(pool, generator)
     scale = shape.head_dim**-0.5
     try:
         fast, slow = kind(pool, heads, scale), ReferenceAttention(pool, heads, scale)
@@ -88,6 +89,22 @@ def probe(kind: type[PagedAttention], shape: PageShape, heads: int, device: torc
     except Exception as exc:  # noqa: BLE001 - any failure means: do not use this kernel
         result.failure = f"{type(exc).__name__}: {exc}"
     return result
+
+
+def fill(pool: PagePool, generator: torch.Generator) -> None:
+    """Random keys and values (standard normal) in every page of ``pool``; an fp8 pool's written as the engine
+    writes them (quantised per token per head, with their scales)."""
+    if not pool.shape.scaled:
+        for buffer in pool.buffers.values():
+            buffer.normal_(generator=generator)
+        return
+    for layer, keys in pool.keys.items():
+        pages, tokens = keys.shape[:2]
+        where = (torch.arange(pages, device=keys.device).repeat_interleave(tokens),
+                 torch.arange(tokens, device=keys.device).repeat(pages))  # fmt: skip
+        size = (pages * tokens, *keys.shape[2:])
+        new = [torch.randn(size, generator=generator, device=keys.device).to(pool.shape.dtype) for _ in range(2)]
+        pool.write(layer, where, *new)
 
 
 def _step(fast: PagedAttention, slow: PagedAttention, pool: PagePool, rng: np.random.Generator, staging: Staging,

@@ -16,6 +16,11 @@ padding; its text blocks are gathered every step (head-major, for the products),
 
 What each step reads is counted from the layout on the host (the dense lines whole, padding included), and its
 gathers are the working memory the memory plan reserves for it (``working_bytes``).
+
+An fp8 pool (``--kv-cache-dtype fp8``) is gathered as stored, with its scales, and only the gathered blocks are
+widened to the model's dtype (values × their token's and head's scale); the lines kept between steps hold widened
+values, and the step's new token is written into them as the pool now holds it (dequantised), so kept lines stay
+what a fresh gather would give.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from vlm_demo.engine.attention.base import PagedAttention, StepOrder, StepRows, table
-from vlm_demo.engine.pages import PageShape
+from vlm_demo.engine.pages import PageShape, dequantize
 from vlm_demo.engine.staging import Staging
 
 DENSE_ROWS = 16  # up to this many rows the reference attention takes masked products over lines (few operations)
@@ -302,8 +307,8 @@ class ReferenceAttention(PagedAttention):
     def write(self, layer: int, pages: torch.Tensor, offsets: torch.Tensor, keys: torch.Tensor,
               values: torch.Tensor, layout: ReferenceLayout) -> None:  # fmt: skip
         """A self-attention layer's new keys/values ``[rows, kv heads, dim]`` into the pool, and into the dense
-        lines this layer keeps for the layout (so they stay what a gather would give)."""
-        self.pool.write(layer, (pages, offsets), keys, values)
+        lines this layer keeps for the layout (so they stay what a gather would give: fp8's dequantised values)."""
+        keys, values = self.pool.write(layer, (pages, offsets), keys, values)
         held = self._held.get(layer)
         if held is None:
             return
@@ -315,29 +320,35 @@ class ReferenceAttention(PagedAttention):
 
     def self_attention(self, layer: int, query: torch.Tensor, layout: ReferenceLayout) -> torch.Tensor:
         """``[rows, heads, dim]`` queries over each row's text tokens -> ``[rows, heads × dim]``."""
-        keys, values = self.pool.keys[layer], self.pool.values[layer]
         pages: torch.Tensor = layout.text_pages  # type: ignore[assignment]  # set for every step with text rows
         if layout.text_bands is not None:
-            lines = self._lines(layer, layout.text_epoch, layout.text_slots, layout.text_bands, keys.shape[1],  # type: ignore[arg-type]
-                                lambda: (keys.index_select(0, pages), values.index_select(0, pages)))  # fmt: skip
+            lines = self._lines(layer, layout.text_epoch, layout.text_slots, layout.text_bands, self.shape.page_tokens,  # type: ignore[arg-type]
+                                lambda: self._gather(layer, lambda t: t.index_select(0, pages)))  # fmt: skip
             return self._dense(query, lines, layout.text_masks, layout.text_bands)  # type: ignore[arg-type]
-        gathered_k, gathered_v = (
-            keys.transpose(1, 2).index_select(0, pages),
-            values.transpose(1, 2).index_select(0, pages),
-        )
+        gathered_k, gathered_v = self._gather(layer, lambda t: t.transpose(1, 2).index_select(0, pages))
         return self._reference(query, gathered_k, gathered_v, layout.text_rows, layout.text_valid, layout.rows)  # type: ignore[arg-type]
+
+    def _gather(self, layer: int, pick: Callable[[torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``pick`` of the layer's keys and values (a gather; it takes ``[pages, tokens, kv heads, …]``), widened to the
+        model's dtype with the same gather of their scales where the pool is fp8."""
+        keys, values = pick(self.pool.keys[layer]), pick(self.pool.values[layer])
+        if not self.shape.scaled:
+            return keys, values
+        dtype = self.shape.dtype
+        key_scales, value_scales = pick(self.pool.key_scales[layer]), pick(self.pool.value_scales[layer])
+        return dequantize(keys, key_scales, dtype), dequantize(values, value_scales, dtype)
 
     def cross_attention(self, layer: int, query: torch.Tensor, layout: ReferenceLayout) -> torch.Tensor:
         """``[rows, heads, dim]`` queries over each row's image-state tokens -> ``[rows, heads × dim]``."""
-        keys, values = self.pool.keys[layer], self.pool.values[layer]
         where = (layout.tile_pages, layout.tile_offsets)
         if layout.image_bands is not None:
             lines = self._lines(layer, layout.image_epoch, layout.tile_slots, layout.image_bands, self.shape.patches,  # type: ignore[arg-type]
-                                lambda: (keys[where], values[where]))  # fmt: skip
+                                lambda: self._gather(layer, lambda t: t[where]))  # fmt: skip
             return self._dense(query, lines, layout.image_masks, layout.image_bands)  # type: ignore[arg-type]
         tiles = self._tiles.get(layer)
         if tiles is None or layout.image_epoch is None or tiles.epoch != layout.image_epoch:  # kept while rows stay
-            tiles = _Lines(*(t[where].transpose(1, 2).contiguous() for t in (keys, values)), layout.image_epoch)  # type: ignore[call-arg, arg-type]
+            keys, values = (t.transpose(1, 2).contiguous() for t in self._gather(layer, lambda t: t[where]))
+            tiles = _Lines(keys, values, layout.image_epoch)
             self._tiles.pop(layer, None)
             if layout.image_epoch is not None and self._kept_bytes() + 2 * tiles.keys.nbytes <= HELD_BYTES:
                 self._tiles[layer] = tiles

@@ -30,7 +30,7 @@ def interpreted() -> bool:
 
 
 def triton_missing(device: torch.device) -> str | None:
-    """Why the Triton kernel cannot run here (``None``: it can)."""
+    """Why the Triton kernel cannot run here (``None``: it can; fp8 pages too, on every GPU: read as bytes)."""
     if importlib.util.find_spec("triton") is None:
         return "the triton package is not installed (CUDA torch wheels bring it; else pip install triton)"
     if device.type != "cuda" and not interpreted():
@@ -45,10 +45,13 @@ def _kernels() -> Any:
 
 @torch.library.custom_op("vlm_demo::paged_decode_attention", mutates_args=())
 def paged_decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, table: torch.Tensor,
-                           lengths: torch.Tensor, scale: float, block: int) -> torch.Tensor:  # fmt: skip
-    """``[rows, heads, dim]`` queries over each row's ``lengths`` keys through ``table``: one split per row."""
+                           lengths: torch.Tensor, scale: float, block: int, key_scales: torch.Tensor | None = None,
+                           value_scales: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """``[rows, heads, dim]`` queries over each row's ``lengths`` keys through ``table``: one split per row (fp8
+    pages: with their scales)."""
     out = torch.empty_like(query, memory_format=torch.contiguous_format)
-    _kernels().split_attention(query, keys, values, table, lengths, scale, block, 1, 1, out, None)
+    _kernels().split_attention(query, keys, values, table, lengths, scale, block, 1, 1, out, None, key_scales,
+                               value_scales)  # fmt: skip
     return out
 
 
@@ -59,19 +62,22 @@ def _(query: torch.Tensor, *args: Any) -> torch.Tensor:
 
 @torch.library.custom_op("vlm_demo::paged_decode_attention_split", mutates_args=())
 def paged_decode_attention_split(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, table: torch.Tensor,
-                                 lengths: torch.Tensor, scale: float, block: int, min_blocks: int,
-                                 max_splits: int) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+                                 lengths: torch.Tensor, scale: float, block: int, min_blocks: int, max_splits: int,
+                                 key_scales: torch.Tensor | None = None,
+                                 value_scales: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """The same over each row's own splits (at most ``max_splits``, each at least ``min_blocks`` blocks of
     ``block`` keys): each written split's part (float32) and its softmax's log total; unwritten parts stay as
     allocated, and the merge never reads them."""
     parts, lse = _split_buffers(query, max_splits)
-    _kernels().split_attention(query, keys, values, table, lengths, scale, block, min_blocks, max_splits, parts, lse)
+    _kernels().split_attention(query, keys, values, table, lengths, scale, block, min_blocks, max_splits, parts, lse,
+                               key_scales, value_scales)  # fmt: skip
     return parts, lse
 
 
 @paged_decode_attention_split.register_fake
 def _(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, table: torch.Tensor, lengths: torch.Tensor,
-      scale: float, block: int, min_blocks: int, max_splits: int) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+      scale: float, block: int, min_blocks: int, max_splits: int, key_scales: torch.Tensor | None = None,
+      value_scales: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     return _split_buffers(query, max_splits)
 
 
@@ -178,12 +184,13 @@ class TritonAttention(TableAttention):
         merge; ``bound`` is the tables' width in tokens, a constant under a CUDA graph (so is the launch's split
         dimension)."""
         keys, values, plan = self.pool.keys[layer], self.pool.values[layer], self.plan
+        scales = self.pool.key_scales.get(layer), self.pool.value_scales.get(layer)  # fp8 pages only
         splits = plan.splits(bound, image)
         if splits <= 1:
-            out = paged_decode_attention(query, keys, values, table, lengths, self.scale, plan.block)
+            out = paged_decode_attention(query, keys, values, table, lengths, self.scale, plan.block, *scales)
         else:
             least = plan.image_blocks if image else plan.text_blocks
             parts, lse = paged_decode_attention_split(query, keys, values, table, lengths, self.scale, plan.block,
-                                                      least, splits)  # fmt: skip
+                                                      least, splits, *scales)  # fmt: skip
             out = merge_decode_splits(parts, lse, lengths, plan.block, least, query.dtype)
         return out
