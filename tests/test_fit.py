@@ -125,3 +125,19 @@ def test_the_bound_takes_the_packed_bytes_at_the_kernels_compiled_ceiling_where_
     assert int8["batch1_bound_tokens_per_s"] == pytest.approx(4.8e12 / int8["decode_read_bytes"])
     h100 = fit.spec_report(gpus.by_key("h100"))["results"]
     assert all(h100[k]["kernel_bytes_per_s"] is None for k in ("fp8", "int8", "int4"))
+
+
+def test_an_fp8_cache_fits_about_twice_the_rows_and_says_so(capsys) -> None:
+    """``--kv-cache-dtype fp8``: the same card holds more rows (each row's keys/values and picture states in 8 bits
+    with their scales: 132 bytes where bf16 takes 256), and the report names the cache."""
+    assert fit.main(["--gpu-memory", "80GiB", "--json", "--quantize", "none"]) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert fit.main(["--gpu-memory", "80GiB", "--json", "--quantize", "none", "--kv-cache-dtype", "fp8"]) == 0
+    fp8 = json.loads(capsys.readouterr().out)
+    assert (plain["kv_cache_dtype"], fp8["kv_cache_dtype"]) == ("auto", "fp8")
+    rows, more = plain["results"]["none"]["rows"], fp8["results"]["none"]["rows"]
+    assert 1.8 * rows <= more <= 2.0 * rows, (rows, more)
+    assert fit.main(["--gpu-memory", "80GiB", "--kv-cache-dtype", "fp8"]) == 0
+    assert "an fp8 key/value cache" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        fit.main(["--gpu-memory", "80GiB", "--kv-cache-dtype", "int4"])

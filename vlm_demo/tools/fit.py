@@ -37,6 +37,7 @@ from vlm_demo.engine.memory import (
     read_by_decode,
     rows_that_fit,
 )
+from vlm_demo.engine.pages import FP8, KV_CACHE_DTYPES, kv_dtype_for
 from vlm_demo.engine.placement import LOAD_MARGIN, meta_model
 from vlm_demo.errors import ModelLoadError
 from vlm_demo.models import realshape
@@ -181,6 +182,7 @@ def fit_report(
         "compute_capability": ".".join(map(str, capability)) if capability else None,
         "bandwidth_bytes_per_s": bandwidth,
         "max_new_tokens": max_new_tokens,
+        "kv_cache_dtype": "fp8" if kv_dtype is not None and kv_dtype != DTYPE else "auto",
         "row_tokens": max_new_tokens + PROMPT_TOKENS,
         "results": {kind: asdict(result) for kind, result in results.items()},
         "auto": auto if auto_rows else None,  # what --quantize auto loads; None: nothing this GPU runs fits
@@ -206,7 +208,8 @@ def words(report: dict[str, Any]) -> str:
     bw = f", {report['bandwidth_bytes_per_s'] / 1e9:.0f} GB/s" if report["bandwidth_bytes_per_s"] else ""
     lines = [
         f"{gpu}{report['gpu_memory_bytes'] / GiB:.1f} GiB{cc}{bw}; {report['model']}, "
-        f"{report['parameters'] / 1e9:.2f} B parameters; answers of up to {report['max_new_tokens']} tokens"
+        f"{report['parameters'] / 1e9:.2f} B parameters; answers of up to {report['max_new_tokens']} tokens; "
+        f"{'an fp8' if report['kv_cache_dtype'] == 'fp8' else 'a bf16'} key/value cache"
     ]
     for kind, r in report["results"].items():
         head = f"  {kind:>4}: weights {r['weight_bytes'] / GiB:5.1f} GiB ({r['weight_bytes'] / 1e9:.1f} GB)"
@@ -233,15 +236,16 @@ def words(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def spec_report(spec: GpuSpec, max_new_tokens: int = 2048) -> dict[str, Any]:
+def spec_report(spec: GpuSpec, max_new_tokens: int = 2048, kv_dtype: torch.dtype | None = None) -> dict[str, Any]:
     return fit_report(spec.memory, quantize.KINDS, max_new_tokens, spec.capability, spec.bandwidth, spec.label,
-                      (spec.sms, spec.ghz))  # fmt: skip
+                      (spec.sms, spec.ghz), kv_dtype)  # fmt: skip
 
 
 def readme_table(max_new_tokens: int = 2048) -> str:
-    """The README's "Which GPU?" table: every common GPU, every format: rows of ``max_new_tokens`` and the
-    batch-1 bound, or why not."""
+    """The README's "Which GPU?" table: every common GPU, every format: rows of ``max_new_tokens`` (and with
+    ``--kv-cache-dtype fp8``) and the batch-1 bound, or why not."""
     reports = [(spec, spec_report(spec, max_new_tokens)) for spec in table_gpus()]
+    fp8 = {spec.key: spec_report(spec, max_new_tokens, FP8)["results"] for spec in table_gpus()}
     first = reports[0][1]["results"]
     names = {"none": "bf16"}
     header = ["GPU (memory, bandwidth)"]
@@ -255,7 +259,8 @@ def readme_table(max_new_tokens: int = 2048) -> str:
             elif not r["fits"]:
                 cells.append("does not fit")
             else:
-                cells.append(f"{r['rows']} rows · ≤ {r['batch1_bound_tokens_per_s']:.0f} tok/s")
+                more = fp8[spec.key][kind]["rows"]
+                cells.append(f"{r['rows']} rows ({more} at fp8) · ≤ {r['batch1_bound_tokens_per_s']:.0f} tok/s")
         cells.append(names.get(report["auto"], report["auto"]) if report["auto"] else "nothing fits")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -277,6 +282,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--bandwidth", type=parse_bandwidth, help="memory bandwidth for the decode bound (600GB/s)")
     parser.add_argument("--compute-capability", help="e.g. 8.6 (with --gpu: the card's; unknown: every format counts)")
+    parser.add_argument(
+        "--kv-cache-dtype",
+        choices=tuple(KV_CACHE_DTYPES),
+        default="auto",
+        help="how the key/value cache is stored, as the server's flag: auto (bf16) or fp8 (about half the bytes a row)",
+    )
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("--readme-table", action="store_true", help="print the README's table of common GPUs")
     return parser
@@ -308,7 +319,9 @@ def main(argv: list[str] | None = None) -> int:
     bandwidth = args.bandwidth or (spec.bandwidth if spec else None)
     kinds = quantize.KINDS if "auto" in asked else asked  # auto: weigh them all, show its pick
     cores = (spec.sms, spec.ghz) if spec else None
-    report = fit_report(memory, kinds, args.max_new_tokens, capability, bandwidth, spec.label if spec else "", cores)
+    kv_dtype = kv_dtype_for(args.kv_cache_dtype, DTYPE)
+    report = fit_report(memory, kinds, args.max_new_tokens, capability, bandwidth, spec.label if spec else "", cores,
+                        None if kv_dtype == DTYPE else kv_dtype)  # fmt: skip
     shown = {k for k in asked if k != "auto"} | ({report["auto"]} if "auto" in asked else set())
     report["results"] = {k: r for k, r in report["results"].items() if k in shown}
     print(json.dumps(report, indent=1) if args.json else words(report))
