@@ -115,3 +115,18 @@ def test_page_load_streams_to_more_visitors_at_once_than_gradios_default_40(tiny
     assert result.updates >= 2 * 48 and result.cpu_ms_per_update > 0 and result.ttft_p50_s > 0
     assert result.health_p95_s > 0 and 0 <= result.idle_cpu_pct < 100
     assert set(dataclasses.asdict(result)) >= {"cpu_ms_per_update", "gap_p95_s", "worst_visitor_gap_p95_s"}
+
+
+def test_kv_closeness_compares_the_fp8_cache_with_the_models_dtype_step_by_step(worker) -> None:
+    """``bench --kv-closeness``'s parts at a small width: the teacher-forced logits differ a little and not at all
+    in shape, the fp8 pool takes fewer bytes a token, and the tiny model's held-out answers are counted per cache."""
+    from vlm_demo.tools import kv_closeness
+
+    logits = kv_closeness.logit_closeness(steps=2, rows=2, hidden=256)
+    assert logits["steps"] == 2 and logits["rows"] == 2
+    assert 0 < logits["mean_abs_logit_difference"] <= logits["max_abs_logit_difference"] < float("inf")
+    assert 0 <= logits["argmax_agreement"] <= 1 and logits["mean_kl_divergence"] >= 0
+    assert logits["pool_bytes_per_token"]["fp8"] < logits["pool_bytes_per_token"]["auto"]
+    answers = kv_closeness.tiny_answers(worker, 2)
+    assert answers["auto"] == answers["fp8"] == {"four_staged": 2, "right_colour": 2}
+    assert answers["fp8_same_text_as_auto"] == 2

@@ -132,3 +132,23 @@ def test_the_counter_counts_a_per_call_widened_copy_as_weight_bytes_read() -> No
     counted = kernels.count(lambda: torch.nn.functional.linear(x, values.to(torch.float32)) * scale, [values, scale])
     assert counted.weight_bytes_read == 64 * 32 * (1 + 4) + 64 * 4
     assert kernels.count(lambda: x @ x.t(), [values]).weight_bytes_read == 0
+
+
+def test_attention_bytes_per_step_count_a_shared_picture_once_per_picture_row_and_fp8_at_half(report) -> None:
+    """``attention_bytes_per_step``, from the engine's own Triton layout at the 11B shapes: a row's text (its new
+    token included) and its 4-tile picture, distinct pictures per row; rows about one picture read it once per 8 rows; fp8 pages (with their
+    scales) about half of bf16's."""
+    from vlm_demo.engine.pages import CUDA_PAGE_TOKENS, FP8, PageShape
+    from vlm_demo.models import realshape
+
+    figures = report["attention_bytes_per_step"]
+    for label, kv in (("bf16", None), ("fp8", FP8)):
+        shape = PageShape.of(realshape.full_config(), torch.bfloat16, CUDA_PAGE_TOKENS, kv)
+        text, picture = (kernels.TEXT_TOKENS + 1) * shape.text_bytes_per_token, 4 * 1601 * shape.image_bytes_per_token
+        for rows in kernels.ATTENTION_ROWS:
+            assert figures[label]["distinct"][str(rows)] == rows * (text + picture), (label, rows)
+            assert figures[label]["shared"][str(rows)] == rows * text + -(-rows // 8) * picture, (label, rows)
+    assert 1.9 < figures["bf16"]["distinct"]["128"] / figures["fp8"]["distinct"]["128"] < 2.0
+    assert (
+        figures["bf16"]["distinct"]["1"] == 288_620_544
+    )  # 601 × 128 KiB of text (the new token's too), 6,404 × 32 KiB

@@ -58,7 +58,7 @@ def logit_closeness(steps: int = STEPS, rows: int = ROWS, hidden: int = HIDDEN, 
     colours = ("red", "blue", "green", "yellow")
     requests = []
     for r in range(rows):
-        image = solid_image(colours[r % 4], 560 + 300 * r, 560, noise=40, seed=seed + r)
+        image = solid_image(colours[r % 4], 1120, 1120, noise=40, seed=seed + r)  # 4 tiles each
         question = "Describe this picture in detail, please."
         requests.append(Request(image, question, params, inputs=worker.prepare(image, question),
                                 image_key=image_digest(image)))  # fmt: skip
