@@ -58,7 +58,8 @@ TARGETS: dict[str, Target] = {
     "sm_90": Target(90, "H100 SXM", 132, 1.83, 3.35),  # the H200: the same SMs and clock, 4.8 TB/s
     "sm_120": Target(120, "RTX Pro 6000 Blackwell", 188, 2.6, 1.79),
 }
-ATTENTION = ("attention_text", "attention_image", "merge", "attention_text_fp8", "attention_image_fp8")
+ATTENTION = ("attention_text", "attention_image", "merge", "attention_text_fp8", "attention_image_fp8",
+             "attention_picture_rows", "attention_picture_rows_fp8")  # fmt: skip
 PACKED = ("packed_int8", "packed_fp8", "packed_int4")
 KERNELS = ATTENTION + PACKED
 PACKED_ROWS = (1, 16, 32, 64, 128, 256)
@@ -256,7 +257,8 @@ def ceiling_tb_s(sass: Sass, bytes_per_iteration: float, target: Target) -> floa
 def attention_launches() -> dict[str, Launch]:
     """The decode attention's launches for one 600-token text row and one 4-tile picture, as the launcher makes
     them with an H100's split plan (the code compiled does not depend on the SM count or the rows); ``…_fp8``: the
-    same over fp8 pages with their scales (``--kv-cache-dtype fp8``)."""
+    same over fp8 pages with their scales (``--kv-cache-dtype fp8``); ``attention_picture_rows``: a picture row's
+    launch (the cascade: 8 rows about one picture, 256 query heads over its 8 key/value heads)."""
     launches: dict[str, Launch] = {}
     for suffix, kv_dtype in (("", None), ("_fp8", torch.float8_e4m3fn)):
         launches.update({name + suffix: launch for name, launch in _attention_launches(kv_dtype).items()})
@@ -266,7 +268,7 @@ def attention_launches() -> dict[str, Launch]:
 
 def _attention_launches(kv_dtype: torch.dtype | None) -> dict[str, Launch]:
     from vlm_demo.engine.attention import triton_kernels
-    from vlm_demo.engine.attention.triton import SplitPlan
+    from vlm_demo.engine.attention.triton import CASCADE_SLOTS, SplitPlan
     from vlm_demo.engine.pages import PagePool, PageShape
 
     meta = torch.device("meta")
@@ -294,6 +296,18 @@ def _attention_launches(kv_dtype: torch.dtype | None) -> dict[str, Launch]:
         launches[name] = made[0]
         if len(made) > 1:
             launches["merge"] = made[1]
+    # A picture row: 8 rows about one picture read its states once, all their query heads in one product
+    grouped = torch.empty(1, HEADS * CASCADE_SLOTS, HEAD_DIM, dtype=torch.bfloat16, device=meta)
+    splits, layer = plan.splits(IMAGE_TOKENS, True), 32
+    table = torch.empty(1, -(-IMAGE_TOKENS // 1024), dtype=torch.int32, device=meta)
+    lengths = torch.empty(1, dtype=torch.int32, device=meta)
+    parts = torch.empty(1, HEADS * CASCADE_SLOTS, splits, HEAD_DIM, dtype=torch.float32, device=meta)
+    lse = torch.empty(1, HEADS * CASCADE_SLOTS, splits, dtype=torch.float32, device=meta)
+    with recording(triton_kernels, "_split_attention") as made:
+        triton_kernels.split_attention(grouped, pool.keys[layer], pool.values[layer], table, lengths, HEAD_DIM**-0.5,
+                                       plan.block, plan.image_blocks, splits, parts, lse, pool.key_scales.get(layer),
+                                       pool.value_scales.get(layer))  # fmt: skip
+    launches["attention_picture_rows"] = made[0]
     return launches
 
 
