@@ -51,7 +51,7 @@ def _decoders(model: Any, pages: int) -> dict[str, Any]:
     def rounded(layer: int, where: Any, keys: torch.Tensor, values: torch.Tensor) -> Any:
         return write(layer, where, keys.bfloat16().float(), values.bfloat16().float())
 
-    pool.write = rounded  # every write of this pool: the prefill's and each step's  # type: ignore[method-assign]
+    pool.write = rounded  # type: ignore[method-assign]  # every write of this pool: the prefill's and each step's
     return decoders
 
 
