@@ -47,7 +47,7 @@ from vlm_demo.errors import (
     OutOfMemoryError,
     UnsupportedError,
 )
-from vlm_demo.request import STAGE_BEAM, ClientSlots, ValidRequest
+from vlm_demo.request import STAGE_BEAM, ValidRequest
 from vlm_demo.results import EngineStats, GenerationResult
 from vlm_demo.stream import Listener, run_all
 
@@ -140,7 +140,6 @@ class Engine:
         self.failpoint: Callable[[str], None] | None = failpoints_from_env()  # fault drills only; see faults.py
         self.on_fatal: Callable[[BaseException], None] | None = None  # called once the engine thread died
         self.fatal: str | None = None  # why the engine thread stopped, once it did
-        self.clients = ClientSlots(self.config.max_per_client)  # answers waiting or running per client
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -219,13 +218,11 @@ class Engine:
             raise EngineStoppedError("The server is shutting down; please try again shortly.")
         request = self.make_request(valid)
         request.rid, request.outbox = rid, self.outbox
-        self.clients.take(request.client)  # past --max-per-client: refused here, at once
         self.live[rid] = request
         try:
             self.scheduler.add(request)
         except DemoError:
             self.live.pop(rid, None)
-            self.clients.give_back(request.client)
             raise
 
     def cancel(self, rid: int) -> None:
@@ -274,7 +271,6 @@ class Engine:
             if request.done:
                 self._urgent = True
                 del self.live[rid]
-                self.clients.give_back(request.client)
                 step.ended.append(Ended(rid, request.result, request.error))
         changes, now = self.scheduler.waiting.changes, time.monotonic()
         if step.ended or changes != self._reported[0] or now - self._reported[1] >= STATS_EVERY_S:
