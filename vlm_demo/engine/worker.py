@@ -4,8 +4,9 @@ The worker owns the model and processor.
 ``prepare`` turns one request into tensors on the caller's thread (so a broken image fails alone,
 before it can join a batch). Dynamic mode: ``run`` left-pads a batch of prepared requests and calls
 ``generate`` once, with per-row sampling and per-row streaming/stopping. Continuous mode:
-``prefill`` runs newcomers together over their pictures' projected states (:mod:`~vlm_demo.engine.vision`:
-the tower on each picture's real tiles, some layers at a time if the engine wants), ``decode`` one step for
+``prefill`` runs newcomers together over their pictures' projected states (asked once of
+:mod:`~vlm_demo.engine.picture_states`; :mod:`~vlm_demo.engine.vision` runs the tower on each picture's real
+tiles, some layers at a time if the engine wants), ``decode`` one step for
 every running row over the page pool.
 """
 
