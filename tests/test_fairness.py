@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from support import checked, door, metric, running_app, wait_until
 
+from vlm_demo.backends.local import LocalBackend
 from vlm_demo.config import Config
 from vlm_demo.engine.continuous import ContinuousEngine
 from vlm_demo.engine.dynamic import DynamicEngine
@@ -19,6 +20,8 @@ from vlm_demo.engine.scheduler import FairQueue
 from vlm_demo.errors import TooManyRequestsError
 from vlm_demo.models.tiny import solid_image
 from vlm_demo.request import STAGE_BEAM, SamplingParams
+from vlm_demo.web.answers import Answers
+from vlm_demo.web.metrics import Metrics
 
 LONG = SamplingParams(max_new_tokens=400, temperature=0.0, ignore_eos=True)
 SHORT = SamplingParams(max_new_tokens=160, temperature=0.0)
@@ -47,18 +50,20 @@ def test_clients_take_turns_in_the_queue() -> None:
 
 
 def test_a_client_past_its_cap_is_refused_at_once_and_others_go_on(engines) -> None:
-    engine = engines(max_per_client=3)
+    """The cap's one owner is the answer service every door calls; the engine under it trusts it."""
+    engine = engines()
+    answers = Answers(LocalBackend(engine, "tiny"), Config(max_per_client=3), Metrics())
     image = solid_image("red", 32, 32)
-    mine = [engine.submit(ask(image, "Describe this picture in detail.", LONG, "script")) for _ in range(3)]
+    mine = [answers.submit(ask(image, "Describe this picture in detail.", LONG), "script") for _ in range(3)]
     with pytest.raises(TooManyRequestsError, match="You already have 3 answers in progress.*at most 3"):
-        engine.submit(ask(image, "one more", SHORT, "script"))
-    other = engine.submit(ask(image, "What colour is this image?", SHORT, "visitor")).result(timeout=120)
+        answers.submit(ask(image, "one more", SHORT), "script")
+    other = answers.submit(ask(image, "What colour is this image?", SHORT), "visitor").result(timeout=120)
     assert "red" in other.text.split("<CONCLUSION>")[-1]
-    anonymous = [engine.submit(ask(image, "What colour is this image?", SHORT)) for _ in range(5)]  # not capped
+    anonymous = [answers.submit(ask(image, "What colour is this image?", SHORT), "") for _ in range(5)]  # not capped
     for handle in mine:
         handle.cancel()
     assert all("red" in h.result(timeout=120).text for h in anonymous)
-    again = engine.submit(ask(image, "What colour is this image?", SHORT, "script")).result(timeout=120)
+    again = answers.submit(ask(image, "What colour is this image?", SHORT), "script").result(timeout=120)
     assert again.finish_reason == "stop", "finished answers must free the client's places"
 
 

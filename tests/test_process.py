@@ -20,6 +20,7 @@ from vlm_demo.backends import make_backend
 from vlm_demo.backends.engine_client import EngineProcessBackend
 from vlm_demo.config import Config
 from vlm_demo.engine.dynamic import DynamicEngine
+from vlm_demo.engine.ipc import Ended, Step, StepBuffer
 from vlm_demo.errors import EngineStoppedError, RequestCancelledError
 from vlm_demo.models.tiny import solid_image
 from vlm_demo.request import SamplingParams
@@ -43,6 +44,24 @@ def test_importing_the_page_and_the_triton_client_does_not_import_torch() -> Non
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_held_steps_merge_into_one_message_in_order() -> None:
+    """One place merges Steps (``Step.merge``, held by ``StepBuffer``): each request's text in one piece, in
+    order; everything else kept in order; the latest stats and queue win."""
+    early, late = object(), object()  # two engine reports (only which one wins matters)
+    held = StepBuffer()
+    assert not held and held.take() is None
+    held.add(Step(text=[(1, "a"), (2, "x")], tokens=[(1, 1, [5])], stats=early, waiting=[3, 4]))
+    held.add(Step())
+    assert held  # an empty Step is still handed on (an idle engine's last one)
+    held.add(Step(text=[(1, "b")], tokens=[(1, 2, [6])], ended=[Ended(2, None)], batch_sizes=[2]))
+    held.add(Step(text=[(3, "c")], stats=late, waiting=[4]))
+    step = held.take()
+    assert step is not None and not held
+    assert step.text == [(1, "ab"), (2, "x"), (3, "c")] and step.tokens == [(1, 1, [5]), (1, 2, [6])]
+    assert [e.rid for e in step.ended] == [2] and step.batch_sizes == [2]
+    assert step.stats is late and step.waiting == [4]
 
 
 def test_every_config_field_has_a_reader() -> None:

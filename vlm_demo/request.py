@@ -1,4 +1,5 @@
-"""The one door every request passes: what a request is, the rules it must meet, and who may send it.
+"""The one door every request passes: what a request is and the rules it must meet (the per-client cap is
+the answer service's, :class:`~vlm_demo.web.answers.ClientSlots`).
 
 Torch-free on purpose: the web process validates requests before they cross to the engine process (or to a
 remote Triton), and importing the page must not load a deep-learning framework. There is one set of rules
@@ -19,12 +20,11 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
-import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from vlm_demo.errors import InvalidRequestError, TooManyRequestsError
+from vlm_demo.errors import InvalidRequestError
 from vlm_demo.prompt import MAX_HISTORY_CHARS, MAX_HISTORY_TURNS, Turn
 
 if TYPE_CHECKING:
@@ -291,36 +291,6 @@ def sampling_from(values: Mapping[str, Any], limits: Limits) -> SamplingParams:
             given[name] = min(DEFAULTS[name], limits.max_new_tokens)
     _check_together(given)
     return SamplingParams(**given)
-
-
-class ClientSlots:
-    """Answers in progress per client, against ``--max-per-client``: one client (an address, an API user)
-    cannot hold more, so one script cannot take a public demo from everyone. Anonymous callers (the
-    engine's own tools, benchmarks) are not counted. Thread-safe."""
-
-    def __init__(self, cap: int) -> None:
-        self.cap = cap
-        self.held: dict[str, int] = {}
-        self._lock = threading.Lock()
-
-    def take(self, client: str) -> None:
-        """Count one more for ``client``, or raise :class:`TooManyRequestsError` saying why not."""
-        with self._lock:
-            held = self.held.get(client, 0)
-            if self.cap and client and held >= self.cap:
-                raise TooManyRequestsError(
-                    f"You already have {held} answer{'s' if held != 1 else ''} in progress; wait for one to finish "
-                    f"(at most {self.cap} at a time per visitor), then ask again."
-                )
-            self.held[client] = held + 1
-
-    def give_back(self, client: str) -> None:
-        with self._lock:
-            left = self.held.get(client, 1) - 1
-            if left > 0:
-                self.held[client] = left
-            else:
-                self.held.pop(client, None)
 
 
 @dataclass(frozen=True)

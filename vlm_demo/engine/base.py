@@ -33,7 +33,7 @@ import torch
 
 from vlm_demo.config import Config
 from vlm_demo.engine.faults import from_env as failpoints_from_env
-from vlm_demo.engine.ipc import Ended, Step
+from vlm_demo.engine.ipc import Ended, Step, StepBuffer
 from vlm_demo.engine.memory import MemoryPlan, plan_for
 from vlm_demo.engine.quantize import weights_label
 from vlm_demo.engine.request import Request, make_request
@@ -47,7 +47,7 @@ from vlm_demo.errors import (
     OutOfMemoryError,
     UnsupportedError,
 )
-from vlm_demo.request import STAGE_BEAM, ClientSlots, ValidRequest
+from vlm_demo.request import STAGE_BEAM, ValidRequest
 from vlm_demo.results import EngineStats, GenerationResult
 from vlm_demo.stream import Listener, run_all
 
@@ -133,14 +133,13 @@ class Engine:
         self.live: dict[int, Request] = {}  # rid -> its request, from the door until its end is reported
         self.outbox: list[Request] = []  # requests with news since the last Step (appended from any thread)
         self._reported = (-1, 0.0)  # the queue's change count and the time of the last Step with stats
-        self._held: Step | None = None  # Steps not handed to ``sink`` yet, merged
+        self._held = StepBuffer()  # Steps not handed to ``sink`` yet
         self._handed = 0.0  # when ``sink`` was last handed Steps
         self._urgent = False  # the held Steps end a request or bring its first words
         self.batches_run = 0
         self.failpoint: Callable[[str], None] | None = failpoints_from_env()  # fault drills only; see faults.py
         self.on_fatal: Callable[[BaseException], None] | None = None  # called once the engine thread died
         self.fatal: str | None = None  # why the engine thread stopped, once it did
-        self.clients = ClientSlots(self.config.max_per_client)  # answers waiting or running per client
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -159,7 +158,7 @@ class Engine:
         try:
             while not self._stop.is_set():
                 step = self.step()
-                if step or self._held is not None:
+                if step or self._held:
                     self._hand_over(step)
         except BaseException as exc:  # noqa: BLE001 - the engine thread must never end without saying so
             log.critical("the engine thread stopped: %r", exc, exc_info=exc)
@@ -190,13 +189,13 @@ class Engine:
         """Give ``sink`` this Step with the ones held back, merged: at once when they end a request or bring its
         first words, or nothing runs; else once ``--stream-every-ms`` passed since the last hand-over (clients
         then get a few tokens at a time, and wake up a few times less)."""
-        held = step if self._held is None else self._held.merge(step)
+        self._held.add(step)
         clock = time.monotonic()
         if now or self._urgent or clock - self._handed >= self.stream_every_s or not self.running_rows():
-            self._held, self._urgent, self._handed = None, False, clock
+            held = self._held.take()
+            assert held is not None
+            self._urgent, self._handed = False, clock
             self.sink(held)
-        else:
-            self._held = held
 
     def _failpoint(self, point: str) -> None:
         if self.failpoint is not None:
@@ -219,13 +218,11 @@ class Engine:
             raise EngineStoppedError("The server is shutting down; please try again shortly.")
         request = self.make_request(valid)
         request.rid, request.outbox = rid, self.outbox
-        self.clients.take(request.client)  # past --max-per-client: refused here, at once
         self.live[rid] = request
         try:
             self.scheduler.add(request)
         except DemoError:
             self.live.pop(rid, None)
-            self.clients.give_back(request.client)
             raise
 
     def cancel(self, rid: int) -> None:
@@ -274,7 +271,6 @@ class Engine:
             if request.done:
                 self._urgent = True
                 del self.live[rid]
-                self.clients.give_back(request.client)
                 step.ended.append(Ended(rid, request.result, request.error))
         changes, now = self.scheduler.waiting.changes, time.monotonic()
         if step.ended or changes != self._reported[0] or now - self._reported[1] >= STATS_EVERY_S:

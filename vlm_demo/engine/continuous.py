@@ -42,6 +42,7 @@ from vlm_demo.engine.lookahead import Lookahead
 from vlm_demo.engine.memory import PROMPT_TOKENS
 from vlm_demo.engine.pacing import Pacer
 from vlm_demo.engine.pages import kv_dtype_for
+from vlm_demo.engine.picture_states import PictureStates
 from vlm_demo.engine.request import Request, Resume
 from vlm_demo.engine.rows import Row, RunningRows
 from vlm_demo.engine.worker import Worker
@@ -77,7 +78,8 @@ class ContinuousEngine(Engine):
         mb = self.config.image_cache_mb
         self.images = ImageStates(int(mb * 1024**2), self.decoder.pool) if mb > 0 else None
         self.pacer = Pacer(self.config.prefill_share, worker.synchronize)
-        self.lookahead = Lookahead(worker, self.images, self.pacer, self.config.prefill_batch_size)
+        self.pictures = PictureStates(worker.encode_pictures, self.images)  # a newcomer's picture states
+        self.lookahead = Lookahead(worker, self.pictures, self.pacer, self.config.prefill_batch_size)
         self.prefill_s = 0.0  # prefill work this step (seconds; a step with none measures the decode)
 
     # ---- observation -------------------------------------------------------------------------
@@ -144,7 +146,7 @@ class ContinuousEngine(Engine):
         room = self.rows.room(self.rows_allowed, cache, self.config.kv_token_budget)
         allowance = self.pacer.allowance(len(self.rows))
         if allowance is not None:  # rows decode: newcomers join with their picture ready, a few prompts a step
-            room.ready, room.prefill_tokens = self.lookahead.ready, self.pacer.units("prompt", allowance, 0)
+            room.ready, room.prefill_tokens = self.pictures.ready, self.pacer.units("prompt", allowance, 0)
         plan = self.scheduler.plan(room, self.rows.states, self.beams)
         if plan.evict_pages and self.images is not None:
             self.images.evict(plan.evict_pages)
@@ -203,11 +205,11 @@ class ContinuousEngine(Engine):
             request.started = request.started or now
         failure: Exception | None = None
         reserve = self.rows.table.cache_reserve(group, len(self.rows))  # not the image-state cache's pages
-        text_only = all(self.lookahead.ready(r) for r in group)  # else the tower runs inline: not a prompt's cost
+        text_only = all(self.pictures.ready(r) for r in group)  # else the tower runs inline: not a prompt's cost
         try:
             self._failpoint("prefill")
             with self.pacer.timed("prompt" if text_only else "", sum(r.input_tokens for r in group)) as took:
-                prefill = self.worker.prefill(group, self.images, reserve)
+                prefill = self.worker.prefill(group, self.pictures, reserve)
                 places = self.rows.place(prefill, list(range(len(group))))
             self.prefill_s += took[0]
             self.prefills_run += 1

@@ -2,7 +2,7 @@
 
 Web → engine: ``Submit`` (a request that passed the door), ``Cancel``, ``Shutdown``.
 Engine → web: ``Loading`` while the model loads, ``Ready`` once it is (or ``Fatal`` if it cannot be), then one ``Step`` per
-engine step (merged when the pipe is slower than the engine) carrying every row's new text and
+engine step (merged when the pipe is slower than the engine: :class:`StepBuffer`) carrying every row's new text and
 token ids, the requests that ended, the batch sizes run and the engine's stats. Text is sent per step,
 not per token per row: with 32 rows that is 32× fewer messages for the web process to unpickle.
 """
@@ -94,3 +94,25 @@ class Step:
             later.stats if later.stats is not None else self.stats,
             later.waiting if later.stats is not None else self.waiting,
         )
+
+
+class StepBuffer:
+    """Steps not handed on yet, merged into one as they come (:meth:`Step.merge`, the one place Steps are
+    merged): the engine thread holds Steps until ``--stream-every-ms`` passed (its hand-over to ``sink``), then
+    the engine process's publisher holds them while the pipe is busy. Both are needed: the first paces the
+    clients, the second only absorbs a slow pipe. (A ZeroGPU call holds its Steps between yields with
+    :meth:`Step.merge` too.) Not thread-safe: its owner locks."""
+
+    def __init__(self) -> None:
+        self.step: Step | None = None
+
+    def __bool__(self) -> bool:
+        return self.step is not None  # held, even when empty (an idle engine's last Step is still handed on)
+
+    def add(self, step: Step) -> None:
+        self.step = step if self.step is None else self.step.merge(step)
+
+    def take(self) -> Step | None:
+        """What is held, merged (None when nothing is), and hold nothing."""
+        step, self.step = self.step, None
+        return step

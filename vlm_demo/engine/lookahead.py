@@ -4,15 +4,16 @@ The tower is most of a newcomer's prefill (a 4-tile picture is ~6,400 vision tok
 While rows decode, the engine runs it here for the requests next in line, as many layers per step as the
 step's allowance holds (:mod:`~vlm_demo.engine.pacing`), one group of pictures of one tile count at a time; a
 request joins only once its picture is ready, so its own prefill is the text alone. The finished states are
-held by the requests (and put in the image-state cache for repeats) until their prefill takes them. At most
+held by the requests (and put in the image-state cache for repeats: :meth:`PictureStates.encoded
+<vlm_demo.engine.picture_states.PictureStates.encoded>`) until their prefill takes them. At most
 ``depth`` waiting requests are looked at, which bounds the states held outside the page pool to what one
 prefill of that many newcomers holds anyway.
 """
 
 from __future__ import annotations
 
-from vlm_demo.engine.image_cache import ImageStates
 from vlm_demo.engine.pacing import Pacer
+from vlm_demo.engine.picture_states import PictureStates
 from vlm_demo.engine.request import Request
 from vlm_demo.engine.vision import TowerJob
 from vlm_demo.engine.worker import Worker
@@ -21,19 +22,13 @@ from vlm_demo.engine.worker import Worker
 class Lookahead:
     """The tower job in progress for the waiting requests' pictures (the engine thread's)."""
 
-    def __init__(self, worker: Worker, images: ImageStates | None, pacer: Pacer, depth: int) -> None:
+    def __init__(self, worker: Worker, pictures: PictureStates, pacer: Pacer, depth: int) -> None:
         self.worker = worker
-        self.images = images
+        self.pictures = pictures
         self.pacer = pacer
         self.depth = depth
         self.job: TowerJob | None = None
         self.showing: list[list[Request]] = []  # for each picture of the job, the waiting requests showing it
-
-    def ready(self, request: Request) -> bool:
-        """Whether its prefill needs no tower work: it has no picture, holds its states, or the cache does."""
-        if request.vision is not None or "pixel_values" not in request.inputs:
-            return True
-        return self.images is not None and bool(request.image_key) and self.images.holds(request.image_key)
 
     def work(self, waiting: list[Request], seconds: float, reserve: int, must: bool) -> float:
         """Tower layers for the next waiting pictures, as many as ``seconds`` hold at the measured cost of a
@@ -70,7 +65,7 @@ class Lookahead:
             return None  # enough states wait already
         pictures: dict[str, list[Request]] = {}
         for request in waiting[: self.depth]:
-            if not request.done and not self.ready(request):
+            if not request.done and not self.pictures.ready(request):
                 pictures.setdefault(request.image_key or f"request-{request.request_id}", []).append(request)
         if not pictures:
             return None
@@ -85,8 +80,5 @@ class Lookahead:
     def _finish(self, job: TowerJob, reserve: int) -> None:
         """The job's pictures projected and handed to the requests showing them (and to the cache)."""
         for showing, states in zip(self.showing, self.worker.project(job), strict=True):
-            for request in showing:
-                request.vision = states
-            if self.images is not None and showing[0].image_key:
-                self.images.put(showing[0].image_key, states, reserve)
+            self.pictures.encoded(showing, states, reserve)
         self.job, self.showing = None, []

@@ -46,6 +46,7 @@ from vlm_demo.engine.ipc import (
     Ready,
     Shutdown,
     Step,
+    StepBuffer,
     Submit,
 )
 from vlm_demo.errors import DemoError, GenerationError
@@ -66,7 +67,7 @@ class EngineCore:
     def __init__(self, engine: Engine, conn: Connection) -> None:
         self.engine = engine
         self.conn = conn
-        self.pending: Step | None = None  # Steps not sent yet, merged
+        self.pending = StepBuffer()  # Steps not sent yet (guarded by ``lock``)
         self.cancelled: set[int] = set()  # rids cancelled while their picture was being prepared
         self.lock = threading.Lock()
         self.send_lock = threading.Lock()
@@ -117,7 +118,7 @@ class EngineCore:
     def publish(self, step: Step) -> None:
         """The engine thread's sink: never blocks (merged into what waits to be sent)."""
         with self.lock:
-            self.pending = step if self.pending is None else self.pending.merge(step)
+            self.pending.add(step)
         self.wake.set()
 
     def publish_loop(self) -> None:
@@ -130,7 +131,7 @@ class EngineCore:
     def flush(self) -> bool:
         """Send what is pending; False once the pipe is gone."""
         with self.lock:
-            step, self.pending = self.pending, None
+            step = self.pending.take()
         if step is None:
             return True
         try:

@@ -4,7 +4,9 @@ The engine thread writes into it (``push_text`` / ``finish`` / ``fail``); what a
 in the engine's :class:`~vlm_demo.engine.ipc.Step` messages to the client's handle
 (:mod:`~vlm_demo.engine.streams`), in this process or behind a pipe alike. A request a client asked
 for has its ``rid`` (the handle's id) and reports into the engine's ``outbox`` whenever it has news; the
-rows a Think-harder search runs for itself (candidates, judge calls) have neither.
+rows a Think-harder search runs for itself (candidates, judge calls) have neither. :class:`Search` is the
+one description of such a search (:class:`~vlm_demo.engine.beam.StageBeam`) that the request, the plan and
+the running batch share.
 """
 
 from __future__ import annotations
@@ -28,7 +30,22 @@ STOP_TEXT = "</CONCLUSION>"  # an answer's rows stop here even if the model writ
 
 
 class Search(Protocol):
-    """What a request sees of its stage-beam search (:class:`~vlm_demo.engine.beam.StageBeam`)."""
+    """A stage-beam search (:class:`~vlm_demo.engine.beam.StageBeam`) as every other part of the engine sees it:
+    its request reads its view, the plan asks for its rows, and the running batch reports its candidates.
+    The one description of it; here because every part that holds one imports this module (a ``row`` is a
+    :class:`~vlm_demo.engine.rows.Row`, a ``snapshot`` a :class:`~vlm_demo.engine.page_table.Snapshot`:
+    both modules import this one, so they are not named in the types)."""
+
+    request: Request  # the visitor's: the winners' text streams into it
+
+    @property
+    def speculating(self) -> bool: ...
+
+    def rows_wanted(self, spare: bool = True) -> int: ...
+
+    def candidate_done(self, row: Any, snapshot: Any) -> None: ...
+
+    def restart_stage(self, error: DemoError) -> None: ...
 
     def view(self) -> BeamView: ...
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
 
 import numpy as np
 import torch
@@ -25,22 +24,11 @@ from vlm_demo.engine.attention import VERSIONS, Layout, PagedAttention, StepRows
 from vlm_demo.engine.page_table import PageTable, Placement, Snapshot
 from vlm_demo.engine.pages import PagePool
 from vlm_demo.engine.prefill import Prefill
-from vlm_demo.engine.request import Request
+from vlm_demo.engine.request import Request, Search
 from vlm_demo.engine.sampler import RowSampling
 from vlm_demo.engine.scheduler import Room, RowState
 from vlm_demo.engine.staging import Staging
 from vlm_demo.engine.streamer import RowStreamer
-from vlm_demo.errors import DemoError
-
-
-class CandidateOwner(Protocol):
-    """The stage-beam search a row is a candidate of (:class:`~vlm_demo.engine.beam.StageBeam`)."""
-
-    request: Request  # the visitor's request
-
-    def candidate_done(self, row: Row, snapshot: Snapshot | None) -> None: ...
-
-    def restart_stage(self, error: DemoError) -> None: ...
 
 
 @dataclass(eq=False)
@@ -49,7 +37,7 @@ class Row:
 
     request: Request
     streamer: RowStreamer
-    beam: CandidateOwner | None = None  # set for a stage-beam candidate
+    beam: Search | None = None  # set for a stage-beam candidate
     place: Placement | None = None
     written: int = 0  # how many of its answer's tokens its pages hold (as of its last step)
 

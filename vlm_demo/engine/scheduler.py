@@ -24,23 +24,14 @@ from __future__ import annotations
 import collections
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Generic, TypeVar
 
-from vlm_demo.engine.request import Request
+from vlm_demo.engine.request import Request, Search
 from vlm_demo.errors import EngineStoppedError, QueueFullError
 
 PREEMPT_AFTER = 8  # a row that joined less than this many tokens ago is not handed back (no thrashing)
-
-
-class Search(Protocol):
-    """A stage-beam search as the plan sees it (:class:`~vlm_demo.engine.beam.StageBeam`)."""
-
-    @property
-    def speculating(self) -> bool: ...
-
-    def rows_wanted(self, spare: bool = True) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -73,12 +64,15 @@ class Room:
     prefill_tokens: int | None = None  # paced: prompt tokens this step may prefill beyond its first newcomer
 
 
+S = TypeVar("S", bound=Search)  # the searches the engine runs (``StageBeam``), handed back in ``forks``
+
+
 @dataclass
-class Plan:
+class Plan(Generic[S]):
     """What the continuous engine does at this step boundary, in this order."""
 
     suspend: list[int] = field(default_factory=list)  # rows handed back to the queue (they resume later)
-    forks: list[tuple[Any, int]] = field(default_factory=list)  # (search, candidate rows to fork)
+    forks: list[tuple[S, int]] = field(default_factory=list)  # (search, candidate rows to fork)
     admit: list[Request] = field(default_factory=list)  # newcomers to prefill and join
     evict_pages: int = 0  # pages the image-state cache gives back first (memory pressure)
     short: bool = False  # the next step lacks pages even after handing back every plain row
@@ -271,12 +265,12 @@ class Scheduler:
                 used += need
         return taken
 
-    def plan(self, room: Room, rows: Callable[[], list[RowState]], searches: list[Any]) -> Plan:
+    def plan(self, room: Room, rows: Callable[[], list[RowState]], searches: Sequence[S]) -> Plan[S]:
         """Decide this step boundary: rows handed back (the next step's pages, then each waiting client's
         share), searches' candidates forked (before any newcomer: they are answers in progress), then
         newcomers admitted while rows and pages allow; the image-state cache gives back the pages all that
         takes beyond the free ones. ``rows`` is asked only when a decision needs it."""
-        plan = Plan()
+        plan: Plan[S] = Plan()
         free_rows = room.rows_allowed - room.rows
         free, available = room.free_pages, room.free_pages + room.cache_pages
         states: list[RowState] | None = None
@@ -312,7 +306,7 @@ class Scheduler:
         plan.evict_pages = max(0, used - free)
         return plan
 
-    def _admit_into(self, plan: Plan, room: Room, free_rows: int, pages: int) -> int:
+    def _admit_into(self, plan: Plan[Any], room: Room, free_rows: int, pages: int) -> int:
         """Admit newcomers in turn while rows and ``pages`` allow, each running row keeping a page of headroom
         to grow into (a lone request always goes in), and while rows decode (``room.ready``) only those whose
         picture is ready, within the step's prompt tokens (the first one always); returns the pages they take."""

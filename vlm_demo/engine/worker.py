@@ -4,8 +4,9 @@ The worker owns the model and processor.
 ``prepare`` turns one request into tensors on the caller's thread (so a broken image fails alone,
 before it can join a batch). Dynamic mode: ``run`` left-pads a batch of prepared requests and calls
 ``generate`` once, with per-row sampling and per-row streaming/stopping. Continuous mode:
-``prefill`` runs newcomers together over their pictures' projected states (:mod:`~vlm_demo.engine.vision`:
-the tower on each picture's real tiles, some layers at a time if the engine wants), ``decode`` one step for
+``prefill`` runs newcomers together over their pictures' projected states (asked once of
+:mod:`~vlm_demo.engine.picture_states`; :mod:`~vlm_demo.engine.vision` runs the tower on each picture's real
+tiles, some layers at a time if the engine wants), ``decode`` one step for
 every running row over the page pool.
 """
 
@@ -19,7 +20,7 @@ from typing import Any
 import torch
 from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 
-from vlm_demo.engine.image_cache import ImageStates
+from vlm_demo.engine.picture_states import PictureStates
 from vlm_demo.engine.prefill import Prefill
 from vlm_demo.engine.request import Request
 from vlm_demo.engine.rows import StepInputs
@@ -208,17 +209,18 @@ class Worker:
         return frozenset(self.model.config.get_text_config().cross_attention_layers)
 
     @torch.inference_mode()
-    def prefill(self, requests: list[Request], images: ImageStates | None = None, reserve: int = 0) -> Prefill:
+    def prefill(self, requests: list[Request], pictures: PictureStates | None = None, reserve: int = 0) -> Prefill:
         """Continuous mode: run newcomers' prompts together, left-padded like a dynamic batch (positions
         counted from each row's first real token, as ``generate`` does), over their pictures' real tiles only;
         return their cache, last logits and which tiles each row sees, ready to be written into pages. Their
         pictures run the same number of tiles (``tiles_run``): the text before a picture's placeholder attends
         to every tile of the cross-attention states, padding ones too, so rows of other tile counts would change
-        each other's answers. A picture's states come from the request (encoded while it waited), the
-        image-state cache, or one pass of the tower over the pictures still lacking (each once, however many
-        rows show it; the cache keeps them in free pages beyond the ``reserve`` the page table holds back)."""
+        each other's answers. The pictures' states come from ``pictures``, asked once
+        (:meth:`~vlm_demo.engine.picture_states.PictureStates.for_rows`: the request's own, the image-state
+        cache's, or the tower's; without one, the tower's)."""
         batch = collate([r.prefill_inputs() for r in requests], self.pad_id)
-        states = self._picture_states(requests, images, reserve)
+        pictures = pictures if pictures is not None else PictureStates(self.encode_pictures)
+        states = pictures.for_rows(requests, reserve)
         tiles = states[0].shape[0]
         assert all(s.shape[0] == tiles for s in states), "a prefill's pictures must run the same number of tiles"
         cross = torch.stack(states)
@@ -237,29 +239,6 @@ class Worker:
         out = self.model(**inputs, use_cache=True, logits_to_keep=1)
         digests = [r.image_key for r in requests]
         return Prefill(out.cache, out.logits[:, -1].float(), mask, lengths, seen, [s.shape[0] for s in states], digests)
-
-    def _picture_states(self, requests: list[Request], images: ImageStates | None, reserve: int) -> list[torch.Tensor]:
-        """Each row's picture as ``[tiles run, patches, hidden]`` projected states."""
-        found: dict[str, torch.Tensor] = {}
-        missing: dict[str, int] = {}  # picture -> the first row showing it
-        for row, request in enumerate(requests):
-            key = request.image_key or f"row-{row}"
-            if key in found or key in missing:
-                continue
-            states = request.vision
-            if states is None and images is not None and request.image_key:
-                states = images.get(request.image_key)
-            if states is not None:
-                found[key] = states
-            else:
-                missing[key] = row
-        if missing:
-            encoded = self.encode_pictures([requests[row].inputs for row in missing.values()])
-            for (key, row), states in zip(missing.items(), encoded, strict=True):
-                found[key] = states
-                if images is not None:
-                    images.put(requests[row].image_key, states, reserve)
-        return [found[r.image_key or f"row-{row}"] for row, r in enumerate(requests)]
 
     def tower_jobs(self, inputs: list[dict[str, torch.Tensor]]) -> list[tuple[list[int], TowerJob]]:
         """Tower jobs for pictures (processor outputs), grouped by the tiles they run (``--vision-tiles``)."""

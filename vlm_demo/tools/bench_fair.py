@@ -49,7 +49,7 @@ def request(colour: str, question: str, params: SamplingParams, client: str = ""
 
 def flood(worker: Worker, rows: int, flood_size: int, long_tokens: int, fair: bool) -> dict[str, float]:
     """The short question's latency while one client floods, and alone on the same idle engine."""
-    config = Config(batching="continuous", max_batch_size=rows, batch_window_ms=0.0, max_per_client=0)
+    config = Config(batching="continuous", max_batch_size=rows, batch_window_ms=0.0)  # the engine caps no client
     engine = make_engine(config, worker)
     try:
         short = SamplingParams(160, 0.0)

@@ -36,8 +36,8 @@ from dataclasses import dataclass
 
 from vlm_demo.backends.base import Backend
 from vlm_demo.config import Config
-from vlm_demo.errors import BackendTimeoutError, DemoError, GenerationError
-from vlm_demo.request import ClientSlots, Limits, ValidRequest
+from vlm_demo.errors import BackendTimeoutError, DemoError, GenerationError, TooManyRequestsError
+from vlm_demo.request import Limits, ValidRequest
 from vlm_demo.results import BeamView, GenerationResult
 from vlm_demo.stream import Stream
 from vlm_demo.web.metrics import Metrics
@@ -73,6 +73,38 @@ def page_interval(live: int, lag: float) -> float:
 PAGE = Pacing("page", on_text=False, interval=page_interval)
 API = Pacing("api", on_text=True, interval=lambda live, lag: LOOK_EVERY_S)
 MCP = Pacing("mcp", on_text=False, interval=lambda live, lag: LOOK_EVERY_S)
+
+
+class ClientSlots:
+    """Answers in progress per client, against ``--max-per-client``: one client (an address, an API user)
+    cannot hold more, so one script cannot take a public demo from everyone. Anonymous callers are not
+    counted. The cap's one owner: every door reaches a backend through :class:`Answers`, and nothing else
+    names a client (the engine's own tools and benchmarks, a Triton-served engine), so the engine trusts
+    it. Thread-safe."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+        self.held: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def take(self, client: str) -> None:
+        """Count one more for ``client``, or raise :class:`TooManyRequestsError` saying why not."""
+        with self._lock:
+            held = self.held.get(client, 0)
+            if self.cap and client and held >= self.cap:
+                raise TooManyRequestsError(
+                    f"You already have {held} answer{'s' if held != 1 else ''} in progress; wait for one to finish "
+                    f"(at most {self.cap} at a time per visitor), then ask again."
+                )
+            self.held[client] = held + 1
+
+    def give_back(self, client: str) -> None:
+        with self._lock:
+            left = self.held.get(client, 1) - 1
+            if left > 0:
+                self.held[client] = left
+            else:
+                self.held.pop(client, None)
 
 
 def client_id(address: str | None, session: str | None = None, user: str | None = None) -> str:
