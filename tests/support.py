@@ -7,6 +7,7 @@ import base64
 import importlib.util
 import io
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -378,3 +379,14 @@ def data_url(image: Any, fmt: str = "PNG") -> str:
 def colour_of(text: str | None) -> str | None:
     words = [c for c in ("red", "green", "blue", "yellow", "white", "black") if c in (text or "").lower()]
     return words[0] if len(words) == 1 else None
+
+
+def four_stages(text: str) -> bool:
+    """Whether an answer is the four tagged stages, in order, each with text."""
+    return bool(
+        re.fullmatch(
+            r"\s*<SUMMARY>.+?</SUMMARY>\s*<CAPTION>.+?</CAPTION>\s*<REASONING>.+?</REASONING>\s*<CONCLUSION>.+?</CONCLUSION>\s*",
+            text,
+            re.S,
+        )
+    )

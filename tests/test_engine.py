@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 from PIL import Image
-from support import checked, door, wait_until
+from support import checked, door, four_stages, wait_until
 
 from vlm_demo.config import Config
 from vlm_demo.engine.base import Engine as BaseEngine
@@ -45,16 +45,6 @@ def conclusion(text: str) -> str:
     match = re.search(r"<CONCLUSION>(.*?)</CONCLUSION>", text, re.S)
     assert match, f"no CONCLUSION in {text!r}"
     return match.group(1)
-
-
-def four_stages(text: str) -> bool:
-    return bool(
-        re.fullmatch(
-            r"\s*<SUMMARY>.+?</SUMMARY>\s*<CAPTION>.+?</CAPTION>\s*<REASONING>.+?</REASONING>\s*<CONCLUSION>.+?</CONCLUSION>\s*",
-            text,
-            re.S,
-        )
-    )
 
 
 @pytest.fixture

@@ -7,8 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from support import door
-from test_engine import four_stages
+from support import door, four_stages
 from test_triton_attention import JOBS, SMALL_SPLITS
 
 from vlm_demo.config import load_config
