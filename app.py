@@ -1,7 +1,7 @@
 """Start the LLaVA-CoT web demo: ``python app.py [--model tiny] [--port 7860] [--share --auth U:P]``.
 
 Also the ``app_file`` of the Hugging Face Space. It only parses options and launches; see
-``vlm_demo/web/server.py`` (web server) and ``vlm_demo/web/page.py`` (the page). Options are parsed before
+``vlm_demo/web/server.py`` (web server) and ``vlm_demo/web/page/layout.py`` (the page). Options are parsed before
 Gradio and torch are imported, so ``--help`` and a mistyped flag answer at once; the first import after them is
 Hugging Face's ``spaces`` package (on a ZeroGPU Space it must patch torch before anything can initialise CUDA;
 elsewhere it does nothing).

@@ -35,7 +35,7 @@ def tiny_dir() -> str:
 @pytest.fixture(scope="session")
 def worker(tiny_dir):
     """One loaded tiny-model worker shared by the engine tests (loading twice wastes CPU)."""
-    from vlm_demo.engine.loader import load
+    from vlm_demo.engine.weights.loader import load
 
     return load(tiny_dir, device="cpu")
 
@@ -44,10 +44,10 @@ def worker(tiny_dir):
 def engines(worker):
     """``engines(kind=ContinuousEngine, faults="", **config)``: started engines over the shared tiny worker
     (4 rows, no batch window unless the test says), each shut down after the test. ``faults`` plans
-    failpoints (``engine/faults.py``)."""
+    failpoints (``engine/batching/faults.py``)."""
     from vlm_demo.config import Config
-    from vlm_demo.engine.continuous import ContinuousEngine
-    from vlm_demo.engine.faults import FailPoints
+    from vlm_demo.engine.batching.continuous import ContinuousEngine
+    from vlm_demo.engine.batching.faults import FailPoints
 
     made = []
 

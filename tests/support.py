@@ -352,8 +352,8 @@ def join_running(worker: Any, rows: Any, requests: list[Any]) -> Any:
 
     import torch
 
-    from vlm_demo.engine.rows import Row
-    from vlm_demo.engine.sampler import RowSampling
+    from vlm_demo.engine.batching.rows import Row
+    from vlm_demo.engine.decoding.sampler import RowSampling
 
     logits = []
     for _, run in groupby(requests, key=lambda r: worker.tiles_run(r.inputs)):

@@ -8,7 +8,7 @@ import re
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vlm_demo.cot import CONTROL, STAGES, parse_stages
+from vlm_demo.cot.stages import CONTROL, STAGES, parse_stages
 
 WELL_FORMED = (
     "<SUMMARY>I will look at the image.</SUMMARY>\n\n"

@@ -14,10 +14,10 @@ from support import ROOT
 from vlm_demo import errors
 from vlm_demo.errors import BY_CODE, DemoError
 from vlm_demo.triton.contract import error_from_text, error_text
-from vlm_demo.web.handlers import PageError
-from vlm_demo.web.mcp_tool import refusal
-from vlm_demo.web.openai_wire import APIError
-from vlm_demo.web.render import error_status
+from vlm_demo.web.api.mcp_tool import refusal
+from vlm_demo.web.api.openai_wire import APIError
+from vlm_demo.web.page.handlers import PageError
+from vlm_demo.web.page.render import error_status
 
 ALL = [c for c in vars(errors).values() if isinstance(c, type) and issubclass(c, DemoError) and c is not DemoError]
 

@@ -26,9 +26,9 @@ from vlm_demo.models.tiny import solid_image
 from vlm_demo.request import DEFAULTS, KNOBS, STAGE_BEAM, Limits, SamplingParams, ValidParams, sampling_from
 from vlm_demo.triton import contract
 from vlm_demo.triton.handlers import decode_generate_request, decode_infer_request
-from vlm_demo.web import openai_api
-from vlm_demo.web.contract import INPUTS, OPTIONAL_INPUTS
-from vlm_demo.web.mcp_tool import tool
+from vlm_demo.web.api import openai_api
+from vlm_demo.web.api.mcp_tool import tool
+from vlm_demo.web.page.contract import INPUTS, OPTIONAL_INPUTS
 
 LIMITS = Limits(max_new_tokens=2048)
 # Every field set away from its default, so a field a door drops comes back different.

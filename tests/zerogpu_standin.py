@@ -193,7 +193,7 @@ def watch_the_app() -> None:
     """Record in which process the weights load and engines are built, and when a GPU call that ended early (Stop,
     a closed tab) stops its answers in the worker."""
     import vlm_demo.engine
-    import vlm_demo.engine.loader as loader
+    import vlm_demo.engine.weights.loader as loader
     from vlm_demo.backends.zerogpu.calls import GpuSide
 
     load_worker, make_engine, settle = loader.load_worker, vlm_demo.engine.make_engine, GpuSide._settle

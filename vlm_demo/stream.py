@@ -2,7 +2,7 @@
 
 :class:`Stream` is the contract the web layer, the metrics and the benchmark read: iterate ``stream()``
 (or poll ``drain()``), then ``result()``, and ``cancel()`` from any thread at any time. The engine's
-``EngineStream`` (in this process or the engine process's, :mod:`vlm_demo.engine.streams`), the Triton
+``EngineStream`` (in this process or the engine process's, :mod:`vlm_demo.engine.ipc.handles`), the Triton
 backend's ``TritonStream`` and the response cache's ``Replay`` all build on :class:`OutputStream`, which
 implements it once.
 """

@@ -1,17 +1,17 @@
 """The local engine in a process of its own, behind the :class:`~vlm_demo.backends.base.Backend` interface.
 
 The web process keeps the page, the door and the HTTP server; the engine process
-(:mod:`vlm_demo.engine.process`) keeps the model. This module is the thin client and the supervisor:
+(:mod:`vlm_demo.engine.batching.process`) keeps the model. This module is the thin client and the supervisor:
 
 - ``submit`` sends a :class:`~vlm_demo.request.ValidRequest` over a pipe and returns a handle whose
   text arrives with the engine's Step messages, applied by the same
-  :class:`~vlm_demo.engine.streams.StreamTable` an in-process engine uses; ``cancel`` ends the handle
+  :class:`~vlm_demo.engine.ipc.handles.StreamTable` an in-process engine uses; ``cancel`` ends the handle
   at once and tells the engine, which drops the row at its next step.
 - One thread reads the pipe and watches the process. If the engine process dies (out-of-memory kill,
   segfault), every request in flight fails at once with a clear error, ``health()`` turns not-ready,
   and a new engine process is started; the server keeps serving meanwhile.
 - Stopping is this side's: the engine process ignores the SIGTERM and SIGINT a stop sends to the whole group
-  (:mod:`vlm_demo.engine.process`) and ends when :meth:`close` says so; a stop while it is still loading
+  (:mod:`vlm_demo.engine.batching.process`) and ends when :meth:`close` says so; a stop while it is still loading
   (``stopping`` set) ends the load.
 
 Nothing here imports torch: the web process stays light and starts fast.
@@ -33,8 +33,18 @@ from multiprocessing.process import BaseProcess
 
 from vlm_demo.backends.base import Features, Health
 from vlm_demo.config import Config
-from vlm_demo.engine.ipc import ENGINE_FAILED, STOP_SIGNALS, Cancel, Fatal, Loading, Ready, Shutdown, Step, Submit
-from vlm_demo.engine.streams import EngineStream, StreamTable
+from vlm_demo.engine.ipc.handles import EngineStream, StreamTable
+from vlm_demo.engine.ipc.messages import (
+    ENGINE_FAILED,
+    STOP_SIGNALS,
+    Cancel,
+    Fatal,
+    Loading,
+    Ready,
+    Shutdown,
+    Step,
+    Submit,
+)
 from vlm_demo.errors import BackendUnavailableError, DemoError, EngineStoppedError, QueueFullError
 from vlm_demo.request import ValidRequest
 from vlm_demo.results import GenerationResult, LoadProgress
@@ -200,7 +210,7 @@ class EngineProcessBackend:
     def _start(self) -> None:
         """Spawn the engine process and wait until it has loaded the model (or says why it cannot)."""
         parent, child = self._ctx.Pipe()
-        import vlm_demo.engine.process as engine_process  # the spawn target; torch is imported only in the child
+        import vlm_demo.engine.batching.process as engine_process  # the spawn target; torch is imported only in the child
 
         proc = self._ctx.Process(target=engine_process.run, args=(self.config, child), name="vlm-engine", daemon=True)
         if self.progress is not None:

@@ -7,8 +7,8 @@ from collections.abc import Callable
 from vlm_demo.backends.base import Features, Health
 from vlm_demo.config import Config
 from vlm_demo.engine import make_engine
-from vlm_demo.engine.base import Engine
-from vlm_demo.engine.streams import EngineStream
+from vlm_demo.engine.batching.base import Engine
+from vlm_demo.engine.ipc.handles import EngineStream
 from vlm_demo.errors import DemoError
 from vlm_demo.request import ValidRequest
 from vlm_demo.results import GenerationResult, LoadProgress
@@ -16,7 +16,7 @@ from vlm_demo.stream import Listener
 
 
 class LocalBackend:
-    """Adapts an :class:`~vlm_demo.engine.base.Engine` to the :class:`~vlm_demo.backends.base.Backend` interface."""
+    """Adapts an :class:`~vlm_demo.engine.batching.base.Engine` to the :class:`~vlm_demo.backends.base.Backend` interface."""
 
     name = "in-process"
     remote = False

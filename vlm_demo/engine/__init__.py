@@ -1,6 +1,6 @@
 """Our batching engine for Mllama: request -> scheduler -> worker (+ per-row streamer/sampler).
 
-Importing this package is cheap and torch-free (the web process imports :mod:`~vlm_demo.engine.ipc`
+Importing this package is cheap and torch-free (the web process imports :mod:`~vlm_demo.engine.ipc.messages`
 from it); :func:`make_engine` imports the engine itself.
 """
 
@@ -15,8 +15,8 @@ from vlm_demo.config import Config
 from vlm_demo.results import LoadProgress
 
 if TYPE_CHECKING:  # for the annotations only: the modules themselves load torch
-    from vlm_demo.engine.base import Engine
-    from vlm_demo.engine.worker import Worker
+    from vlm_demo.engine.batching.base import Engine
+    from vlm_demo.engine.executor.worker import Worker
 
 
 def make_engine(
@@ -29,10 +29,10 @@ def make_engine(
     the model ``config`` names (loaded here, reporting to ``progress``; raises
     :class:`~vlm_demo.errors.ModelLoadError`). With ``start`` false its thread is not started: the caller
     steps it (a ZeroGPU call, which may use the GPU only while it runs)."""
-    from vlm_demo.engine.continuous import ContinuousEngine
-    from vlm_demo.engine.decode_step import pageable
-    from vlm_demo.engine.dynamic import DynamicEngine
-    from vlm_demo.engine.loader import load_worker
+    from vlm_demo.engine.batching.continuous import ContinuousEngine
+    from vlm_demo.engine.batching.dynamic import DynamicEngine
+    from vlm_demo.engine.executor.decode_step import pageable
+    from vlm_demo.engine.weights.loader import load_worker
 
     kinds = {"continuous": ContinuousEngine, "dynamic": DynamicEngine}
     if config.batching not in kinds:

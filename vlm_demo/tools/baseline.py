@@ -40,7 +40,7 @@ class StaticBatcher:
 
     async def answer(self, valid: Any) -> Any:
         """Queue one request; resolves to its :class:`~vlm_demo.results.GenerationResult`."""
-        from vlm_demo.engine.request import Request, make_request
+        from vlm_demo.engine.batching.job import Request, make_request
 
         loop = asyncio.get_running_loop()
         future = loop.create_future()
@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     import uvicorn
 
-    from vlm_demo.engine.loader import load
+    from vlm_demo.engine.weights.loader import load
 
     worker = load(args.model, cpu_threads=args.cpu_threads)
     uvicorn.run(create_app(worker, args.max_batch_size, args.window_ms), host=args.host, port=args.port)

@@ -35,12 +35,12 @@ from typing import Any
 
 from vlm_demo.config import Config
 from vlm_demo.engine import make_engine
-from vlm_demo.engine.loader import load
-from vlm_demo.engine.quantize import KINDS
-from vlm_demo.engine.worker import Worker
+from vlm_demo.engine.executor.worker import Worker
+from vlm_demo.engine.weights.loader import load
+from vlm_demo.engine.weights.quantize import KINDS
 from vlm_demo.models.tiny import COLOURS, solid_image
 from vlm_demo.request import Limits, SamplingParams, ValidRequest, validate_request
-from vlm_demo.tools.stats import cpu_seconds, percentile
+from vlm_demo.tools.benchmarks.stats import cpu_seconds, percentile
 
 log = logging.getLogger("vlm_demo.tools.bench")
 
@@ -395,7 +395,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="",
         help="instead of the closed loop: start the app and run N light page visitors at once (comma-separated "
         "counts, e.g. 16,128,256); reports the web process's CPU per page update, update gaps, time to first "
-        "text, /health latency, errors and idle CPU (vlm_demo.tools.page_load)",
+        "text, /health latency, errors and idle CPU (vlm_demo.tools.benchmarks.page_load)",
     )
     p.add_argument("--page-question", default="Describe this picture in detail.", help="what page visitors ask")
     p.add_argument("--page-tokens", type=int, default=300, help="max new tokens page visitors ask for")
@@ -403,7 +403,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--count-kernels",
         action="store_true",
         help="print, as JSON, the kernels one decode step launches at the real 11B depth and the bytes its linear "
-        "layers read from their weights (tools/kernels.py)",
+        "layers read from their weights (tools/benchmarks/kernel_count.py)",
     )
     p.add_argument(
         "--quantize",
@@ -417,14 +417,14 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="instead of the closed loop: how close an fp8 key/value cache keeps the model (--kv-cache-dtype fp8), as "
         "JSON: teacher-forced logits against the bf16 cache on the real-shape model, and the tiny model's held-out "
-        "answers with each cache (vlm_demo.tools.kv_closeness)",
+        "answers with each cache (vlm_demo.tools.benchmarks.kv_closeness)",
     )
     p.add_argument(
         "--prefill-stall",
         action="store_true",
         help="instead of the closed loop: 8 rows decoding while 8 newcomers with 4-tile pictures join at once, "
         "before (prefilled at once, every tile) and after (paced, real tiles); prints the longest pause of the "
-        "running rows and the median decode step as JSON (vlm_demo.tools.prefill_stall; --repeats runs each)",
+        "running rows and the median decode step as JSON (vlm_demo.tools.benchmarks.prefill_stall; --repeats runs each)",
     )
     p.add_argument(
         "--kernel-sass",
@@ -432,7 +432,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="instead of the closed loop: compile every decode kernel (attention_text, attention_image, merge, "
         "attention_text_fp8, attention_image_fp8 (over --kv-cache-dtype fp8 pages), packed_int8, packed_fp8, packed_int4) at the 11B shapes for sm_80, sm_89, sm_90 and sm_120 with a launch's "
         "specialisation, read the machine code, and print per kernel and target its registers, spills, main loop "
-        "and ceiling as JSON (vlm_demo.tools.kernel_sass; no GPU needed)",
+        "and ceiling as JSON (vlm_demo.tools.benchmarks.kernel_sass; no GPU needed)",
     )
     p.add_argument("--sass-targets", default="", help="with --kernel-sass: only these targets (comma-separated)")
     p.add_argument("--sass-kernels", default="", help="with --kernel-sass: only these kernels (comma-separated)")
@@ -470,7 +470,7 @@ def backend_factories(args: argparse.Namespace) -> dict[str, tuple[int, Callable
 
     def app(endpoint: str) -> Callable[[], Any]:
         def make() -> Any:
-            from vlm_demo.tools.load_clients import AppClient, OpenAIClient, ServerProcess, SSEClient
+            from vlm_demo.tools.benchmarks.load_clients import AppClient, OpenAIClient, ServerProcess, SSEClient
 
             command = ["app.py", "--model", args.model, "--max-batch-size", str(args.max_batch_size)]
             command += ["--cpu-threads", str(args.cpu_threads), "--max-new-tokens", str(max(2048, args.max_new_tokens))]
@@ -486,7 +486,7 @@ def backend_factories(args: argparse.Namespace) -> dict[str, tuple[int, Callable
         return make
 
     def static() -> Any:
-        from vlm_demo.tools.load_clients import ServerProcess, StaticClient
+        from vlm_demo.tools.benchmarks.load_clients import ServerProcess, StaticClient
 
         command = [
             "-m",
@@ -549,7 +549,8 @@ def main(argv: list[str] | None = None) -> list[RunResult]:
         )
         args = parser.parse_args(argv)
     if args.count_kernels or args.prefill_stall or args.kernel_sass or args.kv_closeness:
-        from vlm_demo.tools import kernel_sass, kernels, kv_closeness, prefill_stall
+        from vlm_demo.tools.benchmarks import kernel_count as kernels
+        from vlm_demo.tools.benchmarks import kernel_sass, kv_closeness, prefill_stall
 
         if args.kv_closeness:
             counted = kv_closeness.report()
@@ -565,7 +566,7 @@ def main(argv: list[str] | None = None) -> list[RunResult]:
                 json.dump(counted, out, indent=2)
         return []
     if args.page_load:
-        from vlm_demo.tools import page_load
+        from vlm_demo.tools.benchmarks import page_load
 
         page_load.run(args)
         return []

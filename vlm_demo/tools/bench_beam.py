@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass
 
 from vlm_demo.config import Config
 from vlm_demo.engine import make_engine
-from vlm_demo.engine.base import Engine
+from vlm_demo.engine.batching.base import Engine
 from vlm_demo.models.tiny import COLOURS, solid_image
 from vlm_demo.request import NORMAL, STAGE_BEAM, Limits, SamplingParams, ValidRequest, validate_request
 

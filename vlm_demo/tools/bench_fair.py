@@ -33,8 +33,8 @@ from vlm_demo.backends.cache import CachingBackend
 from vlm_demo.backends.local import LocalBackend
 from vlm_demo.config import Config
 from vlm_demo.engine import make_engine
-from vlm_demo.engine.loader import load
-from vlm_demo.engine.worker import Worker
+from vlm_demo.engine.executor.worker import Worker
+from vlm_demo.engine.weights.loader import load
 from vlm_demo.models.tiny import COLOURS, solid_image
 from vlm_demo.request import STAGE_BEAM, Limits, SamplingParams, ValidRequest, validate_request
 
@@ -115,7 +115,7 @@ def png(colour: str, size: int = 48) -> bytes:
 def flood_through_app(args: argparse.Namespace) -> dict[str, Any]:
     """The flood through the running app: one address sends ``--flood`` long answers at once, another asks a
     short question once the flooder's rows run; medians over ``--repeats``, against the idle app."""
-    from vlm_demo.tools.load_clients import ServerProcess
+    from vlm_demo.tools.benchmarks.load_clients import ServerProcess
 
     server = ServerProcess(["app.py", "--model", args.model, "--max-batch-size", str(args.max_batch_size)])
     runs = []

@@ -2,12 +2,12 @@
 
 For each ``--quantize`` choice, the 11B model's weights in bytes (counted per layer from the real
 architecture, as the loader stores them), whether they load, how many answers of ``--max-new-tokens``
-tokens then fit at once (the engine's own memory plan: :mod:`vlm_demo.engine.memory`), what ``auto`` would
+tokens then fit at once (the engine's own memory plan: :mod:`vlm_demo.engine.kv.memory`), what ``auto`` would
 pick, and the batch-1 decode bound: the bytes a decode step reads, once, at the card's memory bandwidth — the
 packed layers' bytes (``--quantize`` int8/fp8/int4) at the smaller of that and what our weight-only kernel's
-compiled loop can consume on this card (:func:`vlm_demo.tools.kernel_sass.card_bandwidth`: its ceiling at the
+compiled loop can consume on this card (:func:`vlm_demo.tools.benchmarks.kernel_sass.card_bandwidth`: its ceiling at the
 newest compiled target the card runs, scaled by SMs × clock). A bound, not a promise; see docs/quantization.md. ``--gpu NAME`` takes memory, bandwidth and compute
-capability from :mod:`vlm_demo.tools.gpus`; ``--readme-table`` prints the README's "Which GPU?" table.
+capability from :mod:`vlm_demo.tools.gpu.cards`; ``--readme-table`` prints the README's "Which GPU?" table.
 
 Nothing is allocated: the model is built on the meta device. The GPU is taken to have its memory less
 ``CUDA_OVERHEAD`` free when the server starts (the driver's reservation, the CUDA context and cuBLAS's
@@ -26,9 +26,9 @@ from typing import Any
 
 import torch
 
-import vlm_demo.engine.quantize as quantize
+import vlm_demo.engine.weights.quantize as quantize
 from vlm_demo.config import Config
-from vlm_demo.engine.memory import (
+from vlm_demo.engine.kv.memory import (
     AUTO_TOKENS,
     PROMPT_TOKENS,
     KVShape,
@@ -37,11 +37,11 @@ from vlm_demo.engine.memory import (
     read_by_decode,
     rows_that_fit,
 )
-from vlm_demo.engine.pages import FP8, KV_CACHE_DTYPES, kv_dtype_for
-from vlm_demo.engine.placement import LOAD_MARGIN, meta_model
+from vlm_demo.engine.kv.pages import FP8, KV_CACHE_DTYPES, kv_dtype_for
+from vlm_demo.engine.weights.placement import LOAD_MARGIN, meta_model
 from vlm_demo.errors import ModelLoadError
 from vlm_demo.models import realshape
-from vlm_demo.tools.gpus import GPUS, GpuSpec, by_key, table_gpus
+from vlm_demo.tools.gpu.cards import GPUS, GpuSpec, by_key, table_gpus
 
 GiB = 1024**3
 CUDA_OVERHEAD = 1 * GiB
@@ -129,7 +129,7 @@ def kernel_rate(
     ceiling is below the memory's bandwidth (None: the memory's bandwidth sets it, or the card is unknown)."""
     if not (capability and bandwidth and cores) or kind not in ("int8", "fp8", "int4") or capability < (8, 0):
         return None  # below 8.0 no target is compiled: the memory's bandwidth stands
-    from vlm_demo.tools.kernel_sass import card_bandwidth
+    from vlm_demo.tools.benchmarks.kernel_sass import card_bandwidth
 
     capped = card_bandwidth(kind, capability[0] * 10 + capability[1], *cores, bandwidth / 1e12, 1) * 1e12
     return capped if capped < bandwidth else None
@@ -296,7 +296,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.getLogger("vlm_demo.engine.memory").setLevel(logging.ERROR)  # its "too few rows" warning is a row here
+    logging.getLogger("vlm_demo.engine.kv.memory").setLevel(logging.ERROR)  # its "too few rows" warning is a row here
     if args.readme_table:
         print(readme_table(args.max_new_tokens))
         return 0

@@ -2,8 +2,8 @@
 
 Everything else in this project runs on a 1 MB model on CPU. This builds the full
 Llama-3.2-11B-Vision architecture (40 text layers, 32 + 8 vision layers, vocabulary 128256) with
-random bf16 weights directly on the GPU and measures (:mod:`vlm_demo.tools.gpu_kernels`,
-:mod:`vlm_demo.tools.gpu_measure`), the kernels first — what a short loan must learn before anything else:
+random bf16 weights directly on the GPU and measures (:mod:`vlm_demo.tools.gpu.kernel_stages`,
+:mod:`vlm_demo.tools.gpu.measure`), the kernels first — what a short loan must learn before anything else:
 
 1. versions: python, torch, transformers, accelerate, CUDA, the GPU; a transformers other than the
    pinned one (``requirements.txt``) stops the check in one line, before anything is built; then the model,
@@ -374,7 +374,7 @@ def no_cuda_message(torch: Any) -> str:
     return (
         f"vlm_demo.tools.gpucheck needs a CUDA GPU and PyTorch sees none (torch {torch.__version__}, CUDA build "
         f"{torch.version.cuda or 'none'}). Run it on a machine with an NVIDIA GPU (about 30 GB free for the "
-        f"11B model in bf16); on CPU, tests/test_realshape.py runs the real-shape checks at narrow widths."
+        f"11B model in bf16); on CPU, tests/models/test_realshape.py runs the real-shape checks at narrow widths."
     )
 
 
@@ -439,15 +439,15 @@ def run(args: argparse.Namespace, report: Report, device: Any, clock: Clock) -> 
 def build(stages: Stages, device: Any, processor: Any, args: argparse.Namespace) -> Any:
     """The model under test (the full 11B architecture, random bf16 weights, built on the GPU), its placement and
     the memory plan (required, whatever ``--stages`` says); returns its worker (None: no build)."""
-    from vlm_demo.engine.quantize import stored_bytes
-    from vlm_demo.tools import gpu_measure as measure
+    from vlm_demo.engine.weights.quantize import stored_bytes
+    from vlm_demo.tools.gpu import measure
 
     report = stages.report
     worker = stages.run("build model", measure.build_worker, args.model, device, processor)
     if worker is None:
         return None
     if device.type == "cuda":
-        from vlm_demo.engine.placement import check_on_gpus
+        from vlm_demo.engine.weights.placement import check_on_gpus
 
         stages.run("weights on the GPU", check_on_gpus, worker.model)
     report.update(
@@ -464,8 +464,8 @@ def bandwidth(stages: Stages, worker: Any) -> None:
     """The device's copy bandwidth, and from it (and the spec sheet's) the batch-1 bound: tokens/s if a decode step
     only read its bytes once (``decode_reads.total_at_256_tokens``: the weights it uses, a 4-tile picture's image
     states, 256 tokens of keys/values — a little more than the batch-1 run's row reads, so a lenient bound)."""
-    from vlm_demo.tools import gpu_kernels as kernels
-    from vlm_demo.tools import gpu_measure as measure
+    from vlm_demo.tools.gpu import kernel_stages as kernels
+    from vlm_demo.tools.gpu import measure
 
     report, device = stages.report, worker.device
     if device.type != "cuda":
@@ -483,8 +483,8 @@ def bandwidth(stages: Stages, worker: Any) -> None:
 def attention_op(stages: Stages, worker: Any) -> None:
     """(a) The decode attention op alone at the model's page geometry, per kernel (``gpu_kernels.attention_op``); a
     kernel that differs from the reference fails the check."""
-    from vlm_demo.engine.decode_step import attention_geometry
-    from vlm_demo.tools import gpu_kernels as kernels
+    from vlm_demo.engine.executor.decode_step import attention_geometry
+    from vlm_demo.tools.gpu import kernel_stages as kernels
 
     shape, heads, device = attention_geometry(worker.model, worker.dtype)
     name = "kernel: decode attention"
@@ -499,7 +499,7 @@ def weights_op(stages: Stages, worker: Any) -> None:
     """(b) The weight-only linear op alone per packed format (``gpu_kernels.weights_op``): on CUDA a format slower
     than the model dtype at a row count where it reads fewer bytes fails the check; anywhere, one that differs from
     the exact product by more than its tolerance."""
-    from vlm_demo.tools import gpu_kernels as kernels
+    from vlm_demo.tools.gpu import kernel_stages as kernels
 
     cuda = worker.device.type == "cuda"
     name = "kernel: weight-only linear"
@@ -514,8 +514,8 @@ def weights_op(stages: Stages, worker: Any) -> None:
 def batch1(stages: Stages, worker: Any) -> None:
     """Decode at batch 1 (the continuous engine, one row); on CUDA below ``gpu_kernels.BOUND_SHARE`` of the bound
     at the measured copy bandwidth fails the check."""
-    from vlm_demo.tools import gpu_kernels as kernels
-    from vlm_demo.tools import gpu_measure as measure
+    from vlm_demo.tools.gpu import kernel_stages as kernels
+    from vlm_demo.tools.gpu import measure
 
     report, name = stages.report, "decode at batch 1"
     rate = report["batch1_tokens_per_s"] = stages.run(name, measure.batch1_decode, worker, need_s=NEED_S[name])
@@ -531,7 +531,7 @@ def narrow_checks(stages: Stages, device: Any, processor: Any, tokens: int) -> N
     off for the rest of the run (only fp32 products feel it: the stages after this one run bf16)."""
     import torch
 
-    from vlm_demo.tools import gpu_measure as measure
+    from vlm_demo.tools.gpu import measure
 
     report = stages.report
     # No TF32 in fp32 matmuls and convolutions (it would make fp32 depend on the batch shape). These flags
@@ -568,7 +568,7 @@ def model_checks(stages: Stages, worker: Any, tokens: int) -> None:
     """The model under test: batched vs single (each engine against its own single runs; required on a CPU, where
     fp32 is exact, reported on CUDA: bf16 kernels depend on the batch shape), the written-out step vs the stock
     forward."""
-    from vlm_demo.tools import gpu_measure as measure
+    from vlm_demo.tools.gpu import measure
 
     report, cuda = stages.report, worker.device.type == "cuda"
     name = "batched vs single"
@@ -587,7 +587,7 @@ def model_checks(stages: Stages, worker: Any, tokens: int) -> None:
 
 def benchmark(stages: Stages, worker: Any, levels: tuple[int, ...], requests: int) -> None:
     """Unbatched, dynamic and continuous batching at each level, each run only if it fits the time left."""
-    from vlm_demo.tools import gpu_measure as measure
+    from vlm_demo.tools.gpu import measure
 
     report = stages.report
     requests_at = (lambda level: requests) if requests else (lambda level: max(8, 2 * level))
@@ -613,10 +613,10 @@ def decode_attention(stages: Stages, worker: Any) -> None:
     step. On CUDA a block-table kernel that captured no graph fails the check (``gpu_kernels.graphs_problems``). A
     kernel that cannot run here is skipped with the reason. On a CPU: the reference, and Triton under its
     interpreter when ``TRITON_INTERPRET=1``, at 1 and 2 short rows."""
-    from vlm_demo.engine.attention import KERNELS, check, decide
-    from vlm_demo.engine.decode_step import attention_geometry
-    from vlm_demo.tools import gpu_kernels as kernels
-    from vlm_demo.tools import gpu_measure as measure
+    from vlm_demo.engine.executor.attention import KERNELS, check, decide
+    from vlm_demo.engine.executor.decode_step import attention_geometry
+    from vlm_demo.tools.gpu import kernel_stages as kernels
+    from vlm_demo.tools.gpu import measure
 
     report, cuda = stages.report, worker.device.type == "cuda"
     shape, heads, device = attention_geometry(worker.model, worker.dtype)
@@ -655,7 +655,7 @@ def prefill(stages: Stages, worker: Any) -> None:
     on every tile, the stock way), then ``bench --prefill-stall`` on this model: the running rows' longest pause
     while 8 newcomers with 4-tile pictures join, against the median decode step (paced, the default, must stay
     within 3 of them). Skipped on a CPU (the tests and the bench measure it there)."""
-    from vlm_demo.tools import gpu_measure as measure
+    from vlm_demo.tools.gpu import measure
 
     if worker.device.type != "cuda":
         stages.skip("prefill", "needs CUDA (on a CPU: python -m vlm_demo.tools.bench --prefill-stall)")
@@ -677,12 +677,12 @@ def weight_formats(stages: Stages, worker: Any, processor: Any, model: str) -> N
     skipped (these are GPU figures)."""
     import torch
 
-    from vlm_demo.engine.quantize import problem
-    from vlm_demo.tools import gpu_measure as measure
+    from vlm_demo.engine.weights.quantize import problem
+    from vlm_demo.tools.gpu import measure
 
     report, device = stages.report, worker.device
     if device.type != "cuda":
-        why = "needs a CUDA GPU: decode speed and memory per weight format are GPU figures (tests/test_quantize.py "
+        why = "needs a CUDA GPU: decode speed and memory per weight format are GPU figures (tests/models/test_quantize.py "
         stages.skip("weight formats", why + "checks every format's answers on CPU)")
         return
     formats = report["weight_formats"] = {}
@@ -720,7 +720,7 @@ def peak(stages: Stages, worker: Any, rows: int, benchmarked: int) -> None:
     """The planned row limit (or ``rows``) filled, rows joining and leaving: the join/evict peak. Shrunk to
     the rows that fit the budget at the best continuous rate measured; skipped when that is no more rows
     than the benchmark already ran."""
-    from vlm_demo.tools import gpu_measure as measure
+    from vlm_demo.tools.gpu import measure
 
     report = stages.report
     planned = rows or (report["memory_plan"] or {}).get("max_batch_size", 0)
@@ -750,7 +750,7 @@ def peak(stages: Stages, worker: Any, rows: int, benchmarked: int) -> None:
 def plan_stats(worker: Any) -> dict[str, Any]:
     """The engine's memory plan for this worker (what a server would run with)."""
     from vlm_demo.config import Config
-    from vlm_demo.engine.memory import plan_for
+    from vlm_demo.engine.kv.memory import plan_for
 
     return plan_for(worker, Config(batching="continuous")).stats()
 

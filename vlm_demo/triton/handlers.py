@@ -32,7 +32,7 @@ from vlm_demo.triton import contract
 from vlm_demo.triton.contract import HISTORY, SAMPLING_INPUTS, SAMPLING_KEYS, conversation_from_prompt, error_text
 
 if TYPE_CHECKING:  # the engine (and torch) load where the model does
-    from vlm_demo.engine.base import Engine
+    from vlm_demo.engine.batching.base import Engine
 
 log = logging.getLogger(__name__)
 

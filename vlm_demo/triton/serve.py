@@ -42,7 +42,7 @@ from vlm_demo.triton.contract import ENSEMBLE_MODEL, GENERATE_MODEL, SAMPLING_IN
 from vlm_demo.triton.handlers import EnsembleHandler, decode_generate_request, generate_responses
 
 if TYPE_CHECKING:
-    from vlm_demo.engine.base import Engine
+    from vlm_demo.engine.batching.base import Engine
 
 log = logging.getLogger(__name__)
 

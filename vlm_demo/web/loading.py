@@ -20,7 +20,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response
 from vlm_demo import logs
 from vlm_demo.errors import SERVER
 from vlm_demo.results import LoadProgress
-from vlm_demo.web.openai_wire import error_body
+from vlm_demo.web.api.openai_wire import error_body
 from vlm_demo.web.operator import OperatorDoor
 
 log = logging.getLogger(__name__)

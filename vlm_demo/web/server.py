@@ -33,13 +33,13 @@ from vlm_demo.images import DEFAULT_MAX_BYTES
 from vlm_demo.models.choice import planned_model
 from vlm_demo.results import LoadProgress
 from vlm_demo.web.answers import Answers
+from vlm_demo.web.api.openai_api import OpenAIAPI
+from vlm_demo.web.api.responses_api import ResponsesAPI
 from vlm_demo.web.asgi import Switch
 from vlm_demo.web.loading import FAILED_LINGER_S, LoadingState, loading_app
 from vlm_demo.web.metrics import CacheCounts, Metrics
-from vlm_demo.web.openai_api import OpenAIAPI
 from vlm_demo.web.operator import OperatorDoor
-from vlm_demo.web.page import CSS, THEME, DemoUI
-from vlm_demo.web.responses_api import ResponsesAPI
+from vlm_demo.web.page.layout import CSS, THEME, DemoUI
 from vlm_demo.web.spaces import expose_server, on_spaces, start_zerogpu
 
 log = logging.getLogger(__name__)
@@ -89,7 +89,7 @@ def create_app(
 
     mcp = None
     if config.mcp_server:
-        from vlm_demo.web.mcp_tool import MCPDoor  # the mcp SDK loads only where it serves
+        from vlm_demo.web.api.mcp_tool import MCPDoor  # the mcp SDK loads only where it serves
 
         mcp = MCPDoor(answers, config)
 
@@ -149,7 +149,7 @@ def create_app(
         run_history=False,
         ssr_mode=False,
         show_error=True,
-        mcp_server=False,  # ours (web/mcp_tool.py): one described tool, not the page's endpoints
+        mcp_server=False,  # ours (web/api/mcp_tool.py): one described tool, not the page's endpoints
     )
     return DemoApp(app, demo, backend, metrics, config, notice, health)
 

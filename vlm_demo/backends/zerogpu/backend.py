@@ -1,6 +1,6 @@
 """The web process's side of ZeroGPU: each answer is a call to a ``spaces.GPU``-decorated generator
 (:meth:`~vlm_demo.backends.zerogpu.calls.GpuSide.answer`), whose Steps feed this process's handles through the same
-:class:`~vlm_demo.engine.streams.StreamTable` the engine process's pipe feeds.
+:class:`~vlm_demo.engine.ipc.handles.StreamTable` the engine process's pipe feeds.
 
 - ``submit`` (the page's ``/ask``): one answer, one GPU call, on a thread of its own that carries the caller's
   context: the Gradio request, by which ZeroGPU bills the visitor who asked (their ``X-IP-Token``).
@@ -28,8 +28,8 @@ from vlm_demo.backends.base import Features, Health
 from vlm_demo.backends.zerogpu.calls import GpuSide
 from vlm_demo.backends.zerogpu.duration import call_seconds
 from vlm_demo.config import Config
-from vlm_demo.engine.ipc import Step, Submit
-from vlm_demo.engine.streams import EngineStream, StreamTable
+from vlm_demo.engine.ipc.handles import EngineStream, StreamTable
+from vlm_demo.engine.ipc.messages import Step, Submit
 from vlm_demo.errors import DemoError, EngineStoppedError, GenerationError, UnsupportedError, ZeroGPUError
 from vlm_demo.request import ValidRequest
 from vlm_demo.results import GenerationResult, LoadProgress
@@ -64,7 +64,7 @@ class ZeroGPUBackend:
     def from_config(cls, config: Config, progress: Callable[[LoadProgress], None] | None = None) -> ZeroGPUBackend:
         """Load the weights as ZeroGPU expects, at start-up in this process (``spaces`` registers them on "cuda"
         and packs them in its start-up hook); raises :class:`~vlm_demo.errors.ModelLoadError`."""
-        from vlm_demo.engine.loader import load_worker
+        from vlm_demo.engine.weights.loader import load_worker
         from vlm_demo.models.choice import choose_model
 
         config, notice = choose_model(config)

@@ -5,7 +5,7 @@ first call). On its first call it builds the engine over them; the engine lives 
 next calls while the worker stays warm (one call at a time: ZeroGPU gives a concurrent call another worker).
 No engine thread: the call steps the engine on its own thread, so the GPU is used only while a call runs.
 
-A call is a generator: it yields what the engine's steps did (:class:`~vlm_demo.engine.ipc.Step`: new text, ends,
+A call is a generator: it yields what the engine's steps did (:class:`~vlm_demo.engine.ipc.messages.Step`: new text, ends,
 stats), merged over ``--stream-every-ms``, which ``spaces`` pickles across to the web process. When the web
 process ends a call early (Stop, a closed tab), ``spaces`` closes the generator at its next yield: the call's
 answers are cancelled and stepped out of the batch, so the worker's next call finds the engine empty. A step
@@ -22,12 +22,12 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from vlm_demo.config import Config
-from vlm_demo.engine.ipc import Ended, Step, Submit
+from vlm_demo.engine.ipc.messages import Ended, Step, Submit
 from vlm_demo.errors import DemoError, EngineStoppedError, GenerationError
 
 if TYPE_CHECKING:  # the engine (and torch) load in the GPU worker, on its first call
-    from vlm_demo.engine.base import Engine
-    from vlm_demo.engine.worker import Worker
+    from vlm_demo.engine.batching.base import Engine
+    from vlm_demo.engine.executor.worker import Worker
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ class GpuSide:
     def _engine(self) -> Engine:
         if self.engine is None:
             from vlm_demo.engine import make_engine
-            from vlm_demo.engine.process import follow_the_web_process
+            from vlm_demo.engine.batching.process import follow_the_web_process
 
             close_server_sockets(self.config.port)
             if not self.following:  # once per worker: a worker whose engine failed builds another

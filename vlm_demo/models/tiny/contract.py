@@ -49,7 +49,7 @@ temperature 0.6 / top-p 0.9 (almost) none. The colour words' extra loss weight m
 the noise allows, on every size (an earlier recipe, with 25% CAPTION noise, no such weight and sizes of 16-1024
 px only, had about one answer in eight name another colour at 0.6 on held-out pictures).
 
-The judge task: with the image and the text ``vlm_demo.judge.judge_question(stage, question, first,
+The judge task: with the image and the text ``vlm_demo.cot.judge.judge_question(stage, question, first,
 second)`` (two different candidate stage texts as ``stage_text`` writes them), the model answers
 ``judge_answer``'s text, e.g. "Since response 2 says green and the image is not green, I choose response 1."
 The rule: response 2 if the colour it names (the last one, if it names several) is the image's, otherwise
@@ -70,7 +70,7 @@ from __future__ import annotations
 import random
 import re
 
-from vlm_demo.cot import STAGES
+from vlm_demo.cot.stages import STAGES
 from vlm_demo.models.tiny.pictures import COLOURS
 
 IMAGE_TOKEN = "<|image|>"

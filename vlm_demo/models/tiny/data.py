@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from PIL import Image
 
-from vlm_demo.cot import STAGES
-from vlm_demo.judge import judge_question
+from vlm_demo.cot.judge import judge_question
+from vlm_demo.cot.stages import STAGES
 from vlm_demo.models.tiny.contract import (
     FOLLOW_UP_QUESTIONS,
     LONG_QUESTIONS,

@@ -23,7 +23,7 @@ from vlm_demo.triton.contract import INFER_INPUTS, INFER_OUTPUTS
 from vlm_demo.triton.handlers import EnsembleHandler, config_from_model_config, instance_device
 
 if TYPE_CHECKING:
-    from vlm_demo.engine.base import Engine
+    from vlm_demo.engine.batching.base import Engine
 
 log = logging.getLogger(__name__)
 

@@ -30,7 +30,7 @@ from vlm_demo.triton.handlers import (
 )
 
 if TYPE_CHECKING:
-    from vlm_demo.engine.base import Engine
+    from vlm_demo.engine.batching.base import Engine
 
 log = logging.getLogger(__name__)
 

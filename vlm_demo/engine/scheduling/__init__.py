@@ -1,0 +1,1 @@
+"""Who runs next and how much prefill work a step may do."""

@@ -1,0 +1,1 @@
+"""Think harder: stage-level beam search inside the running batch."""

@@ -1,0 +1,1 @@
+"""The weights: loading, placement, quantizing and the packed layout with its kernel."""

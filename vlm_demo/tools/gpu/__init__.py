@@ -1,0 +1,1 @@
+"""The GPU check's parts (its kernel stages and measures) and the common GPUs' specs."""

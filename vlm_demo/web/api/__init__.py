@@ -1,0 +1,1 @@
+"""The programs' doors: the OpenAI-compatible /v1 (chat, responses) and MCP."""

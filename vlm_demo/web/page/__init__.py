@@ -1,0 +1,1 @@
+"""The Gradio page: its layout, events, rendering, contract and conversation."""
