@@ -10,7 +10,8 @@ Two measurements, both on this CPU:
   position. Per step, each cache against the exact one (and fp8 against bf16): the largest and mean absolute logit
   difference, the same over the logits' spread (their standard deviation), the KL divergence of the softmaxes, and
   whether the greedy token agrees. bf16's own difference is the yardstick: the random model (large weights, to keep
-  greedy choices decisive) amplifies any change of its cache, so read fp8's figures against bf16's.
+  greedy choices decisive) amplifies any change of its cache, so read fp8's figures against bf16's;
+  ``realshape_logits_llama_init`` is the same model with Llama's own initial spread (0.02), which amplifies less.
 - **Answers on the tiny trained model** (fp32, 1,024 vocabulary): held-out pictures through the continuous
   engine, greedy, with each cache: whether each answer is four-staged, names the picture's colour, and is the
   same text as the default cache's.
@@ -82,8 +83,10 @@ def _summary(steps: list[dict[str, float]]) -> dict[str, float]:
     }
 
 
-def logit_closeness(steps: int = STEPS, rows: int = ROWS, hidden: int = HIDDEN, seed: int = 0) -> dict[str, Any]:
-    """The teacher-forced comparison on the real-shape model (see the module's docstring)."""
+def logit_closeness(steps: int = STEPS, rows: int = ROWS, hidden: int = HIDDEN, seed: int = 0,
+                    init: float | None = None) -> dict[str, Any]:  # fmt: skip
+    """The teacher-forced comparison on the real-shape model (see the module's docstring); ``init``: the text
+    model's initial weights' spread in place of the narrow model's large 0.2 (0.02: Llama's own)."""
     from vlm_demo.engine.batching.job import Request
     from vlm_demo.engine.batching.rows import Row, RunningRows
     from vlm_demo.engine.executor.worker import Worker
@@ -93,7 +96,10 @@ def logit_closeness(steps: int = STEPS, rows: int = ROWS, hidden: int = HIDDEN, 
     from vlm_demo.request import SamplingParams
 
     dtype = torch.float32
-    model = realshape.build_model(realshape.narrow_config(hidden=hidden), dtype, "cpu", seed=seed)
+    config = realshape.narrow_config(hidden=hidden)
+    if init is not None:
+        config.get_text_config().initializer_range = init
+    model = realshape.build_model(config, dtype, "cpu", seed=seed)
     worker = Worker(model, realshape.real_processor(), "realshape")
     params = SamplingParams(max_new_tokens=steps, temperature=0.0).validated(steps)
     colours = ("red", "blue", "green", "yellow")
@@ -127,7 +133,8 @@ def logit_closeness(steps: int = STEPS, rows: int = ROWS, hidden: int = HIDDEN, 
             for _, rows_of in running.values():
                 rows_of.advance(forced)
     return {
-        "model": f"realshape narrow_config(hidden={hidden}, layers=5, cross layers 1 and 3), random fp32 weights",
+        "model": f"realshape narrow_config(hidden={hidden}, layers=5, cross layers 1 and 3), random fp32 weights"
+        f" (initializer range {config.get_text_config().initializer_range})",
         "rows": rows,
         "steps": steps,
         "prompt_tokens": [r.input_tokens for r in requests],
@@ -191,6 +198,10 @@ def report(steps: int = STEPS) -> dict[str, Any]:
     from vlm_demo.models.tiny import ensure_tiny
 
     tiny = load(ensure_tiny(None), device="cpu")
-    out = {"realshape_logits": logit_closeness(steps), "tiny_answers": tiny_answers(tiny)}
+    out = {
+        "realshape_logits": logit_closeness(steps),
+        "realshape_logits_llama_init": logit_closeness(steps, init=0.02),
+        "tiny_answers": tiny_answers(tiny),
+    }
     assert not math.isnan(out["realshape_logits"]["fp8_against_bf16"]["mean_abs_logit_difference"])
     return out
