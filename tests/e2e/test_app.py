@@ -515,3 +515,23 @@ def test_calls_dribbled_in_slowly_hold_no_one_else_back(server: str) -> None:
     finally:
         for sock in stalled:
             sock.close()
+
+
+def test_the_app_with_an_fp8_cache_answers_held_out_pictures_right_in_four_stages(held_out) -> None:
+    """``python app.py --kv-cache-dtype fp8``: /health says the pool is fp8, and held-out pictures asked together get
+    four-staged answers naming their colour."""
+    from support import colour_of, four_stages
+
+    with running_app("--kv-cache-dtype", "fp8", "--response-cache-mb", "0") as server:
+        details = requests.get(server + "/health", timeout=10).json()["details"]
+        assert details["kv_cache_dtype"] == "fp8", details
+
+        def ask(case: tuple[str, str, str]) -> tuple[str, tuple]:
+            colour, path, question = case
+            return colour, Client(server, verbose=False).predict(handle_file(path), question, *GREEDY, api_name="/ask")
+
+        with ThreadPoolExecutor(4) as pool:
+            answers = list(pool.map(ask, held_out))
+    for colour, answer in answers:
+        assert four_stages(answer[4]), answer[4]  # the whole answer
+        assert colour_of(answer[3]) == colour, answer  # its CONCLUSION panel
