@@ -89,6 +89,7 @@ def logit_closeness(steps: int = STEPS, rows: int = ROWS, hidden: int = HIDDEN, 
     model's initial weights' spread in place of the narrow model's large 0.2 (0.02: Llama's own)."""
     from vlm_demo.engine.batching.job import Request
     from vlm_demo.engine.batching.rows import Row, RunningRows
+    from vlm_demo.engine.executor.decode_step import page_shape
     from vlm_demo.engine.executor.worker import Worker
     from vlm_demo.images import image_digest
     from vlm_demo.models import realshape
@@ -111,7 +112,7 @@ def logit_closeness(steps: int = STEPS, rows: int = ROWS, hidden: int = HIDDEN, 
                                 image_key=image_digest(image)))  # fmt: skip
     with torch.inference_mode():
         prefill = worker.prefill(requests)
-        shape = _decoders(model, 1)["fp32"].pool.shape
+        shape = page_shape(model, dtype)
         pages = rows * shape.row_pages(max(r.input_tokens for r in requests) + steps + 1, shape.max_tiles) + 8
         decoders = _decoders(model, pages)
         running = {}
