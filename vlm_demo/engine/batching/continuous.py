@@ -11,7 +11,8 @@ A static batch costs as much as its longest row and makes newcomers wait for all
    waiting pictures go through the vision tower a few layers a step (:mod:`~vlm_demo.engine.scheduling.lookahead`) and a
    newcomer joins once its picture is ready, so the running rows never stall for long;
 3. decode: one forward pass for every running row over the page pool, sampling on the device, then
-   the step's one read back to the host (the tokens), per-row stage structure, streaming and stop;
+   the step's one read back to the host (the tokens), each row's committed token
+   (:mod:`~vlm_demo.engine.decoding.choice`: the stage structure's), streaming and stop;
    rows that ended leave at once and give their pages back. Nobody else's cache moves.
 
 Who runs next is the scheduler's business, where caches live is ``RunningRows``' (:mod:`~vlm_demo.engine.batching.rows`),
@@ -34,6 +35,7 @@ from vlm_demo.engine.batching.base import Engine, error_for, is_fatal_device_err
 from vlm_demo.engine.batching.job import Request, Resume
 from vlm_demo.engine.batching.joining import Joiner
 from vlm_demo.engine.batching.rows import Row, RunningRows
+from vlm_demo.engine.decoding.choice import TokenChoice, replacements
 from vlm_demo.engine.executor.attention import choose
 from vlm_demo.engine.executor.decode_step import TextDecodeStep, attention_geometry
 from vlm_demo.engine.executor.graphs import decode_graphs
@@ -248,16 +250,18 @@ class ContinuousEngine(Engine):
         inputs = self.rows.step_inputs(self.graphs.pad_to(len(rows)))
         self._failpoint("forward")
         logits = self.worker.decode(self.graphs, inputs)[: len(rows)]
-        tokens = self.rows.sampling.sample(logits)  # type: ignore[union-attr]
+        choice = TokenChoice(self.rows.sampling, logits)  # type: ignore[type-var]  # rows are running: not None
+        tokens = choice.draw()
         self._failpoint("advance")
         self.rows.advance(tokens)
         self._render()
         self._failpoint("host_read")
         ids = tokens.tolist()  # the step's one read back to the host
         self.rows.staging.recycle()
-        committed = self.joiner.commit(rows, ids, logits, self.rows.sampling)  # type: ignore[arg-type]
-        if committed != ids:  # not in the cache yet: the replacement is the row's next input
-            self.rows.replace_next({i: t for i, (t, was) in enumerate(zip(committed, ids, strict=True)) if t != was})
+        committed = choice.commit([row.streamer for row in rows], ids)
+        changed = replacements(ids, committed)
+        if changed:  # not in the cache yet: the replacement is the row's next input
+            self.rows.replace_next(changed)
         self.steps_run += 1
         sizes.append(len(rows))
         for row, token in zip(rows, committed, strict=True):

@@ -1,10 +1,11 @@
 """How rows join the running batch: newcomers from their prefill, a Think-harder search's candidates from
-its snapshot; and how each step's sampled tokens become the rows' committed ones.
+its snapshot.
 
 A newcomer's cache is written into fresh pages (``RunningRows.place``); a candidate shares its snapshot's
 pages (``PageTable.fork``). Either way the row's first token is committed here: drawn from the prompt's
-logits (the stage structure may replace it), or, for a row resuming after it was handed back, the last
-token it wrote, its draw counter where it was. What joins when is the scheduler's plan; what to do when a
+logits and chosen as every step's are (:mod:`~vlm_demo.engine.decoding.choice`: the stage structure may
+replace it), or, for a row resuming after it was handed back, the last token it wrote, its draw counter
+where it was. What joins when is the scheduler's plan; what to do when a
 prefill fails is the engine's.
 """
 
@@ -15,7 +16,8 @@ import torch
 
 from vlm_demo.engine.batching.job import Request
 from vlm_demo.engine.batching.rows import Row, RunningRows
-from vlm_demo.engine.decoding.detokenizer import RowStreamer, commit_tokens
+from vlm_demo.engine.decoding.choice import TokenChoice
+from vlm_demo.engine.decoding.detokenizer import RowStreamer
 from vlm_demo.engine.decoding.sampler import RowSampling
 from vlm_demo.engine.executor.prefill import Prefill
 from vlm_demo.engine.executor.worker import Worker
@@ -37,13 +39,6 @@ class Joiner:
     def sampling(self, params: list) -> RowSampling:
         return RowSampling(params, self.worker.device, send=self.send)
 
-    def commit(self, rows: list[Row], sampled: list[int], logits: torch.Tensor, sampling: RowSampling,
-               index: list[int] | None = None) -> list[int]:  # fmt: skip
-        """The tokens the rows commit (the stage structure may replace a sampled one, or draw it again)."""
-        where = index if index is not None else list(range(len(rows)))
-        redraw = lambda which: self.worker.redraw(sampling, logits, [where[j] for j in which]).tolist()  # noqa: E731
-        return commit_tokens([row.streamer for row in rows], sampled, redraw)
-
     def fork(self, search: StageBeam, count: int) -> None:
         """``count`` candidate rows of a search, sharing its start's pages (the plan kept a page for each)."""
         base, rows, params, own_first = search.fork(count)
@@ -51,9 +46,9 @@ class Joiner:
         assert places is not None, "the plan keeps a page for each candidate"
         sampling = self.sampling(params)
         if own_first:  # drawn from the prompt's logits: the candidates' first tokens
-            logits = base.logits.expand(count, -1)  # type: ignore[union-attr]
-            tokens = sampling.sample(logits)
-            tokens = self._start(rows, tokens, logits, sampling, tokens.tolist())
+            choice = TokenChoice(sampling, base.logits.expand(count, -1))  # type: ignore[union-attr]
+            tokens = choice.draw()
+            tokens = self._start(rows, tokens, choice, tokens.tolist())
         else:  # the winner's last token, already written: the candidates' next input
             tokens = base.next_token.expand(count)  # type: ignore[union-attr]
         for row in rows:
@@ -64,7 +59,7 @@ class Joiner:
         """Newcomers whose prefill is placed: plain answers join the running rows; a Think-harder request keeps
         its prompt's cache aside as its search's start (returned: the engine runs them)."""
         sampling = self.sampling([r.params for r in group])
-        tokens = sampling.sample(prefill.logits)
+        tokens = TokenChoice(sampling, prefill.logits).draw()
         first = tokens.tolist()  # the newcomers' first tokens (a host read, once per admission)
         self.rows.staging.recycle()
         searches = []
@@ -76,13 +71,12 @@ class Joiner:
                 searches.append(search)
         if joining:
             rows = [Row(group[i], self._streamer(group[i])) for i in joining]
-            sampling = sampling.select(joining)
-            logits = prefill.logits[joining]
-            tokens = self._start(rows, tokens[joining], logits, sampling, [first[i] for i in joining])
+            choice = TokenChoice(sampling.select(joining), prefill.logits[joining])
+            tokens = self._start(rows, tokens[joining], choice, [first[i] for i in joining])
             for row in rows:
                 row.request.batch_size = max(row.request.batch_size, len(self.rows) + len(rows))
                 row.request.resume = None
-            self.rows.join(rows, [places[i] for i in joining], tokens, sampling)
+            self.rows.join(rows, [places[i] for i in joining], tokens, choice.sampling)
         return searches
 
     def _streamer(self, request: Request) -> RowStreamer:
@@ -91,14 +85,15 @@ class Joiner:
         tracker = self.worker.tracker(request.params, self.structured and request.staged)
         return RowStreamer(self.worker.tokenizer, request, self.worker.eos_ids, request.stop_text, tracker)
 
-    def _start(self, rows: list[Row], tokens: torch.Tensor, logits: torch.Tensor, sampling: RowSampling,
-               sampled: list[int]) -> torch.Tensor:  # fmt: skip
-        """The rows' first tokens: a newcomer commits the one drawn from its prompt's logits (the stage structure
-        may replace it); a resumed row continues from the last token it wrote, its draws where they were.
-        Returns the rows' next inputs."""
+    def _start(
+        self, rows: list[Row], tokens: torch.Tensor, choice: TokenChoice[RowSampling], sampled: list[int]
+    ) -> torch.Tensor:
+        """The rows' first tokens: a newcomer commits the one drawn from its prompt's logits (as ``choice`` has it);
+        a resumed row continues from the last token it wrote, its draws where they were. Returns the rows' next
+        inputs."""
         fresh = [i for i, row in enumerate(rows) if row.request.resume is None]
         values = list(sampled)
-        chosen = self.commit([rows[i] for i in fresh], [sampled[i] for i in fresh], logits, sampling, fresh)
+        chosen = choice.commit([rows[i].streamer for i in fresh], [sampled[i] for i in fresh], fresh)
         for i, token in zip(fresh, chosen, strict=True):
             values[i] = token
             rows[i].streamer.feed(token)
@@ -107,7 +102,7 @@ class Joiner:
             values[i] = rows[i].request.token_ids[-1]
         if resumes:
             draws = [resumes[i].draws if i in resumes else 1 for i in range(len(rows))]
-            (sampling.draws,) = self.send([np.asarray(draws)])
+            (choice.sampling.draws,) = self.send([np.asarray(draws)])
         if values == sampled:
             return tokens
         (out,) = self.send([np.asarray(values)])

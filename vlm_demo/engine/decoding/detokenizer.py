@@ -4,10 +4,9 @@ transformers' stock streamers accept batch size 1 only, and its stop rules apply
 ``BatchStreamer`` is handed to ``generate`` as a stopping criterion because that hook sees every
 step's token ids for all rows, on CPU and on GPU alike (the ``streamer`` hook lags one step on CUDA).
 Each row decodes incrementally, streams its own text, and stops on its own: end of turn, the closing
-``</CONCLUSION>`` tag, its own ``max_new_tokens``, or cancellation. With stage structure on, each sampled
-token first goes past the row's :class:`~vlm_demo.engine.decoding.structure.StageTracker` (``choose``), which may
-replace it before it is committed; ``BatchStreamer`` writes a replacement into ``generate``'s last column,
-which the next step reads as its input.
+``</CONCLUSION>`` tag, its own ``max_new_tokens``, or cancellation. Which token a row commits for the one
+it sampled is :mod:`~vlm_demo.engine.decoding.choice`'s to say (with stage structure on, it may replace it);
+``BatchStreamer`` writes a replacement into ``generate``'s last column, which the next step reads as its input.
 """
 
 from __future__ import annotations
@@ -18,12 +17,13 @@ from typing import Any, cast
 
 import torch
 from tokenizers.decoders import DecodeStream
-from transformers import LogitsProcessor, StoppingCriteria
+from transformers import StoppingCriteria
 
 from vlm_demo.engine.batching.job import STOP_TEXT, Request
-from vlm_demo.engine.decoding.structure import RESAMPLE, StageGrammar, StageTracker
+from vlm_demo.engine.decoding.choice import GenerateChoice, replacements
+from vlm_demo.engine.decoding.structure import StageGrammar, StageTracker
 
-__all__ = ["STOP_TEXT", "BatchStreamer", "RowStreamer", "ScoresTap", "StageGrammar", "commit_tokens"]
+__all__ = ["STOP_TEXT", "BatchStreamer", "RowStreamer", "StageGrammar"]
 
 
 class RowStreamer:
@@ -140,13 +140,6 @@ class RowStreamer:
         if not self.done:
             self._stop("length")
 
-    def choose(self, token: int, redrawn: bool = False) -> int:
-        """The token this row commits for the sampled ``token``: itself, a replacement that keeps the stage
-        grammar, or :data:`~vlm_demo.engine.decoding.structure.RESAMPLE` (draw again with the "<"-tokens masked)."""
-        if self.structure is None or self.done or self.request.cancelled:
-            return token
-        return self.structure.check(token, len(self.ids), redrawn=redrawn)
-
     def _stop(self, reason: str) -> bool:
         self.done = True
         cut = self.structure.cut if self.structure is not None else None
@@ -165,42 +158,26 @@ class RowStreamer:
         return True
 
 
-class ScoresTap(LogitsProcessor):
-    """Keeps a reference to each step's logits (first in the list: before any per-row sampling touches
-    them), for the rare second draw the stage structure asks for."""
-
-    def __init__(self) -> None:
-        self.scores: torch.Tensor | None = None
-
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        self.scores = scores
-        return scores
-
-
 class BatchStreamer(StoppingCriteria):
-    """Feeds each step's newest token to every row and tells ``generate`` which rows are done."""
+    """Feeds each step's newest token, as ``choice`` commits it, to every row and tells ``generate`` which rows
+    are done."""
 
     def __init__(
-        self,
-        rows: list[RowStreamer],
-        redraw: Callable[[torch.Tensor, list[int]], torch.Tensor] | None = None,
-        tap: ScoresTap | None = None,
-        on_step: Callable[[], bool] | None = None,
+        self, rows: list[RowStreamer], choice: GenerateChoice, on_step: Callable[[], bool] | None = None
     ) -> None:
         self.rows = rows
-        self.redraw = redraw  # (logits, rows) -> a second draw for those rows, "<"-tokens masked
-        self.tap = tap
+        self.choice = choice
         self.on_step = on_step  # told after each step; True: stop every row
 
     def __call__(
         self, input_ids: torch.LongTensor, scores: torch.FloatTensor | None = None, **kwargs: Any
     ) -> torch.BoolTensor:
         newest = input_ids[:, -1].tolist()
-        committed = commit_tokens(self.rows, newest, self._redraw)
-        changed = [i for i, (a, b) in enumerate(zip(newest, committed, strict=False)) if a != b]
+        committed = self.choice.commit(self.rows, newest)
+        changed = replacements(newest, committed)
         if changed:  # generate's next step reads this column as its input: the replacement takes effect
-            where = torch.tensor(changed, device=input_ids.device)
-            input_ids[where, -1] = torch.tensor([committed[i] for i in changed], device=input_ids.device)
+            where = torch.tensor(list(changed), device=input_ids.device)
+            input_ids[where, -1] = torch.tensor(list(changed.values()), device=input_ids.device)
         flags = [row.feed(token) for row, token in zip(self.rows, committed, strict=False)]
         if self.on_step is not None and self.on_step():
             flags = [True] * len(flags)
@@ -211,21 +188,3 @@ class BatchStreamer(StoppingCriteria):
         for row in self.rows:
             if not row.done:
                 row._stop("length")
-
-    def _redraw(self, rows: list[int]) -> list[int]:
-        assert self.redraw is not None and self.tap is not None and self.tap.scores is not None
-        return self.redraw(self.tap.scores, rows).tolist()
-
-
-def commit_tokens(
-    rows: Sequence[RowStreamer], sampled: list[int], redraw: Callable[[list[int]], list[int]]
-) -> list[int]:
-    """Every row's committed token for this step (see :meth:`RowStreamer.choose`): rows whose structure
-    asks for a second draw get one, all together, from ``redraw(row indices)`` (the only extra host read,
-    and only on the steps that need it)."""
-    committed = [row.choose(token) for row, token in zip(rows, sampled, strict=False)]
-    again = [i for i, token in enumerate(committed) if token == RESAMPLE]
-    if again:
-        for i, token in zip(again, redraw(again), strict=True):
-            committed[i] = rows[i].choose(token, redrawn=True)
-    return committed

@@ -11,7 +11,8 @@ closing tag; once ``</`` is written only the rest of that closing tag may follow
 drawn again (the panels' parser, :func:`vlm_demo.cot.stages.parse_stages`, drops any that come from elsewhere).
 
 How, without touching what the model already writes well: a :class:`StageTracker` per row reads each
-*sampled* token before it is committed. A token that keeps the text inside the grammar passes untouched,
+*sampled* token before it is committed (:mod:`~vlm_demo.engine.decoding.choice` asks it, and makes the second
+draws it asks for). A token that keeps the text inside the grammar passes untouched,
 so a well-formed greedy answer is token-identical to an unconstrained one. A token that would break it is
 replaced before it enters the cache (the continuous engine overwrites the row's next input; the dynamic
 engine edits ``generate``'s last column in place, which its next step reads): by the rest of the tag the

@@ -18,12 +18,12 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
-from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
+from transformers import GenerationConfig, StoppingCriteriaList
 
 from vlm_demo.engine.batching.job import Request
 from vlm_demo.engine.batching.rows import StepInputs
-from vlm_demo.engine.decoding.detokenizer import BatchStreamer, RowStreamer, ScoresTap
-from vlm_demo.engine.decoding.sampler import RowSampler, RowSampling
+from vlm_demo.engine.decoding.choice import GenerateChoice
+from vlm_demo.engine.decoding.detokenizer import BatchStreamer, RowStreamer
 from vlm_demo.engine.decoding.structure import StageGrammar, StageTracker
 from vlm_demo.engine.executor.picture_states import PictureStates
 from vlm_demo.engine.executor.prefill import Prefill
@@ -143,10 +143,6 @@ class Worker:
     def tracker(self, params: ValidParams, structured: bool) -> StageTracker | None:
         """A whole answer's stage tracker, unless structure is off (or a benchmark forces lengths)."""
         return self.grammar.answer(params.max_new_tokens) if structured and not params.ignore_eos else None
-
-    def redraw(self, sampling: RowSampling | RowSampler, logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
-        """A second draw for ``rows`` with the "<"-tokens and end of turn masked (the stage structure's)."""
-        return sampling.redraw(logits, rows, self.grammar.ban_mask(logits.shape[-1], logits.device))
 
     def prompt(self, question: str, history: Sequence[Turn] = ()) -> str:
         """The chat-templated prompt text, as the model was trained: the image placeholder in the first user
@@ -285,15 +281,14 @@ class Worker:
         rows = [
             RowStreamer(self.tokenizer, r, self.eos_ids, structure=self.tracker(r.params, structured)) for r in batch
         ]
-        sampler = RowSampler([r.params for r in batch])
-        tap = ScoresTap()
-        streamer = BatchStreamer(rows, lambda logits, which: self.redraw(sampler, logits, which), tap, on_step)
+        choice = GenerateChoice([r.params for r in batch])
+        streamer = BatchStreamer(rows, choice, on_step)
         self.vision_encodes += len(batch)  # generate runs the stock tower: every tile the processor packed
         self.vision_tiles_run += sum(int(r.inputs["pixel_values"].shape[2]) for r in batch)
         self.model.generate(
             **inputs,
             generation_config=self.generation_config(max(r.params.max_new_tokens for r in batch)),
-            logits_processor=LogitsProcessorList([tap, sampler] if sampler.needed else [tap]),
+            logits_processor=choice.processors,
             stopping_criteria=StoppingCriteriaList([streamer]),
         )
         streamer.finish_all()
