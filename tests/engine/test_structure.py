@@ -138,6 +138,22 @@ def test_a_closing_tag_broken_off_at_the_budgets_end_is_written_whole(worker, gr
     assert malformed(text, cut=tracker.cut is not None) is None, text
 
 
+def test_a_control_character_split_over_two_byte_tokens_is_drawn_again(worker, grammar) -> None:
+    """U+009B is two bytes (C2 9B), two byte tokens of the tokenizer, each harmless alone: the second is drawn
+    again, and a second draw never takes a token that starts inside a character (Hypothesis found this)."""
+    lone = [i for i, text in enumerate(grammar.texts) if text == "\ufffd"]
+    lead, finish = next((a, b) for a in lone for b in grammar.continuing if grammar.decode([a, b]) == "\x9b")
+    assert lead not in grammar.control and finish not in grammar.control
+    tracker, committed = grammar.answer(120), []
+    for token in [*grammar.encode("<SUMMARY>It is"), lead]:
+        committed.append(tracker.check(token, len(committed)))
+    assert committed[-1] == lead
+    assert tracker.check(finish, len(committed)) == RESAMPLE
+    assert finish in grammar.banned_ids and lead in grammar.banned_ids  # the second draw cannot finish it either
+    harmless = next(b for b in grammar.continuing if grammar.decode([lead, b]) == "\xa0")  # no-break space
+    assert tracker.check(harmless, len(committed)) == harmless  # a character, not a control one, is left alone
+
+
 # Pieces a hot sample writes where tags go wrong (each tokenised as the model's tokenizer splits it).
 ADVERSARIAL = ["<SUMMARY>", "</SUMMARY>", "<CAPTION>", "</CAPTION>", "<REASONING>", "</REASONING>", "<CONCLUSION>",
                "</CONCLUSION>", "</<SUMMARY>", "</<", "</", "<", "< ", "</ ", "</cONCLUSION>", "<summary>", "</SUM",

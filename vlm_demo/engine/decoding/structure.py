@@ -7,8 +7,9 @@ turn before the CONCLUSION. Every answer here follows the grammar: it opens with
 followed only by the next one's opening, no tag repeats or comes out of order, no stage is empty, and the
 answer ends at ``</CONCLUSION>``. Inside a stage, ``<`` starts ordinary text unless it can still become the
 closing tag; once ``</`` is written only the rest of that closing tag may follow (``</<SUMMARY>`` is closed as
-``</SUMMARY>``). No token that writes a control character (other than newline and tab) is committed: it is
-drawn again (the panels' parser, :func:`vlm_demo.cot.stages.parse_stages`, drops any that come from elsewhere).
+``</SUMMARY>``). No token that writes a control character (other than newline and tab) is committed, nor one that
+finishes a control character the tokens before it began (byte tokens: ``\xc2`` then ``\x9b``): it is drawn again
+(the panels' parser, :func:`vlm_demo.cot.stages.parse_stages`, drops any that come from elsewhere).
 
 How, without touching what the model already writes well: a :class:`StageTracker` per row reads each
 *sampled* token before it is committed (:mod:`~vlm_demo.engine.decoding.choice` asks it, and makes the second
@@ -18,9 +19,9 @@ replaced before it enters the cache (the continuous engine overwrites the row's 
 engine edits ``generate``'s last column in place, which its next step reads): by the rest of the tag the
 grammar wants there, tokenised as the model's own tokenizer splits that text, one forced token per step;
 or, when the model tries to close or leave a stage that has no text yet, by a second draw from the same
-logits with every ``<``-token, control character, whitespace-only token and end of turn masked (rare: the
-one extra host read it costs happens only then). The tracker is host-side string work on tokens the engine
-reads back anyway: no extra host sync.
+logits with every ``<``-token, control character, token that starts inside a character, whitespace-only token and
+end of turn masked (rare: the one extra host read it costs happens only then). The tracker is host-side string work
+on tokens the engine reads back anyway: no extra host sync.
 
 A reserve keeps room for the answer: once a row's budget is down to :func:`conclusion_reserve` tokens, the
 running stage is closed and ``<CONCLUSION>`` opened (the stages in between are skipped), and the
@@ -57,13 +58,17 @@ class StageGrammar:
         decode: Callable[[list[int]], str] = tokenizer.decode  # type: ignore[attr-defined]
         size = len(tokenizer)  # type: ignore[arg-type]
         self.texts = [decode([i]) for i in range(size)]
+        self.decode = decode
         self.eos = frozenset(eos_ids)
         self._encode: Callable[..., list[int]] = tokenizer.encode  # type: ignore[attr-defined]
         # tokens that would write a control character (newline and tab aside): never committed to an answer
         self.control = frozenset(i for i, text in enumerate(self.texts) if CONTROL.search(text))
+        # tokens that start inside a character (a UTF-8 continuation byte: alone they decode to U+FFFD): after a
+        # token that began a character they may finish it, a control character too ("\xc2" then "\x9b": U+009B)
+        self.continuing = frozenset(i for i, text in enumerate(self.texts) if text.startswith("\ufffd"))
         blank = {i for i, text in enumerate(self.texts) if text and text.isspace()}  # a redraw must write text
         tags = {i for i, text in enumerate(self.texts) if "<" in text}
-        self.banned_ids = sorted(tags | self.control | blank | self.eos)
+        self.banned_ids = sorted(tags | self.control | blank | self.eos | self.continuing)
         self._bans: dict[torch.device, torch.Tensor] = {}
         self._encoded: dict[str, list[int]] = {}
         last = STAGES[-1]
@@ -146,6 +151,7 @@ class StageTracker:
         self.blank = 0  # whitespace written since the last tag while the stage has no text (at most MOST_BLANK)
         self.jump = False  # the reserve cut the running stage: the last stage follows it
         self.forced: deque[int] = deque()
+        self.partial: list[int] = []  # the last committed tokens while they end inside a character (at most 3)
         self.cut: str | None = None
         self.corrections = 0  # sampled tokens replaced or drawn again (the tests read it)
         self.repaired = False  # a sampled token broke the grammar and was replaced or drawn again
@@ -182,9 +188,21 @@ class StageTracker:
             forced = self.forced.popleft()
             self._take(self.grammar.texts[forced])
             self.corrections += forced != token
-            return forced
+            return self._remember(forced)
         self._take(self.grammar.texts[token] if token not in self.grammar.eos else "")
+        return self._remember(token)
+
+    def _remember(self, token: int) -> int:
+        """Keep the committed ``token`` while the text ends inside a character (returns it)."""
+        ends_inside = self.grammar.texts[token].endswith("\ufffd") and token not in self.grammar.eos
+        self.partial = [*self.partial[-2:], token] if ends_inside else []
         return token
+
+    def _completes_control(self, token: int) -> bool:
+        """Whether ``token`` finishes a character the committed tokens began, and that is a control character."""
+        if not self.partial or token not in self.grammar.continuing:
+            return False
+        return CONTROL.search(self.grammar.decode([*self.partial, token])) is not None
 
     # ---- what to force ------------------------------------------------------------------------------------
     def _plan(self, written: int) -> None:
@@ -242,7 +260,7 @@ class StageTracker:
         the token's text that fitted, then the tag the grammar wants there) or RESAMPLE."""
         if token in self.grammar.eos:
             return self._instead_of_leaving(_Probe(self), "")
-        if token in self.grammar.control:  # in a stage's text: draw again; mid-tag: the tag's rest
+        if token in self.grammar.control or self._completes_control(token):  # in text: draw again; mid-tag: its rest
             return RESAMPLE if self.phase == "body" and not self.pending else self._instead_of_leaving(_Probe(self), "")
         text = self.grammar.texts[token]
         probe = _Probe(self)
