@@ -1,4 +1,4 @@
-"""Two mends to Triton's interpreter (``TRITON_INTERPRET=1``), made by the test session only (``conftest``), so that
+"""Three mends to Triton's interpreter (``TRITON_INTERPRET=1``), made by the test session only (``conftest``), so that
 the kernels the GPU compiles run here unchanged; the product never patches Triton.
 
 - **A loop bound loaded from memory** (``for s in range(lo, hi, BLOCK)`` with ``hi`` from a tensor): Triton 3.6's
@@ -9,15 +9,22 @@ the kernels the GPU compiles run here unchanged; the product never patches Trito
   multiplies those integers. The mend widens bf16 to float32 first (exact: a bf16 is a float32 whose low 16 bits
   are zero), then multiplies and accumulates in float32 as the GPU's tensor cores do. fp8 and fp16 are left as
   the interpreter has them.
+- **Speed, not semantics**: every call of a ``@triton.jit`` helper from inside a kernel (``_row_splits``) patches
+  ``triton.language`` all over again, though the launch patched it already and restores it at its end: an
+  ``inspect.getmembers`` of the language per call, per program, a quarter of an interpreted decode step. The mend
+  lets such a call find the launch's patch in place when the modules it sees (``tl``, ``tl.core``) were patched
+  during the launch; a helper that sees another (Triton's own ``tl.zeros`` sees ``tl.core``) patches it once.
 """
 
 from __future__ import annotations
+
+import inspect
 
 import numpy as np
 
 
 def mend() -> None:
-    """Apply both mends (idempotent); a no-op where Triton is not installed."""
+    """Apply the mends (idempotent); a no-op where Triton is not installed."""
     try:
         from triton.runtime import interpreter
     except ImportError:
@@ -44,6 +51,32 @@ def mend() -> None:
     def _create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):  # noqa: ANN001, ANN202
         return create_dot(self, widened(a), widened(b), d, input_precision, max_num_imprecise_acc)
 
+    patch_lang = interpreter._patch_lang
+    launch: dict = {"on": False, "langs": set()}  # a launch under way, and the language modules patched during it
+
+    class _InPlace:
+        def restore(self) -> None:
+            """Nothing: the launch's own patch restores the language at its end."""
+
+    def _patch_lang(fn):  # noqa: ANN001, ANN202 - Triton's own signature
+        langs = {id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core)}
+        if launch["on"] and langs <= launch["langs"]:  # a helper's call, the language it sees patched already
+            return _InPlace()
+        scope = patch_lang(fn)
+        if not launch["on"]:  # the launch's own patch (a helper's, as Triton has it, is never restored)
+            launch["on"] = True
+            restore = scope.restore
+
+            def restore_and_end() -> None:
+                launch["on"] = False
+                launch["langs"].clear()
+                restore()
+
+            scope.restore = restore_and_end
+        launch["langs"] |= langs
+        return scope
+
     interpreter._patch_lang_tensor = _patch_lang_tensor
+    interpreter._patch_lang = _patch_lang
     builder.create_dot = _create_dot
     interpreter._vlm_mended = True

@@ -13,6 +13,7 @@ from vlm_demo.config import Config
 from vlm_demo.engine.batching.continuous import ContinuousEngine
 from vlm_demo.engine.batching.job import Request
 from vlm_demo.engine.batching.rows import RunningRows
+from vlm_demo.engine.executor.attention.tiled import SplitPlan, TritonAttention
 from vlm_demo.engine.executor.decode_step import TextDecodeStep
 from vlm_demo.engine.executor.graphs import DecodeGraphs, bucket_for, buckets, decode_graphs
 from vlm_demo.errors import ModelLoadError
@@ -53,12 +54,15 @@ def test_padded_static_steps_give_each_row_its_unpadded_logits(worker, kernel, d
     """Two running batches of the same rows: one stepped plainly, one through the static buffers, padded to its
     bucket (inert rows in the null pages). Positions, lengths (past page boundaries), rows leaving and joining
     change between steps; every real row gets the same logits and the same token. With the Triton kernel
-    (interpreted) the static buffers hold its block tables, as a CUDA graph replays them."""
+    (interpreted) the static buffers hold its block tables and its splits' parts, as a CUDA graph replays them;
+    the plain batch is then the reference kernel's (an interpreted step costs a second of Python)."""
     monkeypatch.setattr("vlm_demo.engine.executor.attention.reference.DENSE_ROWS", 16 if dense else 0)
     monkeypatch.setattr(
         "vlm_demo.engine.executor.attention.reference.DENSE_PADDING", float("inf")
     )  # the product whatever the padding
-    plain_step = TextDecodeStep.over_pool(worker.model, worker.dtype, pages=400, kernel=kernel)
+    monkeypatch.setitem(TritonAttention.PLANS, "cpu", SplitPlan(64, 1, 1, 2))  # rows past 64 keys: two splits
+    plain_kernel = "reference" if kernel == "triton" else kernel
+    plain_step = TextDecodeStep.over_pool(worker.model, worker.dtype, pages=400, kernel=plain_kernel)
     padded_step = TextDecodeStep.over_pool(worker.model, worker.dtype, pages=400, kernel=kernel)
     plain = RunningRows(plain_step.pool, plain_step.attention, worker.device, worker.dtype)
     padded = RunningRows(padded_step.pool, padded_step.attention, worker.device, worker.dtype)

@@ -146,15 +146,17 @@ JOBS = [
 ]
 
 
-def test_the_engine_answers_token_for_token_as_with_the_reference(worker) -> None:
-    """The tiny model in fp32, greedy, four rows of 1-4 tiles decoding together: the same answers."""
+def test_the_engine_answers_token_for_token_as_with_the_reference(worker, monkeypatch) -> None:
+    """The tiny model in fp32, greedy, four rows of 1-4 tiles decoding together: the same answers; each row's text
+    and picture keys in two splits and their merge once past 64 (the CPU's own plan is one split: the app test)."""
+    monkeypatch.setitem(TritonAttention.PLANS, "cpu", SplitPlan(64, 1, 1, 2))
     answers = {}
     for kernel in ("reference", "triton"):
         engine = ContinuousEngine(worker, Config(batching="continuous", max_batch_size=4, batch_window_ms=0.0,
                                                  decode_attention=kernel))  # fmt: skip
         engine.start()
         try:
-            results = engine.run_batch([door(*job, SamplingParams(80, 0.0)) for job in JOBS])
+            results = engine.run_batch([door(*job, SamplingParams(48, 0.0)) for job in JOBS])
             assert engine.stats().decode_attention == kernel
         finally:
             engine.shutdown()

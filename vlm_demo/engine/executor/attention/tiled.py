@@ -120,10 +120,12 @@ class SplitPlan:
         """On a GPU, splits enough for one row's key/value heads to cover every multiprocessor (``most`` =
         SMs ÷ KV heads: 17 on an H100 or H200), each at least two text blocks (a shorter split would not shorten
         the longest one below 34 blocks, and each split costs a part written and read back) or one image block
-        (pictures are long); shapes-only (meta) steps count as an H100's. Under the interpreter, few big blocks
-        (each costs ~ms of Python) and up to 4 splits."""
+        (pictures are long); shapes-only (meta) steps count as an H100's. Under the interpreter (the CPU: tests
+        only), where each program and each of its operations costs Python time, few big blocks and one split a
+        row, no merge (4 splits made an engine step 4× slower); a test of the splits and their merge sets
+        ``TritonAttention.PLANS``."""
         if device.type == "cpu":
-            return cls(_block_for(64, shape), 1, 1, 4)
+            return cls(_block_for(64, shape), 1, 1, 1)
         sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else H100_SMS
         return cls(_block_for(32, shape), 2, 1, max(1, -(-sms // shape.kv_heads)))
 
