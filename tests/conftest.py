@@ -93,15 +93,82 @@ def marked_processes() -> set[int]:
     return found - {os.getpid()}
 
 
-# The tiny model's recipe trains for minutes on one core: when its test is selected, the build starts with the
-# session, in the background (one thread), and the test collects it at its turn.
+# The tiny model's recipe trains for ~5 minutes of one core: too long for the README's test command, so its rebuild
+# check runs when asked (``--recipe``: CI's second step, .ci/run). Asked in a run of one process, the build starts
+# with the session, in the background (one thread), and the test collects it at its turn.
 RECIPE_TEST = ("test_tiny.py", "test_the_recipe_rebuilds_what_was_shipped_on_any_cpu")
 RECIPE_BUILD = pytest.StashKey[tuple[subprocess.Popen, Path]]()
+
+# The longest modules (minutes of one core: interpreted kernels, servers, the browser) go to the workers first, so
+# no worker is left with one of them while the others idle at the end (``--dist loadscope`` keeps a module on one
+# worker: its servers start once). Measured with ``--durations=0`` (docs/development.md).
+LONGEST_FIRST = (
+    "tests/e2e/test_browser.py",
+    "tests/e2e/test_app.py",
+    "tests/tools/test_gpucheck.py",
+    "tests/tools/test_bench.py",
+    "tests/docs/test_docs_commands.py",
+    "tests/kernels/test_triton_attention.py",
+    "tests/models/test_quantize.py",
+    "tests/test_cli.py",
+    "tests/e2e/test_stops.py",
+    "tests/models/test_realshape.py",
+    "tests/e2e/test_triton.py",
+    "tests/engine/test_structure.py",
+    "tests/kernels/test_kernels.py",
+    "tests/docs/test_quickstart.py",
+    "tests/web/test_openai_api.py",
+    "tests/engine/test_process.py",
+)
+
+
+TEST_WORKERS = 3  # the most: each holds torch, a tiny model and the servers it starts
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--recipe",
+        action="store_true",
+        help="also rebuild the tiny model from its recipe and compare it with the shipped copy (~5 minutes of one "
+        "core; CI runs it as a second step)",
+    )
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """``-n auto`` (pyproject's addopts): worker processes for a run of folders (the whole suite); one process
+    when files or single tests are named (a module stays on one worker anyway), for a collection only, or with
+    ``--recipe``. ``VLM_TEST_WORKERS`` sets how many a run of folders gets."""
+    if config.option.collectonly or config.getoption("recipe"):
+        return 0
+    if not any(Path(arg.split("::")[0]).is_dir() for arg in config.args):
+        return 0
+    if os.environ.get("VLM_TEST_WORKERS"):
+        return int(os.environ["VLM_TEST_WORKERS"])
+    return min(TEST_WORKERS, (os.cpu_count() or 1) + 1)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not config.getoption("recipe"):
+        recipe = [item for item in items if (item.path.name, item.name) == RECIPE_TEST]
+        if recipe:
+            config.hook.pytest_deselected(items=recipe)
+            items[:] = [item for item in items if item not in recipe]
+    rank = {name: place for place, name in enumerate(LONGEST_FIRST)}
+    root = Path(config.rootpath)
+    items.sort(key=lambda item: rank.get(item.path.relative_to(root).as_posix(), len(rank)))  # stable: else as found
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
     if session.config.option.collectonly or not any((i.path.name, i.name) == RECIPE_TEST for i in session.items):
         return
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # every worker collects it; the one that runs it builds then
+        return
+    session.config.stash[RECIPE_BUILD] = start_recipe_build()
+
+
+def start_recipe_build() -> tuple[subprocess.Popen, Path]:
+    """``python -m vlm_demo.models.tiny`` into a temporary folder, at the tests' priority (a lower one starves it
+    on a loaded machine)."""
     folder = Path(tempfile.mkdtemp(prefix="tiny-recipe-"))
     with open(folder / "build.log", "wb") as log:
         build = subprocess.Popen(
@@ -109,8 +176,8 @@ def pytest_collection_finish(session: pytest.Session) -> None:
             stdout=log,
             stderr=subprocess.STDOUT,
             cwd=Path(__file__).resolve().parents[1],
-        )  # at the tests' priority: a lower one starves it on a loaded machine
-    session.config.stash[RECIPE_BUILD] = (build, folder)
+        )
+    return build, folder
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
@@ -134,6 +201,8 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 @pytest.fixture
 def recipe_build(request: pytest.FixtureRequest) -> Path:
     """The folder the recipe built (``python -m vlm_demo.models.tiny``), started with the session."""
+    if RECIPE_BUILD not in request.config.stash:
+        request.config.stash[RECIPE_BUILD] = start_recipe_build()
     build, folder = request.config.stash[RECIPE_BUILD]
     code = build.wait(timeout=3600)
     assert code == 0, (folder / "build.log").read_text()[-4000:]
