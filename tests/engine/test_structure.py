@@ -154,6 +154,23 @@ def test_a_control_character_split_over_two_byte_tokens_is_drawn_again(worker, g
     assert tracker.check(harmless, len(committed)) == harmless  # a character, not a control one, is left alone
 
 
+def test_a_redraw_that_starts_with_a_space_gives_a_blank_stage_its_text_and_the_answer_still_closes(worker, grammar):
+    """A "model" that writes nothing but newlines: each stage's text is drawn again, and the redraw " point" starts
+    with a space past the whitespace limit; the word is the stage's text all the same, so the CONCLUSION still
+    closes within the budget (Hypothesis found an answer cut at "</CONCLUSION" when it was not)."""
+    newline, word = grammar.encode("\n")[0], grammar.encode(" point")[0]
+    assert grammar.texts[word].startswith(" ") and word not in grammar.banned_ids
+    tracker, committed = grammar.answer(60), []
+    while not tracker.done and len(committed) < 60:
+        token = tracker.check(newline, len(committed))
+        if token == RESAMPLE:
+            token = tracker.check(word, len(committed), redrawn=True)
+        committed.append(token)
+    text = worker.tokenizer.decode(committed)
+    assert tracker.done and text.endswith("</CONCLUSION>"), text
+    assert malformed(text, cut=tracker.cut is not None) is None, (malformed(text, tracker.cut is not None), text)
+
+
 # Pieces a hot sample writes where tags go wrong (each tokenised as the model's tokenizer splits it).
 ADVERSARIAL = ["<SUMMARY>", "</SUMMARY>", "<CAPTION>", "</CAPTION>", "<REASONING>", "</REASONING>", "<CONCLUSION>",
                "</CONCLUSION>", "</<SUMMARY>", "</<", "</", "<", "< ", "</ ", "</cONCLUSION>", "<summary>", "</SUM",

@@ -278,7 +278,7 @@ class StageTracker:
         return self.grammar.encode(fitted + _rest_of_close(CLOSE[at.stages[at.index]], at.pending))
 
     def _take(self, text: str) -> None:
-        probe = _Probe(self)
+        probe = _Probe(self, taken=True)
         if not probe.feed(text):  # a forced or redrawn token that does not fit: keep the state anyway
             probe.pending = ""
         probe.commit(self)
@@ -304,7 +304,10 @@ def _wrong_tag(candidate: str) -> bool:
 class _Probe:
     """A copy of a tracker's state that consumes text character by character, to see whether a token fits."""
 
-    def __init__(self, tracker: StageTracker) -> None:
+    def __init__(self, tracker: StageTracker, taken: bool = False) -> None:
+        # ``taken``: the text is committed whatever it holds (a redraw's " word"), so whitespace past the limit
+        # is only whitespace: the word after it is the stage's text, and the stage may close
+        self.taken = taken
         self.stages = tracker.stages
         self.index, self.phase, self.matched = tracker.index, tracker.phase, tracker.matched
         self.content, self.pending, self.jump = tracker.content, tracker.pending, tracker.jump
@@ -331,7 +334,7 @@ class _Probe:
             literal = OPEN[stage]
             if self.matched == 0 and char.isspace():
                 self.blank += 1
-                return self.blank <= MOST_BLANK  # past that, the opening tag is forced
+                return self.blank <= MOST_BLANK or self.taken  # past that, the opening tag is forced
             if char != literal[self.matched]:  # exactly the tag: the stop text and the panels read it so
                 return False
             self.matched += 1
@@ -362,5 +365,5 @@ class _Probe:
             self.content = True
         elif not self.content:
             self.blank += 1
-            return self.blank <= MOST_BLANK  # a stage of nothing but whitespace: its first text is drawn again
+            return self.blank <= MOST_BLANK or self.taken  # a stage of nothing but whitespace: its text drawn again
         return True
