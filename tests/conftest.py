@@ -18,6 +18,9 @@ from triton_interpreter import mend as mend_triton_interpreter
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# One torch thread a test process (read when torch loads, after this): three workers and the servers they start share
+# two cores, where a thread per core in each only waits on the others' (the tiny model gains nothing from two).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 # The Triton decode attention on CPU tensors (Triton's interpreter); read when its kernels are first imported.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 mend_triton_interpreter()  # runtime loop bounds and bf16 products under the interpreter (tests/triton_interpreter.py)
@@ -93,7 +96,7 @@ def marked_processes() -> set[int]:
     return found - {os.getpid()}
 
 
-# The tiny model's recipe trains for ~5 minutes of one core: too long for the README's test command, so its rebuild
+# The tiny model's recipe trains for ~3 minutes of one core: too long for the README's test command, so its rebuild
 # check runs when asked (``--recipe``: CI's second step, .ci/run). Asked in a run of one process, the build starts
 # with the session, in the background (one thread), and the test collects it at its turn.
 RECIPE_TEST = ("test_tiny.py", "test_the_recipe_rebuilds_what_was_shipped_on_any_cpu")
@@ -129,7 +132,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
         "--recipe",
         action="store_true",
-        help="also rebuild the tiny model from its recipe and compare it with the shipped copy (~5 minutes of one "
+        help="also rebuild the tiny model from its recipe and compare it with the shipped copy (~4 minutes of one "
         "core; CI runs it as a second step)",
     )
 

@@ -44,6 +44,7 @@ Sampling (two or three operations) is not part of the step.
 from __future__ import annotations
 
 import collections
+import functools
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -317,6 +318,7 @@ def attention_read(rows: int, shared: bool, kv_cache_dtype: str) -> int:
     return text * shape.text_bytes_per_token + image * shape.image_bytes_per_token
 
 
+@functools.cache  # the same figures for every --quantize (the tests ask for three reports in one process)
 def attention_figures() -> dict[str, Any]:
     """``attention_bytes_per_step``: bf16 and fp8 caches, distinct and shared pictures, at 1, 32 and 128 rows."""
     return {
