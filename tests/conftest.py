@@ -102,6 +102,11 @@ def marked_processes() -> set[int]:
 RECIPE_TEST = ("test_tiny.py", "test_the_recipe_rebuilds_what_was_shipped_on_any_cpu")
 RECIPE_BUILD = pytest.StashKey[tuple[subprocess.Popen, Path]]()
 
+
+def is_recipe(item: pytest.Item) -> bool:
+    return (item.path.name, item.name) == RECIPE_TEST
+
+
 # The longest modules (minutes of one core: interpreted kernels, servers, the browser) go to the workers first, so
 # no worker is left with one of them while the others idle at the end (``--dist loadscope`` keeps a module on one
 # worker: its servers start once). Measured with ``--durations=0`` (docs/development.md).
@@ -152,7 +157,7 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if not config.getoption("recipe"):
-        recipe = [item for item in items if (item.path.name, item.name) == RECIPE_TEST]
+        recipe = [item for item in items if is_recipe(item)]
         if recipe:
             config.hook.pytest_deselected(items=recipe)
             items[:] = [item for item in items if item not in recipe]
@@ -162,7 +167,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
-    if session.config.option.collectonly or not any((i.path.name, i.name) == RECIPE_TEST for i in session.items):
+    if session.config.option.collectonly or not any(map(is_recipe, session.items)):
         return
     if os.environ.get("PYTEST_XDIST_WORKER"):  # every worker collects it; the one that runs it builds then
         return
